@@ -1,0 +1,32 @@
+# Two commands: `make run` trains the default, `make test` runs the tests (both install first).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: install run test test-all bench ui clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+run: install            ## train the default run; pass overrides as ARGS="optimizer=adamw +accum=4"
+	$(PY) -m runner $(ARGS)
+
+test: install           ## the test suite CI runs (slow tests excluded)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install       ## every test, slow ones included
+	$(PY) -m pytest -q
+
+bench: install          ## engine vs a hand-written loop: median optimizer-step time and their ratio
+	$(PY) -m runner.bench
+
+ui: install             ## the MLflow UI on http://127.0.0.1:5000 over the local store
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf outputs multirun

@@ -1,0 +1,97 @@
+"""What every dataset builder returns, and the deterministic train/val/test carving they share."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.model_selection import train_test_split
+from torch.utils.data import Dataset, TensorDataset
+
+from runner.spec import DatasetSpec, SpecError
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """Three splits of `(x: float32 tensor of input_shape, y: int64 scalar tensor)` items."""
+
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Disjoint sorted train/val/test indices covering range(len(labels)), stratified where possible.
+
+    Both fractions are shares of the whole set; the same labels, fractions and seed give the same split
+    on every machine, independent of the run seed.
+    """
+    y = labels.numpy()
+    # the 1e-9 keeps float noise (0.7 * 100 = 70.00000000000001) from taking one sample too many
+    n_test, n_val = (math.ceil(f * len(y) - 1e-9) for f in (test_fraction, val_fraction))
+    if n_test + n_val >= len(y):
+        raise SpecError(f"dataset.val_fraction: val_fraction {val_fraction:g} + test_fraction {test_fraction:g} "
+                        f"leave no training samples out of {len(y)}; lower them or use more data")
+    rest, test = _carve(np.arange(len(y)), y, n_test, seed)
+    train, val = _carve(rest, y[rest], n_val, seed)
+    return tuple(torch.from_numpy(np.sort(part)).long() for part in (train, val, test))  # type: ignore[return-value]
+
+
+def _carve(idx: np.ndarray, y: np.ndarray, n_out: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    if n_out == 0:
+        return idx, idx[:0]
+    counts = np.unique(y, return_counts=True)[1]
+    # sklearn cannot stratify when a class has one member or a side is smaller than the class count
+    can_stratify = counts.min() >= 2 and min(n_out, len(idx) - n_out) >= len(counts)
+    keep, out = train_test_split(idx, test_size=n_out, random_state=seed % 2**32,
+                                 stratify=y if can_stratify else None)
+    return keep, out
+
+
+def standardizer(train_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std of the training inputs, shaped to broadcast over (N, C, ...)."""
+    channels = train_x.shape[1]
+    total = torch.zeros(channels, dtype=torch.float64)
+    squares = torch.zeros(channels, dtype=torch.float64)
+    # float64 for exact sums, in chunks so a uint8 image set is never held as float64 all at once
+    for chunk in train_x.split(4096):
+        flat = chunk.double().transpose(0, 1).reshape(channels, -1)
+        total += flat.sum(1)
+        squares += flat.square().sum(1)
+    count = train_x.numel() / channels
+    mean = total / count
+    std = (squares / count - mean.square()).clamp_min(0).sqrt().clamp_min(1e-8)
+    shape = (1, channels) + (1,) * (train_x.dim() - 2)
+    return mean.float().view(shape), std.float().view(shape)
+
+
+def _tensors(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, mean: torch.Tensor | None,
+             std: torch.Tensor | None) -> TensorDataset:
+    part = x[idx].float()  # converting per split keeps one float copy of the data, not two
+    if mean is not None:
+        part.sub_(mean).div_(std)  # in place: indexing already made part a copy
+    return TensorDataset(part.contiguous(), y[idx].long())
+
+
+def from_tensors(x: torch.Tensor, y: torch.Tensor, spec: DatasetSpec, num_classes: int, *,
+                 standardize: bool = True) -> DataSplits:
+    """Split one pool of samples three ways by spec's fractions; standardize with train statistics only."""
+    train, val, test = split_indices(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+    mean, std = standardizer(x[train]) if standardize else (None, None)
+    return DataSplits(*(_tensors(x, y, idx, mean, std) for idx in (train, val, test)),
+                      input_shape=tuple(x.shape[1:]), num_classes=num_classes)
+
+
+def from_train_test(x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,
+                    spec: DatasetSpec, num_classes: int) -> DataSplits:
+    """Keep the official test set; carve validation from train by spec.val_fraction (test_fraction unused)."""
+    train, val, _ = split_indices(y_train, spec.val_fraction, 0.0, spec.split_seed)
+    mean, std = standardizer(x_train[train])
+    every = torch.arange(len(y_test))
+    return DataSplits(_tensors(x_train, y_train, train, mean, std), _tensors(x_train, y_train, val, mean, std),
+                      _tensors(x_test, y_test, every, mean, std),
+                      input_shape=tuple(x_train.shape[1:]), num_classes=num_classes)

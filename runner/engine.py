@@ -1,0 +1,225 @@
+"""The engine: builds every part from the run spec, then runs the step loop.
+
+Correctness rules it keeps (../shared/DESIGN.md): the optimizer step sees the gradient of the mean
+loss over every sample of all its micro-batches (normalized by their total count, so a ragged batch
+changes nothing); one optimizer step is one scheduler step; fp16 unscales before clipping; a
+checkpoint holds everything needed to continue as if never stopped.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runner import checkpoint
+from runner.data import build_datasets
+from runner.loader import make_loader, micro_batches_per_epoch, optimizer_steps
+from runner.models import build_model
+from runner.monitor import Monitor
+from runner.optim import build_optimizer
+from runner.precision import Precision
+from runner.schedule import build_scheduler
+from runner.spec import RunSpec, SpecError
+from runner.tracking import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Where the run is: saved in checkpoints as the data position."""
+
+    step: int = 0            # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+
+
+@dataclass
+class RunResult:
+    objective: float
+    best: dict[str, float]
+    best_step: dict[str, int]
+    final: dict[str, float]
+    steps: int
+    seconds: float
+
+
+class Engine:
+    def __init__(self, spec: RunSpec, tracker: Tracker | None = None):
+        self.spec = spec
+        self.tracker = tracker or NullTracker()
+        self.device = pick_device(spec.trainer.device)
+        self.precision = Precision(spec.precision, self.device)
+        resume_state = checkpoint.load(spec.trainer.resume) if spec.trainer.resume else None
+        seed_everything(spec.seed, spec.trainer.deterministic)
+
+        data = build_datasets(spec.dataset)
+        loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda")
+        self.train_loader = make_loader(data.train, spec.dataset.batch_size, shuffle=True, **loader_args)
+        self.eval_loaders = {split: make_loader(getattr(data, split), spec.dataset.batch_size, shuffle=False, **loader_args)
+                             for split in ("val", "test")}
+        self.accum = spec.accumulation.steps
+        self.batches_per_epoch = micro_batches_per_epoch(self.train_loader)
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / self.accum)
+        self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
+
+        self.module = self.precision.prepare_model(build_model(spec.model, data.input_shape, data.num_classes).to(self.device))
+        self.model = torch.compile(self.module) if spec.trainer.compile else self.module
+        self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
+        self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        self.progress = Progress()
+        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch)
+        self.resume_run_id = None
+        if resume_state is not None:
+            self._load_state(resume_state)
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def fit(self) -> RunResult:
+        self.tracker.start(self.spec, self.resume_run_id)
+        started = time.perf_counter()
+        try:
+            self._train()
+            final = self.evaluate("test")
+            self.monitor.finish(final, self.progress.step)
+            self.tracker.finish("FINISHED")
+        except KeyboardInterrupt:
+            self.monitor.close()
+            self.tracker.finish("KILLED")
+            raise
+        except BaseException:
+            self.monitor.close()
+            self.tracker.finish("FAILED")
+            raise
+        return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, final,
+                         self.progress.step, time.perf_counter() - started)
+
+    def _train(self) -> None:
+        trainer, p = self.spec.trainer, self.progress
+        while (p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs)
+               and not self.monitor.should_stop):
+            self.train_loader.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * self.spec.dataset.batch_size)
+            for micro_batches in optimizer_steps(self.train_loader, self.accum):
+                loss_sum, samples, grad_norm = self.train_step(micro_batches)
+                p.step += 1
+                p.batch_in_epoch += len(micro_batches)
+                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, self.schedule.lr, self.precision.skipped_steps)
+                if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
+                    self._evaluate_and_watch()
+                if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
+                    self.save_checkpoint()
+                if p.step >= self.total_steps or self.monitor.should_stop:
+                    break
+            if p.batch_in_epoch >= self.batches_per_epoch:  # the epoch ran to its end
+                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+                if trainer.eval_every_epoch:
+                    self._evaluate_and_watch()
+        self.save_checkpoint()
+
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        self.model.train()
+        samples = sum(len(y) for _, y in micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            with self.precision.autocast():
+                loss = self._loss(x, y, reduction="sum")
+            self.precision.backward(loss / samples)  # mean over every sample of the optimizer step
+            loss_sum += loss.detach()
+        grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
+        if self.precision.step(self.optimizer):
+            self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, samples, grad_norm
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
+        x = self.precision.prepare_input(x.to(self.device, non_blocking=True))
+        logits = self.model(x)
+        return F.cross_entropy(logits.float(), y.to(self.device, non_blocking=True), reduction=reduction)
+
+    def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
+        trainer = self.spec.trainer
+        if trainer.clip_grad_norm is None and trainer.clip_grad_value is None and not need_norm:
+            return None
+        self.precision.unscale(self.optimizer)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if trainer.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
+        if trainer.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    # --- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict[str, float]:
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        count = 0
+        for x, y in self.eval_loaders[split]:
+            y = y.to(self.device, non_blocking=True)
+            with self.precision.autocast():
+                logits = self.model(self.precision.prepare_input(x.to(self.device, non_blocking=True))).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum")
+            correct += (logits.argmax(dim=-1) == y).sum()
+            count += len(y)
+        return {f"{split}/loss": loss_sum.item() / max(count, 1), f"{split}/acc": correct.item() / max(count, 1)}
+
+    def _evaluate_and_watch(self) -> None:
+        metrics = self.evaluate("val")
+        self.schedule.on_eval(metrics)
+        self.monitor.on_eval(metrics, self.progress.step, self.progress.epoch)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "precision": self.precision.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "progress": vars(self.progress).copy(),
+            "monitor": self.monitor.state_dict(),
+            "mlflow_run_id": self.tracker.run_id or "",
+        }
+        return checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state, self.spec.trainer.keep_checkpoints)
+
+    def _load_state(self, state: dict) -> None:
+        try:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
+        self.schedule.load_state_dict(state["schedule"])
+        self.precision.load_state_dict(state["precision"])
+        checkpoint.set_rng_state(state["rng"])
+        self.progress = Progress(**state["progress"])
+        self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
+        self.resume_run_id = state.get("mlflow_run_id") or None
+        log.info("resuming at step %d (epoch %d, micro-batch %d)", self.progress.step, self.progress.epoch,
+                 self.progress.batch_in_epoch)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecError("trainer.device: 'cuda' was asked for but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False

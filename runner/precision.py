@@ -1,0 +1,112 @@
+"""Numeric precision: autocast, loss scaling, parameter dtype; each checked against the device first."""
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+from runner.spec import PrecisionSpec, SpecError
+
+
+class Precision:
+    """What one precision option means for the step loop.
+
+    fp32: nothing. tf32: TF32 matmuls/convs on Ampere+ GPUs. fp16: float16 autocast with a
+    GradScaler. bf16: bfloat16 autocast, fp32 parameters. bf16_true: bfloat16 parameters (no
+    autocast, no master copy). fp8: float8 matmuls through torchao on GPUs of compute capability 8.9+.
+    """
+
+    def __init__(self, spec: PrecisionSpec, device: torch.device):
+        self.name = spec.name
+        self.device = device
+        _check_supported(spec.name, device)
+        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.name)
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale) if spec.name == "fp16" else None
+        self.skipped_steps = 0
+        if spec.name == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.name == "bf16_true":
+            return model.to(torch.bfloat16)
+        if self.name == "fp8":
+            from torchao.float8 import convert_to_float8_training
+
+            # torchao's fp8 GEMMs need dims divisible by 16; leave other layers in bf16 autocast
+            return convert_to_float8_training(
+                model, module_filter_fn=lambda m, _: isinstance(m, torch.nn.Linear)
+                and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+        return model
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16) if self.name == "bf16_true" and x.is_floating_point() else x
+
+    def autocast(self) -> ContextManager:
+        dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping or reading the grad norm, gradients must be in true units."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when the scaler skipped it for inf/nan gradients."""
+        if not self.scaler:
+            optimizer.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= scale
+        self.skipped_steps += not stepped
+        return stepped
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def _check_supported(name: str, device: torch.device) -> None:
+    cuda = device.type == "cuda"
+    if name == "tf32" and not (cuda and torch.cuda.get_device_capability(device)[0] >= 8):
+        raise SpecError(f"precision: tf32 needs an NVIDIA GPU of the Ampere generation or newer; "
+                        f"this run is on {_describe(device)}: use precision=fp32 or precision=bf16")
+    if name in ("bf16", "bf16_true") and cuda and not torch.cuda.is_bf16_supported():
+        raise SpecError(f"precision: {name} is not supported on {_describe(device)}: use precision=fp16 or fp32")
+    if name == "fp16" and device.type == "cpu" and not _cpu_fp16_works():
+        raise SpecError("precision: fp16 autocast does not run on this CPU build of torch: use precision=bf16 or fp32")
+    if name == "fp8":
+        if not (cuda and torch.cuda.get_device_capability(device) >= (8, 9)):
+            raise SpecError(f"precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (H100, L4, RTX 4090); "
+                            f"this run is on {_describe(device)}: use precision=bf16")
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise SpecError("precision: fp8 training needs torchao: pip install torchao, or use precision=bf16") from None
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+    return "the CPU"
+
+
+def _cpu_fp16_works() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+        return True
+    except RuntimeError:
+        return False

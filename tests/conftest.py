@@ -1,0 +1,41 @@
+"""Shared test helpers: specs composed from conf/ exactly as the CLI composes them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.registry import CONF_DIR
+from runner.spec import RunSpec
+
+REPO = CONF_DIR.parent
+
+
+def compose_spec(overrides: list[str], run_dir: Path, tracking_uri: str | None = None) -> RunSpec:
+    """The RunSpec `python -m runner <overrides>` would build, with its run directory at run_dir."""
+    if tracking_uri is None:
+        overrides = [*overrides, "tracking=none"]
+    else:
+        overrides = [*overrides, f"tracking.uri={tracking_uri}", f"tracking.artifact_root={run_dir.parent / 'artifacts'}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container["run_dir"] = str(run_dir)
+    return RunSpec.from_config(container, tuple(overrides))
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m runner <args>` in a fresh process, with cwd (and so outputs/) in a temp dir."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/mlflow.db"

@@ -1,0 +1,179 @@
+"""runner/optim.py: every option learns, weight-decay grouping, kernel choice, Muon routing, checkpoints."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from runner import registry
+from runner.optim import build_optimizer, kernel_kwargs
+from runner.spec import OptimizerSpec, SpecError, _build
+
+CPU = torch.device("cpu")
+NAMES = registry.options("optimizer")
+
+
+def spec_of(name: str, **changes) -> OptimizerSpec:
+    """The spec conf/optimizer/<name>.yaml composes to, with changes."""
+    data = yaml.safe_load((registry.CONF_DIR / "optimizer" / f"{name}.yaml").read_text())
+    return dataclasses.replace(_build(OptimizerSpec, data, "optimizer."), **changes)
+
+
+def tiny_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def train(optimizer: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[float]:
+    """Full-batch steps on a fixed random problem; the loss before each step."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def round_trip(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)  # how checkpoints are read back
+
+
+def test_the_options_are_the_eight_documented():
+    assert set(NAMES) == {"sgd", "adam", "adamw", "lamb", "rmsprop", "adagrad", "muon", "adafactor"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_yaml_has_only_spec_keys_and_its_own_name(name):
+    path = registry.CONF_DIR / "optimizer" / f"{name}.yaml"
+    assert path.read_text().startswith("# "), "each option starts with a one-line comment saying what it is"
+    data = yaml.safe_load(path.read_text())
+    assert set(data) <= {f.name for f in dataclasses.fields(OptimizerSpec)}
+    assert _build(OptimizerSpec, data, "optimizer.").name == name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_optimizer_reduces_the_loss(name):
+    model = tiny_model()
+    losses = train(build_optimizer(spec_of(name), model, CPU), model, 30)
+    assert losses[-1] < 0.98 * losses[0], losses
+
+
+def test_biases_and_norm_weights_are_not_decayed():
+    model = tiny_model()
+    optimizer = build_optimizer(spec_of("adamw", weight_decay=0.1), model, CPU)
+    decay, no_decay = optimizer.param_groups
+    matrices = {id(model[i].weight) for i in (0, 3, 5)}
+    assert decay["weight_decay"] == 0.1 and {id(p) for p in decay["params"]} == matrices
+    assert no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in no_decay["params"]} == {id(p) for p in model.parameters()} - matrices
+
+
+def test_decay_norm_and_bias_decays_everything():
+    model = tiny_model()
+    optimizer = build_optimizer(spec_of("adamw", weight_decay=0.1, decay_norm_and_bias=True), model, CPU)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1]
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_frozen_parameters_and_the_models_no_weight_decay_list():
+    class WithPosEmbed(nn.Module):  # the timm convention: no_weight_decay() names parameters to spare
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos_embed = nn.Parameter(torch.zeros(1, 4, 8))
+            self.proj = nn.Linear(8, 8)
+            self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+        def no_weight_decay(self) -> set[str]:
+            return {"pos_embed"}
+
+    model = WithPosEmbed()
+    decay, no_decay = build_optimizer(spec_of("adamw"), model, CPU).param_groups
+    assert [id(p) for p in decay["params"]] == [id(model.proj.weight)]
+    assert {id(p) for p in no_decay["params"]} == {id(model.pos_embed), id(model.proj.bias)}
+
+
+def test_muon_leaves_embeddings_head_and_vectors_to_adamw():
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 32))
+    optimizer = build_optimizer(spec_of("muon"), model, CPU)
+    tokens = torch.randint(0, 32, (4, 8))
+    nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    routed = {name: optimizer.state[p]["use_muon"] for name, p in model.named_parameters()}
+    assert routed == {"0.weight": False, "1.weight": True, "1.bias": False, "2.weight": False, "2.bias": False,
+                      "3.weight": False, "3.bias": False}
+
+
+def test_auto_picks_foreach_on_cpu():
+    for name in NAMES:
+        defaults = build_optimizer(spec_of(name, impl="auto"), tiny_model(), CPU).defaults
+        if name == "muon":  # one implementation, no switch
+            assert "foreach" not in defaults
+        else:
+            assert defaults["foreach"] is True and not defaults.get("fused"), name
+
+
+def test_auto_picks_fused_on_cuda_where_torch_has_it():
+    cuda = torch.device("cuda")
+    assert {n: kernel_kwargs(n, "auto", cuda) for n in NAMES} == {
+        "sgd": {"fused": True}, "adam": {"fused": True}, "adamw": {"fused": True}, "adagrad": {"fused": True},
+        "rmsprop": {"foreach": True}, "adafactor": {"foreach": True}, "lamb": {"foreach": True}, "muon": {}}
+
+
+def test_forced_kernels():
+    assert build_optimizer(spec_of("adamw", impl="fused"), tiny_model(), CPU).defaults["fused"] is True
+    loop = build_optimizer(spec_of("adamw", impl="for_loop"), tiny_model(), CPU).defaults
+    assert loop["foreach"] is False and loop["fused"] is False
+    model = tiny_model()
+    assert train(build_optimizer(spec_of("sgd", impl="fused"), model, CPU), model, 3)[-1] < 1.2
+
+
+@pytest.mark.parametrize("name", ["rmsprop", "adafactor", "lamb", "muon"])
+def test_fused_on_an_optimizer_without_it_is_a_spec_error(name):
+    with pytest.raises(SpecError, match=rf"^optimizer\.impl: 'fused' is not available for {name}; choose one of auto"):
+        build_optimizer(spec_of(name, impl="fused"), tiny_model(), CPU)
+
+
+def test_muon_has_no_foreach_kernel():
+    with pytest.raises(SpecError, match=r"optimizer\.impl: 'foreach' .* muon; choose one of auto, for_loop"):
+        build_optimizer(spec_of("muon", impl="foreach"), tiny_model(), CPU)
+
+
+def test_nesterov_needs_momentum():
+    with pytest.raises(SpecError, match=r"^optimizer\.nesterov"):
+        build_optimizer(spec_of("sgd", nesterov=True, momentum=0.0), tiny_model(), CPU)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "muon"])
+def test_kernels_compute_the_same_update(name):
+    models = [tiny_model() for _ in range(2)]
+    for impl, model in zip(("auto", "for_loop"), models):
+        train(build_optimizer(spec_of(name, impl=impl, weight_decay=0.01), model, CPU), model, 3)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trips_through_a_weights_only_load(name):
+    spec = spec_of(name, weight_decay=0.01)
+    model = tiny_model()
+    optimizer = build_optimizer(spec, model, CPU)
+    train(optimizer, model, 3)
+    resumed_model = copy.deepcopy(model)
+    resumed = build_optimizer(spec, resumed_model, CPU)
+    resumed.load_state_dict(round_trip(optimizer.state_dict()))
+    # Resuming continues exactly as if never stopped.
+    assert train(resumed, resumed_model, 3) == train(optimizer, model, 3)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)

@@ -1,0 +1,206 @@
+"""runner/schedule.py: exact lr shapes, warmup composition, plateau, validation, checkpoints."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+
+import pytest
+import torch
+import yaml
+from pytest import approx
+
+from runner import registry
+from runner.schedule import NO_WARMUP, Schedule, build_scheduler
+from runner.spec import SchedulerSpec, SpecError, _build
+
+NAMES = registry.options("scheduler")
+
+
+def spec_of(name: str, **changes) -> SchedulerSpec:
+    """The spec conf/scheduler/<name>.yaml composes to, with changes."""
+    data = yaml.safe_load((registry.CONF_DIR / "scheduler" / f"{name}.yaml").read_text())
+    return dataclasses.replace(_build(SchedulerSpec, data, "scheduler."), **changes)
+
+
+def sgd(lr: float = 1.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def lrs(spec: SchedulerSpec, total: int, lr: float = 1.0, steps: int | None = None) -> list[float]:
+    """lrs[k]: the lr optimizer step k runs with (lrs[total]: after the last step)."""
+    optimizer = sgd(lr)
+    schedule = build_scheduler(spec, optimizer, total)
+    out = [schedule.lr]
+    for _ in range(total if steps is None else steps):
+        optimizer.step()  # no gradients: a no-op that keeps torch's step-order check quiet
+        schedule.step()
+        out.append(schedule.lr)
+    return out
+
+
+def test_the_options_are_the_documented_eleven():
+    assert set(NAMES) == {"constant", "step", "multistep", "exponential", "cosine", "warmup_cosine", "onecycle",
+                          "cyclic", "sgdr", "plateau", "wsd"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_yaml_has_only_spec_keys_and_builds(name):
+    path = registry.CONF_DIR / "scheduler" / f"{name}.yaml"
+    assert path.read_text().startswith("# "), "each option starts with a one-line comment saying what it is"
+    data = yaml.safe_load(path.read_text())
+    assert set(data) <= {f.name for f in dataclasses.fields(SchedulerSpec)}
+    spec = _build(SchedulerSpec, data, "scheduler.")
+    assert spec.name == name
+    assert all(0 < lr <= 1.0 for lr in lrs(spec, 200)[:-1])  # the peak is the optimizer's lr
+
+
+def test_constant_stays_constant():
+    assert lrs(spec_of("constant"), 10, lr=0.3) == [0.3] * 11
+
+
+def test_constant_with_warmup_ramps_linearly_then_holds():
+    assert lrs(spec_of("constant", warmup=4), 8) == approx([0.2, 0.4, 0.6, 0.8, 1, 1, 1, 1, 1])
+
+
+def test_warmup_cosine():
+    got = lrs(spec_of("warmup_cosine", warmup=10, min_lr_ratio=0.1), 100, lr=2.0)
+    assert got[0] == approx(2.0 / 11)  # linear from peak/(warmup+1)
+    assert got[9] == approx(2.0 * 10 / 11)
+    assert got[10] == approx(2.0)  # step `warmup` is the first at the peak
+    assert got[55] == approx(0.2 + 1.8 * 0.5)  # half way through the cosine
+    assert got[100] == approx(0.2)  # min_lr_ratio * peak
+    assert all(a > b for a, b in zip(got[10:], got[11:]))
+
+
+def test_warmup_as_a_fraction_of_the_run():
+    assert lrs(spec_of("warmup_cosine", warmup=0.1), 100) == approx(lrs(spec_of("warmup_cosine", warmup=10), 100))
+
+
+def test_cosine_ends_at_min_lr_and_holds_past_the_end():
+    got = lrs(spec_of("cosine", min_lr_ratio=0.05), 20, steps=25)
+    assert got[0] == 1.0 and got[10] == approx(0.525) and got[20:] == approx([0.05] * 6)
+
+
+def test_step_decays_every_step_size_after_warmup():
+    got = lrs(spec_of("step", step_size=5, gamma=0.5, warmup=2), 20)
+    assert got[2:7] == approx([1.0] * 5) and got[7] == approx(0.5) and got[12] == approx(0.25)
+
+
+def test_multistep_milestones_count_from_the_start():
+    got = lrs(spec_of("multistep", milestones=(0.5, 75), gamma=0.1, warmup=10), 100)
+    assert got[49] == approx(1.0) and got[50] == approx(0.1)
+    assert got[74] == approx(0.1) and got[75] == approx(0.01) and got[100] == approx(0.01)
+
+
+def test_exponential_falls_by_gamma_every_step_size():
+    got = lrs(spec_of("exponential", step_size=10, gamma=0.5), 20)
+    assert got[5] == approx(math.sqrt(0.5)) and got[10] == approx(0.5) and got[20] == approx(0.25)
+
+
+def test_wsd_holds_the_peak_then_decays_linearly():
+    got = lrs(spec_of("wsd", warmup=10, decay=0.2, min_lr_ratio=0.1), 100)
+    assert got[0] == approx(1 / 11)
+    assert got[10:81] == approx([1.0] * 71)
+    assert got[90] == approx(0.55) and got[100] == approx(0.1)
+
+
+def test_sgdr_restarts():
+    got = lrs(spec_of("sgdr", cycle_steps=10, cycle_mult=2), 40)
+    assert got[0] == 1.0 and got[5] == approx(0.5) and got[9] < 0.03
+    assert got[10] == approx(1.0) and got[20] == approx(0.5) and got[30] == approx(1.0)
+
+
+def test_onecycle_peaks_at_pct_start():
+    got = lrs(spec_of("onecycle", pct_start=0.3, base_lr_ratio=0.04), 99, lr=0.5)
+    assert got[0] == approx(0.02)
+    assert max(got) == approx(0.5) and got.index(max(got)) == 29
+    assert got[99] == approx(0.02 / 1e4)  # torch's final_div_factor
+
+
+def test_cyclic_triangle():
+    got = lrs(spec_of("cyclic", cycle_steps=8, base_lr_ratio=0.1), 16)
+    assert got[0] == approx(0.1) and got[2] == approx(0.55) and got[4] == approx(1.0) and got[8] == approx(0.1)
+
+
+def test_plateau_decays_once_patience_is_exceeded():
+    optimizer = sgd(1.0)
+    schedule = build_scheduler(spec_of("plateau", patience=2, factor=0.5), optimizer, 100)
+    schedule.step()  # only evaluations move it
+    seen = []
+    for loss in (1.0, 0.9, 0.95, 0.91, 0.92, 0.93, 0.94):  # best 0.9, then non-improving evaluations
+        schedule.on_eval({"val/loss": loss, "val/acc": 0.5})
+        seen.append(schedule.lr)
+    assert seen == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+
+
+def test_plateau_mode_max_and_a_missing_metric():
+    schedule = build_scheduler(spec_of("plateau", patience=0, monitor="val/acc", mode="max"), sgd(), 10)
+    schedule.on_eval({"val/acc": 0.5})
+    schedule.on_eval({"val/acc": 0.6})
+    assert schedule.lr == 1.0
+    schedule.on_eval({"val/acc": 0.6})
+    assert schedule.lr == 0.5
+    with pytest.raises(SpecError, match=r"^scheduler\.monitor: 'val/acc' is not among .* val/loss"):
+        schedule.on_eval({"val/loss": 1.0})
+
+
+def test_the_schedule_scales_every_group():
+    p, q = (torch.nn.Parameter(torch.zeros(1)) for _ in range(2))
+    optimizer = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.1}], lr=1.0)
+    schedule = build_scheduler(spec_of("onecycle"), optimizer, 10)
+    assert [g["lr"] for g in optimizer.param_groups] == approx([0.04, 0.004])
+    with pytest.raises(ValueError, match="one peak lr"):
+        build_scheduler(spec_of("cosine", min_lr_ratio=0.1), optimizer, 10)
+    assert isinstance(schedule, Schedule)
+
+
+@pytest.mark.parametrize("spec, key", [
+    (dict(name="cosine", warmup=100), r"scheduler\.warmup: 100 \(100 steps\) .* shorter than the run's 100"),
+    (dict(name="cosine", warmup=0.999), r"scheduler\.warmup: 0\.999 \(100 steps\)"),
+    (dict(name="cosine", warmup=2.5), r"scheduler\.warmup: 2\.5 is not allowed; give whole optimizer steps"),
+    (dict(name="onecycle", warmup=5), r"scheduler\.warmup: 5 is not allowed with onecycle"),
+    (dict(name="plateau", warmup=0.1), r"scheduler\.warmup: 0\.1 is not allowed with plateau"),
+    (dict(name="wsd", warmup=50, decay=60), r"scheduler\.decay: 60 \(60 steps\) .* fit in the run's 100"),
+    (dict(name="multistep", warmup=10, milestones=(5, 50)), r"scheduler\.milestones: 5 \(5 steps\)"),
+    (dict(name="multistep", milestones=(50, 100)), r"scheduler\.milestones: 100 .* before the end \(100 steps\)"),
+    (dict(name="sgdr", cycle_mult=1.5), r"scheduler\.cycle_mult: 1\.5 is not allowed for sgdr"),
+    (dict(name="cyclic", cycle_steps=0.01), r"scheduler\.cycle_steps: 0\.01 resolves to 1 steps; allowed: at least 2"),
+])
+def test_impossible_combinations_are_spec_errors(spec, key):
+    with pytest.raises(SpecError, match="^" + key):
+        build_scheduler(SchedulerSpec(**spec), sgd(), 100)
+
+
+def round_trip(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)  # how checkpoints are read back
+
+
+@pytest.mark.parametrize("name, warmup", [(n, w) for n in NAMES for w in (0, 5) if not (w and n in NO_WARMUP)])
+def test_state_dict_round_trips_and_resumes_exactly(name, warmup):
+    spec = spec_of(name, warmup=warmup, patience=1)
+    metrics = [{"val/loss": 1.0 - 0.01 * (i % 3)} for i in range(12)]
+
+    def run(optimizer: torch.optim.Optimizer, schedule: Schedule, steps: range) -> list[float]:
+        out = []
+        for i in steps:
+            optimizer.step()
+            schedule.step()
+            if i % 4 == 3:
+                schedule.on_eval(metrics[i // 4])
+            out.append(schedule.lr)
+        return out
+
+    optimizer = sgd()
+    schedule = build_scheduler(spec, optimizer, 40)
+    run(optimizer, schedule, range(20))
+    saved = round_trip({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()})
+    resumed_optimizer = sgd()
+    resumed = build_scheduler(spec, resumed_optimizer, 40)  # built first, then loaded: the engine's order
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    resumed.load_state_dict(saved["schedule"])
+    assert resumed.lr == schedule.lr
+    assert run(resumed_optimizer, resumed, range(20, 45)) == run(optimizer, schedule, range(20, 45))
