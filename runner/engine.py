@@ -103,6 +103,7 @@ class Engine:
 
     def _train(self) -> None:
         trainer, p = self.spec.trainer, self.progress
+        self.model.train()
         while (p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs)
                and not self.monitor.should_stop):
             self.train_loader.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * self.spec.dataset.batch_size)
@@ -124,14 +125,14 @@ class Engine:
         self.save_checkpoint()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        self.model.train()
         samples = sum(len(y) for _, y in micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
+        losses = []
         for x, y in micro_batches:
             with self.precision.autocast():
                 loss = self._loss(x, y, reduction="sum")
             self.precision.backward(loss / samples)  # mean over every sample of the optimizer step
-            loss_sum += loss.detach()
+            losses.append(loss.detach())
+        loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
         if self.precision.step(self.optimizer):
             self.schedule.step()
@@ -174,6 +175,7 @@ class Engine:
 
     def _evaluate_and_watch(self) -> None:
         metrics = self.evaluate("val")
+        self.model.train()
         self.schedule.on_eval(metrics)
         self.monitor.on_eval(metrics, self.progress.step, self.progress.epoch)
 

@@ -10,7 +10,7 @@ import math
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 
 class EpochSampler(Sampler[int]):
@@ -45,11 +45,36 @@ class EpochSampler(Sampler[int]):
         return math.ceil(self.size / self.world) if self.pad else len(range(self.rank, self.size, self.world))
 
 
+class BatchedTensors(Dataset):
+    """A TensorDataset read a batch at a time: one gather per tensor instead of B item reads and a
+    stack (DataLoader calls `__getitems__` with the batch's indices when a dataset has it)."""
+
+    def __init__(self, dataset: TensorDataset):
+        self.tensors = dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index: int) -> tuple:
+        return tuple(t[index] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> tuple:
+        index = torch.as_tensor(indices)
+        return tuple(t[index] for t in self.tensors)
+
+
+def _already_batched(batch: tuple) -> tuple:
+    return batch
+
+
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
                 pin_memory: bool, rank: int = 0, world: int = 1) -> DataLoader:
     # Evaluation shards without padding so reduced metrics equal a single-process pass.
     sampler = EpochSampler(len(dataset), seed, shuffle, rank, world, pad=shuffle)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+    collate = None
+    if isinstance(dataset, TensorDataset):
+        dataset, collate = BatchedTensors(dataset), _already_batched
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
                       pin_memory=pin_memory, drop_last=False, persistent_workers=num_workers > 0,
                       # an own generator: creating an iterator must not consume the global RNG,
                       # or a resumed run's dropout stream would differ from an uninterrupted one

@@ -6,6 +6,8 @@ additionally split off the parameters that their fallback rule should update.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,15 +17,16 @@ from torch import nn
 from runner.spec import OptimizerSpec, SpecError
 
 IMPLS = ("auto", "fused", "foreach", "for_loop")
-# The kernels each option's implementation offers (torch signatures, timm 1.0 signatures).
-_KERNELS: dict[str, tuple[str, ...]] = {
+# The kernels each option's implementation offers, fastest first; fused only where it runs (fused_kernel_runs).
+KERNELS: dict[str, tuple[str, ...]] = {
     "sgd": ("fused", "foreach", "for_loop"),
     "adam": ("fused", "foreach", "for_loop"),
     "adamw": ("fused", "foreach", "for_loop"),
     "adagrad": ("fused", "foreach", "for_loop"),
     "rmsprop": ("foreach", "for_loop"),
     "adafactor": ("foreach", "for_loop"),
-    "lamb": ("foreach", "for_loop"),
+    # timm 1.0.29 has no foreach kernel for Lamb (1.0.31 has); pyproject allows both.
+    "lamb": ("foreach", "for_loop") if "foreach" in inspect.signature(Lamb).parameters else ("for_loop",),
     "muon": ("for_loop",),  # timm's Muon has one implementation and no switch
 }
 
@@ -90,25 +93,46 @@ def muon_fallback_params(model: nn.Module) -> set[int]:
 
 def kernel_kwargs(name: str, impl: str, device: torch.device) -> dict[str, bool]:
     """The `fused` / `foreach` arguments for optimizer `name` given `optimizer.impl` and the device."""
-    offered = _KERNELS[name]
     if impl not in IMPLS:
         raise SpecError(f"optimizer.impl: {impl!r} is not allowed; choose one of {', '.join(IMPLS)}")
+    offered = [k for k in KERNELS[name] if k != "fused" or fused_kernel_runs(name, device.type)]
     if impl == "auto":
         # Fused kernels are the fast path on CUDA; on CPU torch's fused code is not reliably faster,
-        # while foreach at least batches the per-tensor work.
-        usable = [k for k in offered if k != "fused" or device.type == "cuda"]
-        impl = usable[0]  # offered lists the fastest first
+        # while foreach at least batches the per-tensor work. KERNELS lists the fastest first.
+        impl = next(k for k in offered if k != "fused" or device.type == "cuda")
     if impl not in offered:
-        raise SpecError(f"optimizer.impl: {impl!r} is not available for {name}; "
+        where = f" on {device.type} with torch {torch.__version__}" if impl in KERNELS[name] else ""
+        raise SpecError(f"optimizer.impl: {impl!r} is not available for {name}{where}; "
                         f"choose one of auto, {', '.join(offered)}")
     if impl == "fused":
         return {"fused": True}
     if "foreach" not in offered:
         return {}
     kwargs = {"foreach": impl == "foreach"}
-    if "fused" in offered:
+    if "fused" in KERNELS[name]:
         kwargs["fused"] = False  # explicit, so torch does not pick a kernel other than the one asked for
     return kwargs
+
+
+@functools.cache
+def fused_kernel_runs(name: str, device_type: str) -> bool:
+    """Whether torch's fused kernel for optimizer `name` runs on `device_type`, found by taking one step:
+    support differs by torch version (Adagrad's CUDA kernel is missing in torch 2.11, present in 2.14).
+    """
+    if name not in _FUSED_CLASSES:
+        return False
+    try:
+        p = nn.Parameter(torch.zeros(2, device=device_type))
+        p.grad = torch.zeros_like(p)
+        _FUSED_CLASSES[name]([p], fused=True).step()
+    except Exception:  # whatever the reason (no kernel, no such device), the kernel is not usable here
+        return False
+    return True
+
+
+_FUSED_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
+}
 
 
 # --- one builder per option: (param groups, spec, kernel kwargs) -> optimizer ------------------------

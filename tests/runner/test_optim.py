@@ -11,7 +11,7 @@ import yaml
 from torch import nn
 
 from runner import registry
-from runner.optim import build_optimizer, kernel_kwargs
+from runner.optim import KERNELS, build_optimizer, kernel_kwargs
 from runner.spec import OptimizerSpec, SpecError, _build
 
 CPU = torch.device("cpu")
@@ -118,17 +118,38 @@ def test_muon_leaves_embeddings_head_and_vectors_to_adamw():
 def test_auto_picks_foreach_on_cpu():
     for name in NAMES:
         defaults = build_optimizer(spec_of(name, impl="auto"), tiny_model(), CPU).defaults
-        if name == "muon":  # one implementation, no switch
-            assert "foreach" not in defaults
+        if "foreach" not in KERNELS[name]:  # muon (and lamb on timm < 1.0.31): one implementation, no switch
+            assert not defaults.get("foreach")
         else:
             assert defaults["foreach"] is True and not defaults.get("fused"), name
 
 
-def test_auto_picks_fused_on_cuda_where_torch_has_it():
+def test_auto_picks_fused_on_cuda_where_torch_has_it(monkeypatch):
+    monkeypatch.setattr("runner.optim.fused_kernel_runs", lambda name, device_type: True)
     cuda = torch.device("cuda")
     assert {n: kernel_kwargs(n, "auto", cuda) for n in NAMES} == {
         "sgd": {"fused": True}, "adam": {"fused": True}, "adamw": {"fused": True}, "adagrad": {"fused": True},
-        "rmsprop": {"foreach": True}, "adafactor": {"foreach": True}, "lamb": {"foreach": True}, "muon": {}}
+        "rmsprop": {"foreach": True}, "adafactor": {"foreach": True}, "muon": {},
+        "lamb": {"foreach": True} if "foreach" in KERNELS["lamb"] else {}}
+    monkeypatch.setattr("runner.optim.fused_kernel_runs", lambda name, device_type: name != "adagrad")
+    assert kernel_kwargs("adagrad", "auto", cuda) == {"foreach": True, "fused": False}  # older torch: CPU only
+    with pytest.raises(SpecError, match=r"^optimizer\.impl: 'fused' is not available for adagrad on cuda with torch"):
+        kernel_kwargs("adagrad", "fused", cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", NAMES)
+def test_every_optimizer_steps_on_cuda_with_its_auto_kernel(name):
+    cuda = torch.device("cuda")
+    model = tiny_model().to(cuda)
+    optimizer = build_optimizer(spec_of(name), model, cuda)
+    if name in ("sgd", "adam", "adamw"):
+        assert optimizer.defaults["fused"] is True
+    loss = nn.functional.cross_entropy(model(torch.randn(4, 8, device=cuda)), torch.tensor([0, 1, 2, 0], device=cuda))
+    loss.backward()
+    optimizer.step()
+    resumed = build_optimizer(spec_of(name), model, cuda)
+    resumed.load_state_dict(round_trip(optimizer.state_dict()))
 
 
 def test_forced_kernels():

@@ -1,0 +1,105 @@
+"""`make bench`: the engine's median optimizer-step time next to a minimal hand-written loop's.
+
+Both train the same model on the same data with the same batch, optimizer and data loader; the
+engine runs with MLflow tracking on. Rounds alternate engine/hand so machine noise hits both, and
+the medians of per-step wall times are compared. Numbers are printed, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.data import build_datasets
+from runner.engine import Engine, seed_everything
+from runner.loader import make_loader
+from runner.models import build_model
+from runner.optim import build_optimizer
+from runner.registry import CONF_DIR
+from runner.spec import RunSpec
+from runner.tracking import build_tracker
+
+CASES = {
+    "digits mlp b64": ["dataset=digits", "model=mlp"],
+    "synthetic cnn b64": ["dataset=synthetic", "model=cnn", "model.norm=false"],
+}
+
+
+def bench_spec(overrides: list[str], steps: int, workdir: Path) -> RunSpec:
+    overrides = [*overrides, f"trainer.max_steps={steps}", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
+                 f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"tracking.artifact_root={workdir}/artifacts",
+                 "tracking.experiment=bench"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+    cfg["run_dir"] = str(workdir / "run")
+    return RunSpec.from_config(cfg, tuple(overrides))
+
+
+def engine_step_times(spec: RunSpec) -> list[float]:
+    engine = Engine(spec, build_tracker(spec))
+    stamps: list[float] = []
+    on_step = engine.monitor.on_step
+
+    def stamped(*args, **kwargs):  # after the whole step, logging included
+        on_step(*args, **kwargs)
+        stamps.append(time.perf_counter())
+
+    engine.monitor.on_step = stamped
+    engine.fit()
+    return _diffs(stamps)
+
+
+def hand_loop_step_times(spec: RunSpec) -> list[float]:
+    """What a user would write: the same model, optimizer and loader; no tracking, no checks."""
+    seed_everything(spec.seed, False)
+    data = build_datasets(spec.dataset)
+    model = build_model(spec.model, data.input_shape, data.num_classes)
+    optimizer = build_optimizer(spec.optimizer, model, torch.device("cpu"))
+    loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0, pin_memory=False)
+    stamps: list[float] = []
+    epoch = 0
+    while len(stamps) < spec.trainer.max_steps + 1:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stamps.append(time.perf_counter())
+            if len(stamps) > spec.trainer.max_steps:
+                break
+        epoch += 1
+    return _diffs(stamps)
+
+
+def _diffs(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating engine/hand rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"{'case':<20} {'engine ms/step':>15} {'hand ms/step':>13} {'ratio':>7}   (median of {args.rounds} x {args.steps} steps, CPU, MLflow on)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in CASES.items():
+            engine_times, hand_times = [], []
+            for r in range(args.rounds):
+                spec = bench_spec(overrides, args.steps, Path(tmp) / f"{name.replace(' ', '_')}-{r}")
+                engine_times += engine_step_times(spec)[10:]  # skip warm-up steps
+                hand_times += hand_loop_step_times(spec)[10:]
+            e, h = statistics.median(engine_times) * 1e3, statistics.median(hand_times) * 1e3
+            print(f"{name:<20} {e:>15.3f} {h:>13.3f} {e / h:>7.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
