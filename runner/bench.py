@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.data import build_datasets
-from runner.engine import Engine, seed_everything
+from runner.engine import Engine, pick_device, seed_everything
 from runner.loader import make_loader
 from runner.models import build_model
 from runner.optim import build_optimizer
@@ -59,15 +59,18 @@ def engine_step_times(spec: RunSpec) -> list[float]:
 def hand_loop_step_times(spec: RunSpec) -> list[float]:
     """What a user would write: the same model, optimizer and loader; no tracking, no checks."""
     seed_everything(spec.seed, False)
+    device = pick_device(spec.trainer.device)
     data = build_datasets(spec.dataset)
-    model = build_model(spec.model, data.input_shape, data.num_classes)
-    optimizer = build_optimizer(spec.optimizer, model, torch.device("cpu"))
-    loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0, pin_memory=False)
+    model = build_model(spec.model, data.input_shape, data.num_classes).to(device)
+    optimizer = build_optimizer(spec.optimizer, model, device)
+    loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0,
+                         pin_memory=device.type == "cuda")
     stamps: list[float] = []
     epoch = 0
     while len(stamps) < spec.trainer.max_steps + 1:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
@@ -87,14 +90,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating engine/hand rounds")
+    parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    print(f"{'case':<20} {'engine ms/step':>15} {'hand ms/step':>13} {'ratio':>7}   (median of {args.rounds} x {args.steps} steps, CPU, MLflow on)")
+    device = pick_device(bench_spec(args.overrides, 1, Path(".")).trainer.device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{'case':<20} {'engine ms/step':>15} {'hand ms/step':>13} {'ratio':>7}   (median of {args.rounds} x {args.steps} steps, {where}, MLflow on)")
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in CASES.items():
             engine_times, hand_times = [], []
             for r in range(args.rounds):
-                spec = bench_spec(overrides, args.steps, Path(tmp) / f"{name.replace(' ', '_')}-{r}")
+                spec = bench_spec([*overrides, *args.overrides], args.steps, Path(tmp) / f"{name.replace(' ', '_')}-{r}")
                 engine_times += engine_step_times(spec)[10:]  # skip warm-up steps
                 hand_times += hand_loop_step_times(spec)[10:]
             e, h = statistics.median(engine_times) * 1e3, statistics.median(hand_times) * 1e3

@@ -24,10 +24,11 @@ from runner.loader import make_loader, micro_batches_per_epoch, optimizer_steps
 from runner.models import build_model
 from runner.monitor import Monitor
 from runner.optim import build_optimizer
-from runner.precision import Precision
+from runner.precision import IGNORE, Precision
 from runner.schedule import build_scheduler
 from runner.spec import RunSpec, SpecError
 from runner.tracking import NullTracker, Tracker
+from runner.trial import is_pruned
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,11 @@ class Engine:
             self.monitor.close()
             self.tracker.finish("KILLED")
             raise
-        except BaseException:
+        except BaseException as e:
             self.monitor.close()
-            self.tracker.finish("FAILED")
+            if is_pruned(e):  # an Optuna pruner stopped this trial: an ordinary end for a search run
+                self.tracker.set_tags({"pruned": "true"})
+            self.tracker.finish("FINISHED" if is_pruned(e) else "FAILED")
             raise
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, final,
                          self.progress.step, time.perf_counter() - started)
@@ -128,8 +131,8 @@ class Engine:
         samples = sum(len(y) for _, y in micro_batches)
         losses = []
         for x, y in micro_batches:
-            with self.precision.autocast():
-                loss = self._loss(x, y, reduction="sum")
+            logits, y = self._forward(x, y)
+            loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
             self.precision.backward(loss / samples)  # mean over every sample of the optimizer step
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
@@ -139,10 +142,12 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, samples, grad_norm
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str) -> torch.Tensor:
-        x = self.precision.prepare_input(x.to(self.device, non_blocking=True))
-        logits = self.model(x)
-        return F.cross_entropy(logits.float(), y.to(self.device, non_blocking=True), reduction=reduction)
+    def _forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = self.precision.prepare_batch(x, y)
+        with self.precision.autocast():
+            logits = self.model(x)
+        return logits.float(), y
 
     def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
         trainer = self.spec.trainer
@@ -165,12 +170,10 @@ class Engine:
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
         count = 0
         for x, y in self.eval_loaders[split]:
-            y = y.to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                logits = self.model(self.precision.prepare_input(x.to(self.device, non_blocking=True))).float()
-            loss_sum += F.cross_entropy(logits, y, reduction="sum")
-            correct += (logits.argmax(dim=-1) == y).sum()
             count += len(y)
+            logits, y = self._forward(x, y)
+            loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
+            correct += (logits.argmax(dim=-1) == y).sum()
         return {f"{split}/loss": loss_sum.item() / max(count, 1), f"{split}/acc": correct.item() / max(count, 1)}
 
     def _evaluate_and_watch(self) -> None:

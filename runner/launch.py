@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.engine import Engine, RunResult
 from runner.spec import RunSpec
 from runner.tracking import build_tracker
+from runner.trial import parent_run_id
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def run(spec: RunSpec) -> RunResult:
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
-    engine = Engine(spec, build_tracker(spec))
+    engine = Engine(spec, build_tracker(spec, parent_run_id=parent_run_id(spec)))
     result = engine.fit()
     print_summary(spec, result, engine.tracker.describe())
     return result

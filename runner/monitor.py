@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from runner.spec import RunSpec
 from runner.tracking import Tracker
+from runner.trial import open_trial
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Monitor:
         self._t_last = time.perf_counter()
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not show, leave=False)
+        self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
@@ -73,6 +75,8 @@ class Monitor:
         text = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         (log.info if self.bar.disable else self.bar.write)(f"epoch {epoch} step {step}: {text}")
         self._watch_early_stopping(metrics)
+        if self.trial is not None:
+            self.trial.report(metrics)  # raises optuna.TrialPruned when the study's pruner stops this run
 
     def _watch_early_stopping(self, metrics: dict[str, float]) -> None:
         es = self.spec.trainer.early_stopping

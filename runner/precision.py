@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import ContextManager
 
 import torch
 
 from runner.spec import PrecisionSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100  # label of padding samples: cross_entropy's default ignore_index
 
 
 class Precision:
@@ -34,14 +39,28 @@ class Precision:
         if self.name == "fp8":
             from torchao.float8 import convert_to_float8_training
 
-            # torchao's fp8 GEMMs need dims divisible by 16; leave other layers in bf16 autocast
-            return convert_to_float8_training(
+            # torchao's fp8 GEMMs need dims divisible by 16; other layers stay in bf16 autocast
+            model = convert_to_float8_training(
                 model, module_filter_fn=lambda m, _: isinstance(m, torch.nn.Linear)
                 and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+            converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+            if not converted:
+                raise SpecError("precision: fp8 found no Linear layer with both dims divisible by 16 in this model; "
+                                "use precision=bf16")
+            log.info("fp8: %d Linear layers train with float8 matmuls", converted)
+            return model
         return model
 
-    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.bfloat16) if self.name == "bf16_true" and x.is_floating_point() else x
+    def prepare_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.name == "bf16_true" and x.is_floating_point():
+            return x.to(torch.bfloat16), y
+        if self.name == "fp8" and len(y) % 16:
+            # fp8 GEMMs need the batch dim divisible by 16: pad a ragged batch with samples whose
+            # label the loss ignores, so the sum over real samples is unchanged
+            pad = 16 - len(y) % 16
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+            y = torch.cat([y, y.new_full((pad,), IGNORE)])
+        return x, y
 
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)

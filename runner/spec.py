@@ -150,6 +150,15 @@ class ObjectiveSpec:
 
 
 @dataclass(frozen=True)
+class TrialSpec:
+    """Set by the Optuna sweeper (hparams_search): the job finds its trial in the study's storage."""
+
+    storage: Optional[str] = opt(None, "Optuna storage of the study this run is a trial of")
+    study_name: Optional[str] = opt(None, "name of that study")
+    number: Optional[int] = opt(None, "this run's trial number in the study", ge=0)
+
+
+@dataclass(frozen=True)
 class RunSpec:
     seed: int = opt(0, "seed of model init, data order and dropout")
     run_dir: str = opt("outputs/runs/unnamed", "where this run writes spec.yaml, checkpoints and plots")
@@ -164,6 +173,7 @@ class RunSpec:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)
     objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
+    trial: TrialSpec = field(default_factory=TrialSpec)
 
     # --- construction -------------------------------------------------------------------------
 

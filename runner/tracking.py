@@ -155,7 +155,7 @@ def run_name_from(overrides: tuple[str, ...]) -> str:
     parts = []
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith("hydra.") or key in ("trainer.resume", "tracking.uri"):
+        if key.startswith(("hydra.", "trial.")) or key in ("trainer.resume", "tracking.uri"):
             continue
         parts.append(value if "." not in key and key not in ("seed", "accum") else f"{key.split('.')[-1]}={value}")
     return ",".join(parts)[:200] or "default"

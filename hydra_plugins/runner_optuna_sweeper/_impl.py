@@ -1,0 +1,348 @@
+"""The study loop: ask a trial whenever a slot is free, launch its job, tell the outcome.
+
+- Slots refill as soon as any trial ends: no batch barrier (hydra-optuna-sweeper waits for a batch).
+- n_trials counts every trial of the study, so a rerun resumes and several sweep processes sharing
+  a storage and study run n_trials together. A retry replaces the trial it retries; a trial asked
+  past the budget by a racing process is marked `runner.surplus`, failed at once and not counted.
+- A trial that raises, diverges or returns NaN is FAIL and the sweep goes on, until more than
+  max_failure_rate x n_trials have failed. A pruned job raises optuna.TrialPruned: PRUNED.
+- Heartbeats: the sweep writes each running trial's heartbeat into the storage; a trial whose sweep
+  died stops beating and the next sweep on the study fails it (and retries it, max_retry).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import optuna
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from runner.trial import PARENT_RUN_ATTR, PRUNER_ATTR, open_storage, storage_url
+
+from . import _slots
+from ._search_space import distribution_from_config, grid_values, parse_params
+from ._study_report import StudyReport
+
+log = logging.getLogger(__name__)
+HEARTBEAT = "runner.heartbeat"
+SURPLUS = "runner.surplus"
+
+
+@dataclass
+class SweeperSettings:
+    sampler: Any
+    pruner: Any
+    direction: Any
+    storage: Optional[str]
+    study_name: Optional[str]
+    n_trials: int
+    n_jobs: int
+    max_failure_rate: float
+    params: Optional[DictConfig]
+    search_space: Optional[DictConfig]
+    custom_search_space: Optional[str]
+    heartbeat_interval: Optional[int]
+    grace_period: Optional[int]
+    max_retry: int
+
+
+class OptunaSweeperImpl(Sweeper):
+    def __init__(self, settings: SweeperSettings) -> None:
+        self.s = settings
+        self.custom: Optional[Callable[[DictConfig, optuna.Trial], None]] = (
+            get_method(settings.custom_search_space) if settings.custom_search_space else None)
+        self.mine: set[int] = set()  # trial numbers this process is running
+        self.last_error: Optional[BaseException] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
+                                                                task_function=task_function)
+
+    # --- the sweep ---------------------------------------------------------------------------
+
+    def sweep(self, arguments: list[str]) -> None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        self.space, self.fixed = self._search_space(arguments)
+        self.directions = self._directions()
+        self.storage_url = storage_url(self.s.storage)
+        self.storage = open_storage(self.storage_url)
+        pruner_cfg = OmegaConf.to_container(self.s.pruner, resolve=True) if self.s.pruner else {"_target_": "optuna.pruners.NopPruner"}
+        grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
+        self.study = optuna.create_study(study_name=self.s.study_name, storage=self.storage, directions=self.directions,
+                                         pruner=_instantiate(pruner_cfg), load_if_exists=True)
+        self.study.set_user_attr(PRUNER_ATTR, pruner_cfg)
+        existing = len(self.study.get_trials(deepcopy=False))
+        self.study.sampler = self._sampler(grid, seed_offset=existing)
+        self.n_trials = min(self.s.n_trials, math.prod(len(v) for v in grid.values())) if grid else self.s.n_trials
+        self.n_jobs = self._slot_count()
+        self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
+        log.info(f"Study name: {self.study.study_name}  ({existing} trials already, {self.n_trials} in total)")
+        log.info(f"Storage: {self.storage_url}")
+        log.info(f"Sampler: {type(self.study.sampler).__name__}  Pruner: {pruner_cfg['_target_'].split('.')[-1]}")
+        log.info(f"Directions: {self.directions}  Slots: {self.n_jobs}")
+        report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg)
+        report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
+        status = "FAILED"
+        try:
+            self._run()
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            report.finish(status, self.n_trials)
+
+    def _run(self) -> None:
+        free = list(range(self.n_jobs))
+        running: dict[Future, int] = {}
+        pool = ThreadPoolExecutor(self.n_jobs, thread_name_prefix="slot") if self.n_jobs > 1 else None
+        try:
+            while True:
+                self._fail_stale_trials()
+                stop = self._too_many_failures()
+                while free and not stop and (trial := self._next_trial()) is not None:
+                    slot = free.pop(0)
+                    if pool is None:
+                        self._run_trial(trial, slot)
+                        free.append(slot)
+                        stop = self._too_many_failures()
+                    else:
+                        running[pool.submit(self._run_trial, trial, slot)] = slot
+                if running:
+                    done, _ = wait(list(running), timeout=self._poll_s(), return_when=FIRST_COMPLETED)
+                    for future in done:
+                        free.append(running.pop(future))
+                        future.result()
+                elif not stop and self._others_running():
+                    time.sleep(self._poll_s())  # a peer's trial may still end, or go stale and be retried
+                else:
+                    break
+        except KeyboardInterrupt:
+            _slots.terminate_all()
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        if self._too_many_failures():
+            failed = self._counted(TrialState.FAIL)
+            raise RuntimeError(f"{failed} of the study's trials failed, more than max_failure_rate="
+                               f"{self.s.max_failure_rate} x n_trials={self.n_trials}; last error: {self.last_error!r}")
+
+    def _next_trial(self) -> Optional[optuna.Trial]:
+        trials = self.study.get_trials(deepcopy=False)
+        waiting = any(t.state == TrialState.WAITING for t in trials)
+        if not waiting and _budget_used(trials) >= self.n_trials:
+            return None
+        trial = self.study.ask()
+        frozen = self.storage.get_trial(trial._trial_id)
+        enqueued = "failed_trial" in frozen.system_attrs or "fixed_params" in frozen.system_attrs
+        if not enqueued and _budget_used([t for t in self.study.get_trials(deepcopy=False) if t.number <= trial.number]) > self.n_trials:
+            self.storage.set_trial_system_attr(trial._trial_id, SURPLUS, True)  # another sweep took the last one
+            self._tell(trial, TrialState.FAIL, None)
+            return None
+        return trial
+
+    def _run_trial(self, trial: optuna.Trial, slot: int) -> None:
+        self.mine.add(trial.number)
+        state, values, killed = TrialState.FAIL, None, False
+        try:
+            with self._heartbeat(trial):
+                overrides = self._overrides(trial)
+                value = _slots.launch(self.launcher, overrides, trial.number, slot, self.spawn)
+                values = self._values(trial, value)
+                state = TrialState.COMPLETE
+        except optuna.TrialPruned:
+            state = TrialState.PRUNED
+        except KeyboardInterrupt:
+            killed = True
+            raise
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a failed trial must not end the sweep
+            killed = isinstance(e, _slots.JobDied) and e.killed
+            self.last_error = e
+            log.warning(f"trial {trial.number} failed: {type(e).__name__}: {e}")
+        finally:
+            self._tell(trial, state, values)
+            if killed:
+                self._retry(self.storage.get_trial(trial._trial_id))
+            self.mine.discard(trial.number)
+
+    # --- trials --------------------------------------------------------------------------------
+
+    def _overrides(self, trial: optuna.Trial) -> list[str]:
+        for name, distribution in self.space.items():
+            _suggest(trial, name, distribution)
+        for name, value in self.fixed.items():
+            trial.set_user_attr(name, value)
+        if self.custom is not None:
+            self.custom(self.config, trial)
+        overlap = trial.params.keys() & self.fixed.keys()
+        if overlap:
+            raise ValueError(f"parameters both fixed and searched: {sorted(overlap)}")
+        overrides = [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
+        if isinstance(self.config.get("trial"), DictConfig):  # runner's jobs find their trial in the storage
+            overrides += [f"trial.storage={_quote(self.storage_url)}", f"trial.study_name={_quote(self.study.study_name)}",
+                          f"trial.number={trial.number}"]
+        return overrides
+
+    def _values(self, trial: optuna.Trial, value: Any) -> list[float]:
+        try:
+            values = [float(value)] if len(self.directions) == 1 else [float(v) for v in value]
+        except (TypeError, ValueError):
+            raise ValueError(f"the job must return {'a number' if len(self.directions) == 1 else 'a list of numbers'}, got {value!r}") from None
+        if len(values) != len(self.directions):
+            raise ValueError(f"the job returned {len(values)} values for {len(self.directions)} objectives")
+        if any(math.isnan(v) for v in values):
+            raise ValueError(f"the job returned NaN ({value!r})")
+        return values
+
+    def _tell(self, trial: optuna.Trial, state: TrialState, values: Optional[list[float]]) -> None:
+        try:
+            self.study.tell(trial, values if state == TrialState.COMPLETE else None, state=state)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            log.warning(f"trial {trial.number} was already finished (failed as stale by another sweep?)")
+        except RuntimeError as e:  # the grid sampler calls study.stop() once the grid is done
+            if "Study.stop" not in str(e):
+                raise
+
+    def _retry(self, trial: FrozenTrial) -> None:
+        if self.s.max_retry > 0:
+            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.s.max_retry)(self.study, trial)
+
+    @contextmanager
+    def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
+        if not self.s.heartbeat_interval:
+            yield
+            return
+        import threading
+
+        stop = threading.Event()
+
+        def beat() -> None:
+            while True:
+                try:
+                    self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT, time.time())
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    return
+                if stop.wait(self.s.heartbeat_interval):
+                    return
+
+        thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{trial.number}")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def _fail_stale_trials(self) -> None:
+        if not self.s.heartbeat_interval:
+            return
+        grace = self.s.grace_period or 2 * self.s.heartbeat_interval
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            last = max(t.system_attrs.get(HEARTBEAT, 0.0), t.datetime_start.timestamp())  # a retry inherits old beats
+            if t.number in self.mine or time.time() - last <= grace:
+                continue
+            try:
+                if self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                    log.warning(f"trial {t.number} stopped beating {time.time() - last:.0f} s ago "
+                                f"(its sweep was killed): FAIL{', retried' if self.s.max_retry else ''}")
+                    self._retry(self.storage.get_trial(t._trial_id))
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # another sweep process got there first
+
+    def _others_running(self) -> bool:
+        if not self.s.heartbeat_interval:  # without heartbeats a dead peer's trial would be waited on forever
+            return False
+        return any(t.number not in self.mine for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    def _too_many_failures(self) -> bool:
+        return self._counted(TrialState.FAIL) > self.s.max_failure_rate * self.n_trials
+
+    def _counted(self, state: TrialState) -> int:
+        trials = self.study.get_trials(deepcopy=False)
+        replaced = _replaced(trials)
+        return sum(1 for t in trials if t.state == state and t.number not in replaced and not t.system_attrs.get(SURPLUS))
+
+    def _poll_s(self) -> float:
+        return min(5.0, float(self.s.heartbeat_interval or 5))
+
+    # --- configuration ---------------------------------------------------------------------------
+
+    def _search_space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
+        params = [f"{k}={v}" for k, v in (self.s.params or {}).items()]
+        space, fixed = parse_params(params + list(arguments))
+        if self.s.search_space and not self.s.params:  # hydra-optuna-sweeper 1.1's form, under the overrides
+            old = {str(k): distribution_from_config(v) for k, v in self.s.search_space.items() if str(k) not in fixed}
+            space = {**old, **space}
+        return space, fixed
+
+    def _directions(self) -> list[str]:
+        d = self.s.direction
+        directions = list(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else [d]
+        return [str(x.name if hasattr(x, "name") else x) for x in directions]
+
+    def _is_grid(self) -> bool:
+        return str(OmegaConf.select(self.s.sampler, "_target_", default="")).endswith("GridSampler")
+
+    def _sampler(self, grid: Optional[dict[str, list]], seed_offset: int) -> optuna.samplers.BaseSampler:
+        from hydra.utils import get_class
+
+        kwargs = {k: v for k, v in OmegaConf.to_container(self.s.sampler, resolve=True).items() if v is not None}
+        cls = get_class(kwargs.pop("_target_"))
+        kwargs.pop("_partial_", None)
+        if "seed" in kwargs:  # a resumed or shared study must not replay the first process's draws
+            kwargs["seed"] += seed_offset
+        if grid is not None:
+            kwargs["search_space"] = grid
+        return cls(**{k: _instantiate(v) if isinstance(v, dict) and "_target_" in v else v for k, v in kwargs.items()})
+
+    def _slot_count(self) -> int:
+        if self.s.n_jobs > 0:
+            return self.s.n_jobs
+        import os
+
+        return max(1, len(_slots._visible_gpus()) or os.cpu_count() or 1)
+
+
+def _suggest(trial: optuna.Trial, name: str, d: BaseDistribution) -> None:
+    if isinstance(d, CategoricalDistribution):
+        trial.suggest_categorical(name, d.choices)
+    elif isinstance(d, IntDistribution):
+        trial.suggest_int(name, d.low, d.high, step=d.step, log=d.log)
+    else:
+        trial.suggest_float(name, d.low, d.high, step=d.step, log=d.log)
+
+
+def _replaced(trials: list[FrozenTrial]) -> set[int]:
+    """Trials a retry has taken the place of."""
+    return {t.system_attrs["retry_history"][-1] for t in trials if t.system_attrs.get("retry_history")}
+
+
+def _budget_used(trials: list[FrozenTrial]) -> int:
+    replaced = _replaced(trials)
+    return sum(1 for t in trials if t.number not in replaced and not t.system_attrs.get(SURPLUS))
+
+
+def _instantiate(cfg: dict) -> Any:
+    from hydra.utils import instantiate
+
+    return instantiate(cfg)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -1,0 +1,27 @@
+"""The Hydra Sweeper plugin class. Hydra imports this module on every start to find plugins, so the
+study loop (optuna, mlflow) is imported only when a sweep actually runs."""
+from typing import Any, List, Optional
+
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(self, sampler: Any, pruner: Any, direction: Any, storage: Optional[str], study_name: Optional[str],
+                 n_trials: int, n_jobs: int, max_failure_rate: float, params: Optional[DictConfig],
+                 search_space: Optional[DictConfig], custom_search_space: Optional[str],
+                 heartbeat_interval: Optional[int], grace_period: Optional[int], max_retry: int) -> None:
+        from ._impl import OptunaSweeperImpl, SweeperSettings
+
+        self.sweeper = OptunaSweeperImpl(SweeperSettings(
+            sampler=sampler, pruner=pruner, direction=direction, storage=storage, study_name=study_name,
+            n_trials=n_trials, n_jobs=n_jobs, max_failure_rate=max_failure_rate, params=params,
+            search_space=search_space, custom_search_space=custom_search_space,
+            heartbeat_interval=heartbeat_interval, grace_period=grace_period, max_retry=max_retry))
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        return self.sweeper.sweep(arguments)

@@ -1,0 +1,126 @@
+"""A run that is one trial of an Optuna study (hparams_search).
+
+The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` and `trial.number`;
+the job opens the study's storage itself, so reporting and pruning work whatever the launcher
+(in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
+evaluation the objective metric is reported to the trial and the study's pruner is asked; a rejected
+trial raises `optuna.TrialPruned`, which the engine ends as a FINISHED MLflow run tagged `pruned`
+and the sweeper tells as PRUNED.
+
+The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
+the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optuna.storages import BaseStorage
+
+    from runner.spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_ENV = "RUNNER_PARENT_RUN_ID"      # MLflow parent run of the sweep this job belongs to
+PRUNER_ATTR = "runner.pruner"                 # study user attr: the pruner's config (a _target_ dict)
+PARENT_RUN_ATTR = "runner.mlflow_parent_run"  # study user attr: the sweep's MLflow parent run id
+DEFAULT_STORAGE = "outputs/optuna.journal"
+_RDB_SCHEMES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql", "cockroachdb")
+
+
+def storage_url(storage: str | None) -> str:
+    """The storage as a string every process can open: None is the local journal file under
+    outputs/ (safe for several writers), a relative path or sqlite file becomes absolute."""
+    if storage is None or str(storage).strip() in ("", "null", "None"):
+        storage = DEFAULT_STORAGE
+    storage = str(storage)
+    if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////") and ":memory:" not in storage:
+        return "sqlite:///" + str(Path(storage[len("sqlite:///"):]).resolve())
+    if "://" in storage or storage.startswith(_RDB_SCHEMES):
+        return storage
+    return str(Path(storage).expanduser().resolve())
+
+
+def open_storage(url: str) -> "BaseStorage":
+    """An Optuna storage from `storage_url`'s string: RDB URLs, redis:// journals, else a journal file."""
+    import optuna
+    from optuna.storages import journal
+
+    if url.startswith("redis://"):
+        return journal.JournalStorage(journal.JournalRedisBackend(url))
+    if "://" in url or url.startswith(_RDB_SCHEMES):
+        return optuna.storages.RDBStorage(url)
+    path = Path(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return journal.JournalStorage(journal.JournalFileBackend(str(path)))
+
+
+def is_pruned(error: BaseException) -> bool:
+    """Whether an exception is Optuna's prune signal (without importing optuna into plain runs)."""
+    optuna = sys.modules.get("optuna")
+    return optuna is not None and isinstance(error, optuna.TrialPruned)
+
+
+class TrialReporter:
+    """Reports a run's evaluations to its trial and raises `optuna.TrialPruned` when pruned."""
+
+    def __init__(self, trial: Any, metric: str, multi_objective: bool):
+        self.trial, self.metric, self.multi_objective = trial, metric, multi_objective
+        self.evaluations = 0
+
+    def report(self, metrics: dict[str, float]) -> None:
+        import optuna
+
+        self.evaluations += 1
+        for name, value in metrics.items():
+            if not math.isfinite(value):  # a diverged run: FAIL now rather than train on NaN
+                raise FloatingPointError(f"trial {self.trial.number} diverged: {name} is {value} "
+                                         f"at evaluation {self.evaluations}")
+        if self.metric not in metrics or self.multi_objective:  # Optuna prunes single objectives only
+            return
+        value = metrics[self.metric]
+        self.trial.report(value, self.evaluations)  # step = evaluations so far: epochs by default
+        if self.trial.should_prune():
+            raise optuna.TrialPruned(f"trial {self.trial.number} pruned after evaluation "
+                                     f"{self.evaluations}: {self.metric} {value:.4f}")
+
+
+def open_trial(spec: "RunSpec") -> TrialReporter | None:
+    """The reporter for this run's trial, or None when the run is not a trial (or not a live one)."""
+    t = spec.trial
+    if t.number is None or t.study_name is None:
+        return None
+    import optuna
+    from hydra.utils import instantiate
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = open_storage(storage_url(t.storage))
+    study = optuna.load_study(study_name=t.study_name, storage=storage)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(t.study_name), t.number)
+    state = storage.get_trial(trial_id).state
+    if state != optuna.trial.TrialState.RUNNING:
+        log.warning("trial %d of study %r is %s, not RUNNING: this run will not report to it",
+                    t.number, t.study_name, state.name)
+        return None
+    pruner = study.user_attrs.get(PRUNER_ATTR)
+    study.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
+    return TrialReporter(optuna.trial.Trial(study, trial_id), spec.objective.metric, len(study.directions) > 1)
+
+
+def parent_run_id(spec: "RunSpec") -> str | None:
+    """The MLflow parent run a sweep's job logs under: from the sweep process's environment, or,
+    for a job that runs elsewhere, from its study's user attributes."""
+    if os.environ.get(PARENT_RUN_ENV):
+        return os.environ[PARENT_RUN_ENV]
+    t = spec.trial
+    if t.number is None or t.study_name is None or spec.tracking.name == "none":
+        return None
+    import optuna
+
+    study = optuna.load_study(study_name=t.study_name, storage=open_storage(storage_url(t.storage)))
+    return study.user_attrs.get(PARENT_RUN_ATTR)
