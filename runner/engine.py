@@ -18,12 +18,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner import checkpoint
+from runner import checkpoint, parallel
 from runner.data import build_datasets
 from runner.loader import make_loader, micro_batches_per_epoch, optimizer_steps
 from runner.models import build_model
 from runner.monitor import Monitor
 from runner.optim import build_optimizer
+from runner.parallel import DistEnv
 from runner.precision import IGNORE, Precision
 from runner.schedule import build_scheduler
 from runner.spec import RunSpec, SpecError
@@ -53,16 +54,19 @@ class RunResult:
 
 
 class Engine:
-    def __init__(self, spec: RunSpec, tracker: Tracker | None = None):
+    def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None):
         self.spec = spec
         self.tracker = tracker or NullTracker()
-        self.device = pick_device(spec.trainer.device)
-        self.precision = Precision(spec.precision, self.device)
-        resume_state = checkpoint.load(spec.trainer.resume) if spec.trainer.resume else None
+        self.env = env or DistEnv()
+        self.device = pick_device(spec.trainer.device, self.env.local_rank)
+        sharded = spec.parallelism.name == "fsdp" and self.env.distributed
+        self.precision = Precision(spec.precision, self.device, sharded)
+        resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
         data = build_datasets(spec.dataset)
-        loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda")
+        loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
+                           rank=self.env.rank, world=self.env.world)
         self.train_loader = make_loader(data.train, spec.dataset.batch_size, shuffle=True, **loader_args)
         self.eval_loaders = {split: make_loader(getattr(data, split), spec.dataset.batch_size, shuffle=False, **loader_args)
                              for split in ("val", "test")}
@@ -72,7 +76,9 @@ class Engine:
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
         self.module = self.precision.prepare_model(build_model(spec.model, data.input_shape, data.num_classes).to(self.device))
-        self.model = torch.compile(self.module) if spec.trainer.compile else self.module
+        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype)
+        if spec.trainer.compile:
+            self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
         self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         self.progress = Progress()
@@ -85,6 +91,9 @@ class Engine:
 
     def fit(self) -> RunResult:
         self.tracker.start(self.spec, self.resume_run_id)
+        batch = self.spec.dataset.batch_size
+        self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
+                               "global_batch_size": str(batch * self.accum * self.env.world)})
         started = time.perf_counter()
         try:
             self._train()
@@ -114,7 +123,7 @@ class Engine:
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
                 p.batch_in_epoch += len(micro_batches)
-                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, self.schedule.lr, self.precision.skipped_steps)
+                self.monitor.on_step(p.step, loss_sum, samples * self.env.world, grad_norm, self.schedule.lr, self.precision.skipped_steps)
                 if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
                     self._evaluate_and_watch()
                 if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
@@ -130,10 +139,13 @@ class Engine:
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         samples = sum(len(y) for _, y in micro_batches)
         losses = []
-        for x, y in micro_batches:
-            logits, y = self._forward(x, y)
-            loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
-            self.precision.backward(loss / samples)  # mean over every sample of the optimizer step
+        for i, (x, y) in enumerate(micro_batches):
+            with parallel.sync_gradients(self.model, sync=i == len(micro_batches) - 1):
+                logits, y = self._forward(x, y)
+                loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
+                # Mean over every sample of the optimizer step. Ranks hold equally many samples (the
+                # sampler pads), and DDP/FSDP average over ranks: the global mean, exactly.
+                self.precision.backward(loss / samples)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
@@ -157,9 +169,9 @@ class Engine:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if trainer.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
-        if trainer.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+        if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
+            return parallel.local_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
+        return parallel.local_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     # --- evaluation -----------------------------------------------------------------------------
 
@@ -174,7 +186,9 @@ class Engine:
             logits, y = self._forward(x, y)
             loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
             correct += (logits.argmax(dim=-1) == y).sum()
-        return {f"{split}/loss": loss_sum.item() / max(count, 1), f"{split}/acc": correct.item() / max(count, 1)}
+        # sums and counts over ranks: equal to one process evaluating the whole split
+        loss_sum, correct, n = parallel.all_reduce_sum([loss_sum, correct, torch.tensor(count, device=self.device)])
+        return {f"{split}/loss": loss_sum.item() / max(n.item(), 1), f"{split}/acc": correct.item() / max(n.item(), 1)}
 
     def _evaluate_and_watch(self) -> None:
         metrics = self.evaluate("val")
@@ -184,28 +198,41 @@ class Engine:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
+        rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
+        if not self.env.is_main:
+            parallel.barrier()
+            return None
         state = {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "schedule": self.schedule.state_dict(),
             "precision": self.precision.state_dict(),
-            "rng": checkpoint.rng_state(),
+            "rng": rng,
             "progress": vars(self.progress).copy(),
             "monitor": self.monitor.state_dict(),
             "mlflow_run_id": self.tracker.run_id or "",
         }
-        return checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state, self.spec.trainer.keep_checkpoints)
+        path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
+                               self.spec.trainer.keep_checkpoints)
+        parallel.barrier()
+        return path
+
+    def _read_checkpoint(self, where: str) -> dict:
+        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
+        state = checkpoint.load(where) if self.env.is_main else None
+        return parallel.broadcast_object(state)
 
     def _load_state(self, state: dict) -> None:
         try:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
         self.schedule.load_state_dict(state["schedule"])
         self.precision.load_state_dict(state["precision"])
-        checkpoint.set_rng_state(state["rng"])
+        rng = state["rng"]
+        checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])
         self.progress = Progress(**state["progress"])
         self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
         self.resume_run_id = state.get("mlflow_run_id") or None
@@ -213,12 +240,12 @@ class Engine:
                  self.progress.batch_in_epoch)
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise SpecError("trainer.device: 'cuda' was asked for but no CUDA GPU is visible; use trainer.device=cpu or auto")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

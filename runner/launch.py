@@ -1,18 +1,28 @@
 """From a composed config to a finished run: build the spec, write spec.yaml, run the engine."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import os
 import sys
+import uuid
 from pathlib import Path
+
+import torch
+import yaml
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.engine import Engine, RunResult
-from runner.spec import RunSpec
-from runner.tracking import build_tracker
+from runner.engine import Engine, RunResult, pick_device
+from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
+from runner.spec import RunSpec, SpecError
+from runner.tracking import build_tracker, end_left_running
 from runner.trial import parent_run_id
 
 log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.yaml"  # rank 0's RunResult, for the launcher that started the workers
 
 
 def spec_from_hydra(cfg: DictConfig) -> RunSpec:
@@ -25,14 +35,104 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
 
 
 def run(spec: RunSpec) -> RunResult:
-    """Run one spec in this process. Everything is built and checked before a tracking run exists."""
+    """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here."""
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.yaml").write_text(spec.to_yaml())
-    engine = Engine(spec, build_tracker(spec, parent_run_id=parent_run_id(spec)))
+    if spec.parallelism.name != "single" and not in_torchrun():
+        return launch_workers(spec)
+    env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
+    if env.world > 1 and spec.parallelism.name == "single":
+        raise SpecError(f"parallelism: torchrun started {env.world} processes but parallelism=single; "
+                        "add parallelism=ddp or parallelism=fsdp")
+    if env.is_main:
+        (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    return run_in_process(spec, env)
+
+
+def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
+    engine = Engine(spec, build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec)), env)
     result = engine.fit()
-    print_summary(spec, result, engine.tracker.describe())
+    if env.is_main:
+        (Path(spec.run_dir) / RESULT_FILE).write_text(yaml.safe_dump(dataclasses.asdict(result)))
+        print_summary(spec, result, engine.tracker.describe())
     return result
+
+
+def launch_workers(spec: RunSpec) -> RunResult:
+    """torch's elastic agent (what torchrun runs) starts nproc_per_node workers on this node; each
+    reads spec.yaml, so Hydra composed once and every rank shares this run directory."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    check_parallel(spec)
+    spec_path = Path(spec.run_dir) / "spec.yaml"
+    spec_path.write_text(spec.to_yaml())
+    par = spec.parallelism
+    multi_node = par.nnodes > 1
+    config = LaunchConfig(
+        min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=par.nproc_per_node,
+        run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
+        rdzv_configs={"join_timeout": par.rdzv_timeout, "is_host": par.node_rank == 0},
+        max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
+    if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun does: workers sharing the CPU must not each start a thread per core
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // par.nproc_per_node))
+    log.info("starting %d %s workers on this node (%d node%s)", par.nproc_per_node, par.name, par.nnodes,
+             "s" if multi_node else "")
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "runner.worker", str(spec_path))
+    except ChildFailedError as e:
+        end_left_running(spec, "FAILED")
+        raise WorkersFailed(_describe_failure(e)) from None
+    except KeyboardInterrupt:
+        end_left_running(spec, "KILLED")
+        raise
+    except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
+        end_left_running(spec, "FAILED")
+        if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
+            raise SpecError(f"parallelism.rdzv_endpoint: no rendezvous at {par.rdzv_endpoint} within {par.rdzv_timeout:g} s "
+                            f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
+                            "was started") from None
+        raise
+    result_file = Path(spec.run_dir) / RESULT_FILE
+    if not result_file.exists():  # global rank 0 ran on another node
+        return RunResult(math.nan, {}, {}, {}, 0, 0.0)
+    result = RunResult(**yaml.safe_load(result_file.read_text()))
+    return result
+
+
+def check_parallel(spec: RunSpec) -> None:
+    """What can be known before any worker starts."""
+    par = spec.parallelism
+    device = pick_device(spec.trainer.device)
+    if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
+        raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
+                        f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
+    if par.name == "fsdp":
+        from runner.data import build_datasets
+        from runner.models import build_model
+
+        data = build_datasets(spec.dataset)
+        with torch.device("meta"):
+            model = build_model(spec.model, data.input_shape, data.num_classes)
+        if not shard_blocks(model):
+            raise SpecError(f"parallelism: fsdp found no blocks to shard in model {spec.model.name} (no child module "
+                            "with parameters in a Sequential or ModuleList); use parallelism=ddp")
+
+
+class WorkersFailed(RuntimeError):
+    """A worker died or raised and no restart was left: the message says which and how."""
+
+
+def _describe_failure(error: Exception) -> str:
+    failures = getattr(error, "failures", {})
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        parts.append(f"rank {rank} ({how})")
+    return "workers failed: " + (", ".join(parts) or str(error).splitlines()[0])
 
 
 def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:

@@ -22,12 +22,21 @@ class Precision:
     autocast, no master copy). fp8: float8 matmuls through torchao on GPUs of compute capability 8.9+.
     """
 
-    def __init__(self, spec: PrecisionSpec, device: torch.device):
+    def __init__(self, spec: PrecisionSpec, device: torch.device, sharded: bool = False):
         self.name = spec.name
         self.device = device
         _check_supported(spec.name, device)
         self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.name)
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale) if spec.name == "fp16" else None
+        # Under FSDP2 the MixedPrecisionPolicy casts the sharded fp32 parameters for compute
+        # (and reduces gradients in fp32); autocast still covers the ops between layers.
+        self.param_dtype = self.autocast_dtype if sharded else None
+        self.scaler = None
+        if spec.name == "fp16":
+            if sharded:  # all-reduces found-inf, so every rank skips the same steps
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
+            else:
+                from torch.amp import GradScaler as Scaler
+            self.scaler = Scaler(device.type, init_scale=spec.init_scale)
         self.skipped_steps = 0
         if spec.name == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True

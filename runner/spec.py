@@ -98,8 +98,13 @@ class PrecisionSpec:
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    name: Literal["single"] = opt("single", "how the work is spread over devices")
-    nproc_per_node: int = opt(1, "worker processes per node", gt=0)
+    name: Literal["single", "ddp", "fsdp"] = opt("single", "single process, DDP replicas, or FSDP2 shards")
+    nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
+    nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
+    node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
+    rdzv_endpoint: str = opt("127.0.0.1:29400", "host:port of the c10d rendezvous (node 0's address) when nnodes > 1")
+    rdzv_timeout: float = opt(120.0, "seconds to wait for every node to join before giving up", gt=0)
+    max_restarts: int = opt(0, "elastic restarts of the worker group after a worker dies (resumes from the last checkpoint)", ge=0)
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,12 @@ class RunSpec:
             raise SpecError("trainer.clip_grad_value: set either clip_grad_norm or clip_grad_value, not both")
         if any(d <= 0 for d in self.dataset.shape):
             raise SpecError(f"dataset.shape: {list(self.dataset.shape)} is not allowed; every size must be > 0")
+        par = self.parallelism
+        if par.node_rank >= par.nnodes:
+            raise SpecError(f"parallelism.node_rank: {par.node_rank} is out of range; allowed: 0 to nnodes-1 ({par.nnodes - 1})")
+        host, _, port = par.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
         if self.dataset.val_fraction + self.dataset.test_fraction >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
 

@@ -18,6 +18,7 @@ from runner.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
+RUN_FILE = "mlflow_run_id"
 _FLUSH_EVERY_S = 5.0
 _FLUSH_AT = 500  # metric values; MLflow takes at most 1000 per batch
 
@@ -49,7 +50,8 @@ class NullTracker:
 
 
 class MlflowTracker:
-    def __init__(self, uri: str, experiment: str, artifact_root: str, parent_run_id: str | None = None):
+    def __init__(self, uri: str, experiment: str, artifact_root: str, parent_run_id: str | None = None,
+                 run_file: Path | None = None):
         for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):
             logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
@@ -59,6 +61,7 @@ class MlflowTracker:
         self.experiment = experiment
         self.artifact_root = artifact_root
         self.parent_run_id = parent_run_id
+        self.run_file = run_file  # the run directory remembers its MLflow run: restarts reattach to it
         self.run_id: str | None = None
         self.run_name = ""
         self._buffer: list = []
@@ -67,6 +70,8 @@ class MlflowTracker:
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
         experiment_id = self._experiment_id()
+        if not resume_run_id and self.run_file is not None and self.run_file.exists():
+            resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and self._run_exists(resume_run_id):
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
@@ -79,6 +84,9 @@ class MlflowTracker:
             tags["mlflow.parentRunId"] = self.parent_run_id
         run = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
+        if self.run_file is not None:
+            self.run_file.parent.mkdir(parents=True, exist_ok=True)
+            self.run_file.write_text(self.run_id)
         from mlflow.entities import Param
 
         params = [Param(k, _param_value(v)) for k, v in spec.flat().items() if k != "overrides"]
@@ -147,7 +155,20 @@ def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None
     if spec.tracking.name == "none" or rank != 0:
         return NullTracker()
     t = spec.tracking
-    return MlflowTracker(t.uri, t.experiment, t.artifact_root, parent_run_id)
+    return MlflowTracker(t.uri, t.experiment, t.artifact_root, parent_run_id, Path(spec.run_dir) / RUN_FILE)
+
+
+def end_left_running(spec: RunSpec, status: str) -> None:
+    """Workers that died cannot end their MLflow run; the launcher does it for them."""
+    run_file = Path(spec.run_dir) / RUN_FILE
+    if spec.tracking.name == "none" or not run_file.exists():
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=spec.tracking.uri)
+    run_id = run_file.read_text().strip()
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status=status)
 
 
 def run_name_from(overrides: tuple[str, ...]) -> str:

@@ -95,6 +95,8 @@ class OptunaSweeperImpl(Sweeper):
         log.info(f"Storage: {self.storage_url}")
         log.info(f"Sampler: {type(self.study.sampler).__name__}  Pruner: {pruner_cfg['_target_'].split('.')[-1]}")
         log.info(f"Directions: {self.directions}  Slots: {self.n_jobs}")
+        if self.spawn:
+            _slots.warm_up()
         report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg)
         report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
         status = "FAILED"
@@ -163,7 +165,7 @@ class OptunaSweeperImpl(Sweeper):
         try:
             with self._heartbeat(trial):
                 overrides = self._overrides(trial)
-                value = _slots.launch(self.launcher, overrides, trial.number, slot, self.spawn)
+                value = _slots.launch(self.launcher, overrides, trial.number, slot, self.n_jobs, self.spawn)
                 values = self._values(trial, value)
                 state = TrialState.COMPLETE
         except optuna.TrialPruned:

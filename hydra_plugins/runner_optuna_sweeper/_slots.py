@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -19,7 +20,9 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 
-_spawn_lock = threading.Lock()  # os.environ is per process: set a slot's devices only while spawning
+# imported once by the fork server (torch, the engine, MLflow): a trial starts without re-importing
+# them; a module that is not installed is skipped
+_PRELOAD = ["runner.launch", "runner.trial", "optuna", "mlflow.tracking", "matplotlib"]
 _live: set[multiprocessing.process.BaseProcess] = set()
 
 
@@ -32,27 +35,17 @@ class JobDied(RuntimeError):
         super().__init__(f"the job's process {how} before returning a result")
 
 
-def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, spawn: bool) -> Any:
+def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, slots: int, spawn: bool) -> Any:
     """The job's return value; raises the job's exception (optuna.TrialPruned for a pruned run)."""
     if not spawn:
         return _value(launcher.launch([list(overrides)], initial_job_idx=idx)[0])
     import cloudpickle
 
-    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state()))
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_run_in_child, args=(payload, sender, os.getpid()), name=f"trial-{idx}")
-    with _spawn_lock:
-        saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",)}
-        os.environ.update(slot_env(slot))
-        try:
-            process.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    env = {**os.environ, **slot_env(slot, slots)}  # the sweep's environment now (the MLflow parent run id) + the slot's share
+    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env))
+    receiver, sender = _context().Pipe(duplex=False)
+    process = _context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
+    process.start()
     _live.add(process)
     sender.close()
     try:
@@ -84,9 +77,16 @@ def terminate_all() -> None:
             process.terminate()
 
 
-def slot_env(slot: int) -> dict[str, str]:
+def slot_env(slot: int, slots: int) -> dict[str, str]:
+    """A slot's share of the machine: its own GPU when there are several, and cores / slots CPU
+    threads (torch's default of one thread per core in every slot oversubscribes the CPU many times)."""
+    env = {}
     devices = _visible_gpus()
-    return {"CUDA_VISIBLE_DEVICES": devices[slot % len(devices)]} if len(devices) > 1 else {}
+    if len(devices) > 1:
+        env["CUDA_VISIBLE_DEVICES"] = devices[slot % len(devices)]
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // slots))
+    return env
 
 
 def _visible_gpus() -> list[str]:
@@ -101,11 +101,31 @@ def _visible_gpus() -> list[str]:
         return []
 
 
-def _run_in_child(payload: bytes, sender: Any, parent_pid: int) -> None:
+def _context() -> Any:
+    """Jobs fork from a server process that imported the heavy modules once (not from this process,
+    whose threads and state a fork would copy), so a trial starts in well under a second."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def warm_up() -> None:
+    """Start the fork server now, so its imports overlap the sweep's own setup (the MLflow store)."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
+def _run_in_child(payload: bytes, sender: Any) -> None:
     import cloudpickle
 
-    _exit_with_parent(parent_pid)
-    launcher, overrides, idx, singleton_state = cloudpickle.loads(payload)
+    _exit_with_parent(os.getppid())
+    launcher, overrides, idx, singleton_state, env = cloudpickle.loads(payload)
+    os.environ.clear()
+    os.environ.update(env)  # before CUDA initializes: CUDA_VISIBLE_DEVICES picks this slot's GPU
+    if "torch" in sys.modules:  # the fork server imported torch: its thread count is set, not read from env
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     Singleton.set_state(singleton_state)
     try:
         result: tuple[str, Any] = ("value", _value(launcher.launch([overrides], initial_job_idx=idx)[0]))
@@ -124,8 +144,9 @@ def _run_in_child(payload: bytes, sender: Any, parent_pid: int) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """A sweep killed with SIGKILL cannot stop its children: they stop themselves, and the trial,
-    no longer heartbeating, is failed (and retried) by the next sweep on the study."""
+    """A sweep killed with SIGKILL cannot stop its jobs: its fork server exits, and each job, seeing
+    its parent gone, stops itself; the trial, no longer heartbeating, is failed (and retried) by the
+    next sweep on the study."""
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:

@@ -1,0 +1,155 @@
+"""Data and model parallelism inside one worker: the process group, the model wrap (DDP or FSDP2),
+gradient-sync control under accumulation, cross-rank reductions, and full state dicts.
+
+Starting the workers is runner/launch.py's job; this module assumes it runs in one of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runner.spec import ParallelismSpec, SpecError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands: rank 0 of world 1 when not distributed."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1 or dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def in_torchrun() -> bool:
+    """True inside a worker started by torchrun or torch's elastic agent."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def init_process_group(device_type: str, timeout_s: float = 600) -> DistEnv:
+    """Join the group the elastic agent set up (env://): nccl on CUDA, gloo on CPU."""
+    env = DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return env
+
+
+def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.device,
+         param_dtype: torch.dtype | None) -> nn.Module:
+    """DDP replicates the model; FSDP2 shards each block's parameters, then the root's."""
+    if spec.name == "single" or not env.distributed:
+        return module
+    if spec.name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    blocks = shard_blocks(module)
+    if not blocks:
+        raise SpecError(f"parallelism: fsdp found no blocks to shard in {type(module).__name__} (no child module with "
+                        "parameters in a Sequential or ModuleList); use parallelism=ddp")
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+def shard_blocks(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards one by one: the children of every Sequential/ModuleList that hold
+    parameters (an MLP's Linear layers, a ResNet's BasicBlocks), outermost first, none nested."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for parent in module.modules():
+        if id(parent) in inside or not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+            continue
+        for child in parent.children():
+            if any(True for _ in child.parameters()) and not isinstance(child, (nn.Sequential, nn.ModuleList)):
+                blocks.append(child)
+                inside.update(id(m) for m in child.modules())
+    return blocks
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> ContextManager:
+    """Under accumulation only the last micro-step all-reduces (DDP no_sync; FSDP2 requires-sync flag)."""
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def all_reduce_sum(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sums across ranks in one collective (evaluation: loss sums, correct counts, sample counts)."""
+    if not dist.is_initialized():
+        return values
+    flat = torch.stack([v.double() for v in values])
+    dist.all_reduce(flat)
+    return list(flat.unbind())
+
+
+def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank.
+
+    Checkpoints hold full state dicts rather than torch.distributed.checkpoint shards: at the sizes
+    this runner trains the gather is cheap, and one file loads into single, ddp or fsdp alike, so a run
+    can resume on a different number of devices.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(module, optimizer, options=options)
+
+
+def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's object on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2 grad norms), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

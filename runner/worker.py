@@ -1,0 +1,52 @@
+"""One worker of a ddp/fsdp run, started by the elastic agent: `python -m runner.worker <spec.yaml>`.
+
+It reads the spec the launcher wrote (no Hydra here: the spec is the contract), joins the process
+group, and runs the engine. After an elastic restart it resumes from the run's newest checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from runner import checkpoint
+from runner.engine import pick_device
+from runner.launch import run_in_process
+from runner.parallel import init_process_group
+from runner.spec import RunSpec, SpecError
+
+
+def main(spec_path: str) -> None:
+    spec = RunSpec.from_yaml(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts and spec.trainer.resume is None and _has_checkpoint(spec.run_dir):
+        logging.getLogger("runner").info("restart %d: resuming from the newest checkpoint in %s", restarts, spec.run_dir)
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
+    try:
+        env = init_process_group(pick_device(spec.trainer.device).type)
+        run_in_process(spec, env)
+    except SpecError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    try:
+        checkpoint.resolve(run_dir)
+        return True
+    except SpecError:
+        return False
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
