@@ -73,7 +73,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
         min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=par.nproc_per_node,
         run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
-        rdzv_configs={"join_timeout": par.rdzv_timeout, "is_host": par.node_rank == 0},
+        rdzv_configs={"join_timeout": par.rdzv_timeout, "read_timeout": max(1, int(par.rdzv_timeout)),
+                      "is_host": par.node_rank == 0},
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core

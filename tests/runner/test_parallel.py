@@ -1,0 +1,193 @@
+"""ddp and fsdp with real processes (gloo on CPU): equivalence, sync counting, restarts, two nodes, bad input."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from runner.engine import Engine
+from runner.parallel import DistEnv
+from runner.spec import SpecError
+from tests.conftest import compose_spec, run_cli
+
+# a train split of even size (800), so 2 ranks see exactly the samples of one process
+SMALL = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=1000", "dataset.val_fraction=0.1",
+         "dataset.test_fraction=0.1", "model=mlp", "model.hidden=[32,32]", "optimizer=adamw", "trainer.max_epochs=2",
+         "trainer.progress_bar=off", "trainer.eval_every_epoch=true"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same(a: dict, b: dict, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=rtol * a[key].abs().max().item(), msg=key)
+
+
+@pytest.fixture(scope="module")
+def single_2b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    Engine(compose_spec([*SMALL, "dataset.batch_size=32"], run_dir)).fit()
+    return final_weights(run_dir)
+
+
+@pytest.mark.parametrize("strategy, batch, accum", [("ddp", 16, 1), ("ddp", 8, 2), ("fsdp", 16, 1), ("fsdp", 8, 2)])
+def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path, single_2b: dict, strategy: str,
+                                                           batch: int, accum: int) -> None:
+    db = tmp_path / "mlflow.db"
+    proc = run_cli([*SMALL, f"parallelism={strategy}", "parallelism.nproc_per_node=2", f"dataset.batch_size={batch}",
+                    f"+accum={accum}", f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{db}",
+                    f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(final_weights(tmp_path / "run"), single_2b)
+    assert proc.stdout.count("runner: trained") == 1
+    with sqlite3.connect(db) as con:
+        runs = list(con.execute("select run_uuid, status from runs"))
+        assert len(runs) == 1 and runs[0][1] == "FINISHED"
+        tags = dict(con.execute("select key, value from tags where run_uuid = ?", (runs[0][0],)))
+    assert tags["world_size"] == "2" and tags["per_rank_batch_size"] == str(batch)
+    assert tags["global_batch_size"] == "32"
+
+
+def _count_syncs(rank: int, world: int, port: int, strategy: str, accum: int, run_dir: str, out: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo")
+    spec = compose_spec([*SMALL, f"parallelism={strategy}", "dataset.batch_size=8", f"+accum={accum}",
+                         "trainer.max_steps=5", "trainer.eval_every_epoch=false"], Path(run_dir))
+    engine = Engine(spec, env=DistEnv(rank, world, rank))
+    calls = {"n": 0}
+    if strategy == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            calls["n"] += 1
+            return allreduce_hook(state, bucket)
+
+        engine.model.register_comm_hook(torch.distributed.group.WORLD, counting_hook)
+    else:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        real = group.foreach_reduce
+
+        def counting_reduce(*args, **kwargs):
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+        group.foreach_reduce = counting_reduce
+    engine.fit()
+    out.put((rank, calls["n"]))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gradients_sync_once_per_optimizer_step_under_accumulation(tmp_path: Path, strategy: str) -> None:
+    counts = {}
+    ctx = mp.get_context("spawn")
+    for accum in (1, 4):
+        out = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_count_syncs, args=(r, 2, port, strategy, accum, str(tmp_path / f"a{accum}"), out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        counts[accum] = results[0]
+    # 5 optimizer steps either way: 4 micro-steps each must not add reductions
+    assert counts[1] > 0 and counts[4] == counts[1] and counts[1] % 5 == 0
+
+
+def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_stopped(tmp_path: Path) -> None:
+    args = ["dataset=synthetic", "dataset.size=1200", "model=cnn", "model.norm=false", "dataset.batch_size=16",
+            "optimizer=adamw", "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=10", "trainer.keep_checkpoints=10",
+            "trainer.eval_every_n_steps=20", "trainer.eval_every_epoch=false", "parallelism=ddp",
+            "parallelism.nproc_per_node=2", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
+    reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}", "tracking=none"], cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+
+    db = tmp_path / "mlflow.db"
+    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}",
+           f"tracking.uri=sqlite:///{db}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
+    deadline = time.time() + 120
+    while not target.exists() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.02)
+    workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert target.exists() and len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    stdout, stderr = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, stderr
+    assert "resuming from the newest checkpoint" in stdout + stderr
+    assert stdout.count("runner: trained 60 optimizer steps") == 1
+    assert_same(final_weights(tmp_path / "cut"), final_weights(tmp_path / "ref"), rtol=0)
+    with sqlite3.connect(db) as con:
+        assert list(con.execute("select status from runs")) == [("FINISHED",)]
+        assert max(s for (s,) in con.execute("select step from metrics where key = 'train/loss'")) == 60
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_two_nodes_on_one_machine_train_like_one_process(tmp_path: Path, single_2b: dict) -> None:
+    port = free_port()
+    common = [*SMALL, "parallelism=ddp", "parallelism.nproc_per_node=1", "parallelism.nnodes=2",
+              f"parallelism.rdzv_endpoint=127.0.0.1:{port}", "dataset.batch_size=16", "tracking=none"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "runner", *common, f"parallelism.node_rank={r}",
+                               f"hydra.run.dir={tmp_path / f'node{r}'}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    rank0_dir = next(tmp_path / f"node{r}" for r in range(2) if (tmp_path / f"node{r}" / "checkpoints").exists())
+    assert_same(final_weights(rank0_dir), single_2b)
+
+
+def test_an_unreachable_rendezvous_fails_with_a_timeout_that_says_what_it_waited_for(tmp_path: Path) -> None:
+    started = time.time()
+    proc = run_cli(["parallelism=ddp", "parallelism.nnodes=2", "parallelism.node_rank=1",
+                    f"parallelism.rdzv_endpoint=127.0.0.1:{free_port()}", "parallelism.rdzv_timeout=5", "tracking=none"],
+                   cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "error: parallelism.rdzv_endpoint: no rendezvous at 127.0.0.1:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.time() - started < 90
+
+
+def test_fsdp_refuses_a_model_without_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner import launch
+
+    monkeypatch.setattr("runner.models.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
+    with pytest.raises(SpecError, match="parallelism: fsdp found no blocks to shard"):
+        launch.check_parallel(compose_spec(["parallelism=fsdp"], tmp_path / "run"))
+
+
+def test_more_workers_than_gpus_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SpecError, match=r"parallelism.nproc_per_node: 2 workers but only 1 GPU\(s\) visible"):
+        launch.check_parallel(compose_spec(["parallelism=ddp", "trainer.device=cuda"], tmp_path / "run"))
