@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -90,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating engine/hand rounds")
+    parser.add_argument("--nproc", type=int, default=2, help="workers for the ddp/fsdp lines (1: skip them)")
     parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
     args = parser.parse_args()
     device = pick_device(bench_spec(args.overrides, 1, Path(".")).trainer.device)
@@ -104,6 +108,37 @@ def main() -> None:
                 hand_times += hand_loop_step_times(spec)[10:]
             e, h = statistics.median(engine_times) * 1e3, statistics.median(hand_times) * 1e3
             print(f"{name:<20} {e:>15.3f} {h:>13.3f} {e / h:>7.3f}", flush=True)
+    if args.nproc > 1:
+        bench_parallel(args.steps, 32, args.nproc, args.overrides)
+
+
+PARALLEL_CASE = ["dataset=synthetic", "model=cnn", "model.norm=false", "trainer.eval_every_epoch=false",
+                 "trainer.progress_bar=off", "tracking=none"]
+
+
+def parallel_throughput(overrides: list[str], workdir: Path) -> float:
+    """Training samples/s of a real `python -m runner` run (workers and all), from its result.yaml."""
+    run_dir = workdir / "run"
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={run_dir}"], cwd=workdir,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return yaml.safe_load((run_dir / "result.yaml").read_text())["samples_per_s"]
+
+
+def bench_parallel(steps: int, batch: int, nproc: int, extra: list[str]) -> None:
+    """ddp and fsdp with nproc workers against one process at the same global batch."""
+    print(f"\n{'run (global batch ' + str(batch * nproc) + ')':<28} {'samples/s':>10} {'vs single':>10}   "
+          f"(synthetic cnn, {steps} steps, whole run incl. start-up of the step loop)")
+    base = [*PARALLEL_CASE, f"trainer.max_steps={steps}", *extra]
+    with tempfile.TemporaryDirectory() as tmp:
+        single = parallel_throughput([*base, f"dataset.batch_size={batch * nproc}"], Path(tmp) / "single")
+        print(f"{'single, 1 process':<28} {single:>10.0f} {1.0:>10.3f}", flush=True)
+        for strategy in ("ddp", "fsdp"):
+            rate = parallel_throughput([*base, f"parallelism={strategy}", f"parallelism.nproc_per_node={nproc}",
+                                        f"dataset.batch_size={batch}"], Path(tmp) / strategy)
+            print(f"{strategy + f', {nproc} workers':<28} {rate:>10.0f} {rate / single:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class RunResult:
     final: dict[str, float]
     steps: int
     seconds: float
+    samples_per_s: float = 0.0  # training samples (all ranks) per second of the whole run
 
 
 class Engine:
@@ -110,8 +111,9 @@ class Engine:
                 self.tracker.set_tags({"pruned": "true"})
             self.tracker.finish("FINISHED" if is_pruned(e) else "FAILED")
             raise
+        seconds = time.perf_counter() - started
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, final,
-                         self.progress.step, time.perf_counter() - started)
+                         self.progress.step, seconds, self.monitor.samples_seen / seconds)
 
     def _train(self) -> None:
         trainer, p = self.spec.trainer, self.progress

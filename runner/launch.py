@@ -99,8 +99,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
     result_file = Path(spec.run_dir) / RESULT_FILE
     if not result_file.exists():  # global rank 0 ran on another node
         return RunResult(math.nan, {}, {}, {}, 0, 0.0)
-    result = RunResult(**yaml.safe_load(result_file.read_text()))
-    return result
+    return RunResult(**yaml.safe_load(result_file.read_text()))
 
 
 def check_parallel(spec: RunSpec) -> None:

@@ -38,6 +38,7 @@ class Monitor:
         self.should_stop = False
         self._loss = None
         self._samples = 0
+        self.samples_seen = 0  # this process's run: the throughput summary
         self._t_last = time.perf_counter()
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not show, leave=False)
@@ -50,6 +51,7 @@ class Monitor:
                 lr: float, skipped_steps: int) -> None:
         self._loss = loss_sum if self._loss is None else self._loss + loss_sum
         self._samples += samples
+        self.samples_seen += samples
         self.bar.update(1)
         if not self.is_log_step(step):
             return
