@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import math
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.engine import Engine, RunResult, pick_device
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
-from runner.spec import RunSpec, SpecError
+from runner.spec import ParallelismSpec, RunSpec, SpecError
 from runner.tracking import build_tracker, end_left_running
 from runner.trial import parent_run_id
 
@@ -65,6 +66,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     check_parallel(spec)
+    spec = spec.replace(parallelism=on_cluster(spec.parallelism))
     spec_path = Path(spec.run_dir) / "spec.yaml"
     spec_path.write_text(spec.to_yaml())
     par = spec.parallelism
@@ -119,6 +121,20 @@ def check_parallel(spec: RunSpec) -> None:
         if not shard_blocks(model):
             raise SpecError(f"parallelism: fsdp found no blocks to shard in model {spec.model.name} (no child module "
                             "with parameters in a Sequential or ModuleList); use parallelism=ddp")
+
+
+def on_cluster(par: ParallelismSpec) -> ParallelismSpec:
+    """rdzv_endpoint `slurm:<port>`: the job's first node hosts the rendezvous; this node's rank is SLURM_NODEID."""
+    if not par.rdzv_endpoint.startswith("slurm:"):
+        return par
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} needs a SLURM job (SLURM_JOB_NODELIST is not set); "
+                        "give host:port instead")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True).stdout.split()
+    host = hosts[0] if hosts else nodelist.split(",")[0]
+    return dataclasses.replace(par, rdzv_endpoint=f"{host}:{par.rdzv_endpoint.split(':', 1)[1]}",
+                               node_rank=int(os.environ.get("SLURM_NODEID", 0)))
 
 
 class WorkersFailed(RuntimeError):

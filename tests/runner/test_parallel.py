@@ -191,3 +191,17 @@ def test_more_workers_than_gpus_is_refused(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SpecError, match=r"parallelism.nproc_per_node: 2 workers but only 1 GPU\(s\) visible"):
         launch.check_parallel(compose_spec(["parallelism=ddp", "trainer.device=cuda"], tmp_path / "run"))
+
+
+def test_slurm_endpoint_resolves_to_the_jobs_first_node_and_this_nodes_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner import launch
+    from runner.spec import ParallelismSpec
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "gpu07\ngpu08\n", ""))
+    par = launch.on_cluster(ParallelismSpec(name="ddp", nnodes=2, rdzv_endpoint="slurm:29400"))
+    assert (par.rdzv_endpoint, par.node_rank) == ("gpu07:29400", 1)
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    with pytest.raises(SpecError, match="needs a SLURM job"):
+        launch.on_cluster(ParallelismSpec(name="ddp", nnodes=2, rdzv_endpoint="slurm:29400"))
