@@ -67,10 +67,14 @@ def is_pruned(error: BaseException) -> bool:
 
 
 class TrialReporter:
-    """Reports a run's evaluations to its trial and raises `optuna.TrialPruned` when pruned."""
+    """Reports a run's evaluations to its trial and raises `optuna.TrialPruned` when pruned.
 
-    def __init__(self, trial: Any, metric: str, multi_objective: bool):
-        self.trial, self.metric, self.multi_objective = trial, metric, multi_objective
+    Under ddp/fsdp every rank holds one (their metrics are all-reduced, hence equal): rank 0 alone
+    reports and asks the pruner, and broadcasts the decision, so all ranks stop at the same step.
+    """
+
+    def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool):
+        self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
         self.evaluations = 0
 
     def report(self, metrics: dict[str, float]) -> None:
@@ -79,22 +83,32 @@ class TrialReporter:
         self.evaluations += 1
         for name, value in metrics.items():
             if not math.isfinite(value):  # a diverged run: FAIL now rather than train on NaN
-                raise FloatingPointError(f"trial {self.trial.number} diverged: {name} is {value} "
-                                         f"at evaluation {self.evaluations}")
-        if self.metric not in metrics or self.multi_objective:  # Optuna prunes single objectives only
-            return
-        value = metrics[self.metric]
-        self.trial.report(value, self.evaluations)  # step = evaluations so far: epochs by default
-        if self.trial.should_prune():
-            raise optuna.TrialPruned(f"trial {self.trial.number} pruned after evaluation "
-                                     f"{self.evaluations}: {self.metric} {value:.4f}")
+                raise FloatingPointError(f"the run diverged: {name} is {value} at evaluation {self.evaluations}")
+        verdict = None
+        # Optuna prunes single objectives only
+        if self.trial is not None and self.metric in metrics and not self.multi_objective:
+            value = metrics[self.metric]
+            self.trial.report(value, self.evaluations)  # step = evaluations so far: epochs by default
+            if self.trial.should_prune():
+                verdict = (f"trial {self.trial.number} pruned after evaluation {self.evaluations}: "
+                           f"{self.metric} {value:.4f}")
+        if self.distributed:
+            from runner.parallel import broadcast_object
+
+            verdict = broadcast_object(verdict)
+        if verdict is not None:
+            raise optuna.TrialPruned(verdict)
 
 
 def open_trial(spec: "RunSpec") -> TrialReporter | None:
-    """The reporter for this run's trial, or None when the run is not a trial (or not a live one)."""
+    """The reporter for this run's trial, or None when the run is not a trial."""
     t = spec.trial
     if t.number is None or t.study_name is None:
         return None
+    distributed, rank = _rank()
+    metric = spec.objective.metric
+    if rank != 0:
+        return TrialReporter(None, metric, False, distributed)
     import optuna
     from hydra.utils import instantiate
 
@@ -106,10 +120,17 @@ def open_trial(spec: "RunSpec") -> TrialReporter | None:
     if state != optuna.trial.TrialState.RUNNING:
         log.warning("trial %d of study %r is %s, not RUNNING: this run will not report to it",
                     t.number, t.study_name, state.name)
-        return None
+        return TrialReporter(None, metric, False, distributed)
     pruner = study.user_attrs.get(PRUNER_ATTR)
     study.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
-    return TrialReporter(optuna.trial.Trial(study, trial_id), spec.objective.metric, len(study.directions) > 1)
+    return TrialReporter(optuna.trial.Trial(study, trial_id), metric, len(study.directions) > 1, distributed)
+
+
+def _rank() -> tuple[bool, int]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return False, 0
+    return True, dist.get_rank()
 
 
 def parent_run_id(spec: "RunSpec") -> str | None:

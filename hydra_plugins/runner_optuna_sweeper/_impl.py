@@ -16,9 +16,8 @@ import math
 import time
 import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import optuna
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
@@ -27,18 +26,18 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
-from optuna.trial import FrozenTrial, TrialState
+from optuna.distributions import BaseDistribution
+from optuna.trial import TrialState
 
 from runner.trial import PARENT_RUN_ATTR, PRUNER_ATTR, open_storage, storage_url
 
+from . import _bookkeeping as books
 from . import _slots
-from ._search_space import distribution_from_config, grid_values, parse_params
+from ._builders import build_pruner, build_sampler, pruner_config
+from ._search_space import distribution_from_config, grid_values, parse_params, suggest
 from ._study_report import StudyReport
 
 log = logging.getLogger(__name__)
-HEARTBEAT = "runner.heartbeat"
-SURPLUS = "runner.surplus"
 
 
 @dataclass
@@ -65,6 +64,7 @@ class OptunaSweeperImpl(Sweeper):
         self.custom: Optional[Callable[[DictConfig, optuna.Trial], None]] = (
             get_method(settings.custom_search_space) if settings.custom_search_space else None)
         self.mine: set[int] = set()  # trial numbers this process is running
+        self.first_beat: dict[int, float] = {}  # other sweeps' running trials: their heartbeat when first seen
         self.last_error: Optional[BaseException] = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -81,13 +81,13 @@ class OptunaSweeperImpl(Sweeper):
         self.directions = self._directions()
         self.storage_url = storage_url(self.s.storage)
         self.storage = open_storage(self.storage_url)
-        pruner_cfg = OmegaConf.to_container(self.s.pruner, resolve=True) if self.s.pruner else {"_target_": "optuna.pruners.NopPruner"}
+        pruner_cfg = pruner_config(self.s.pruner, self.config)
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
         self.study = optuna.create_study(study_name=self.s.study_name, storage=self.storage, directions=self.directions,
-                                         pruner=_instantiate(pruner_cfg), load_if_exists=True)
+                                         pruner=build_pruner(pruner_cfg), load_if_exists=True)
         self.study.set_user_attr(PRUNER_ATTR, pruner_cfg)
         existing = len(self.study.get_trials(deepcopy=False))
-        self.study.sampler = self._sampler(grid, seed_offset=existing)
+        self.study.sampler = build_sampler(self.s.sampler, grid, seed_offset=existing)
         self.n_trials = min(self.s.n_trials, math.prod(len(v) for v in grid.values())) if grid else self.s.n_trials
         self.n_jobs = self._slot_count()
         self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
@@ -115,7 +115,9 @@ class OptunaSweeperImpl(Sweeper):
         pool = ThreadPoolExecutor(self.n_jobs, thread_name_prefix="slot") if self.n_jobs > 1 else None
         try:
             while True:
-                self._fail_stale_trials()
+                if self.s.heartbeat_interval:
+                    books.fail_stale_trials(self.study, self.storage, self.mine,
+                                            self.s.grace_period or 2 * self.s.heartbeat_interval, self.s.max_retry)
                 stop = self._too_many_failures()
                 while free and not stop and (trial := self._next_trial()) is not None:
                     slot = free.pop(0)
@@ -141,20 +143,17 @@ class OptunaSweeperImpl(Sweeper):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         if self._too_many_failures():
-            failed = self._counted(TrialState.FAIL)
-            raise RuntimeError(f"{failed} of the study's trials failed, more than max_failure_rate="
+            raise RuntimeError(f"{self._failed()} of the study's trials failed, more than max_failure_rate="
                                f"{self.s.max_failure_rate} x n_trials={self.n_trials}; last error: {self.last_error!r}")
 
     def _next_trial(self) -> Optional[optuna.Trial]:
         trials = self.study.get_trials(deepcopy=False)
         waiting = any(t.state == TrialState.WAITING for t in trials)
-        if not waiting and _budget_used(trials) >= self.n_trials:
+        if not waiting and len(books.counted(trials)) >= self.n_trials:
             return None
         trial = self.study.ask()
-        frozen = self.storage.get_trial(trial._trial_id)
-        enqueued = "failed_trial" in frozen.system_attrs or "fixed_params" in frozen.system_attrs
-        if not enqueued and _budget_used([t for t in self.study.get_trials(deepcopy=False) if t.number <= trial.number]) > self.n_trials:
-            self.storage.set_trial_system_attr(trial._trial_id, SURPLUS, True)  # another sweep took the last one
+        if books.over_budget(self.study, self.storage.get_trial(trial._trial_id), self.n_trials):
+            self.storage.set_trial_system_attr(trial._trial_id, books.SURPLUS, True)
             self._tell(trial, TrialState.FAIL, None)
             return None
         return trial
@@ -163,7 +162,7 @@ class OptunaSweeperImpl(Sweeper):
         self.mine.add(trial.number)
         state, values, killed = TrialState.FAIL, None, False
         try:
-            with self._heartbeat(trial):
+            with books.heartbeat(self.storage, trial._trial_id, self.s.heartbeat_interval):
                 overrides = self._overrides(trial)
                 value = _slots.launch(self.launcher, overrides, trial.number, slot, self.n_jobs, self.spawn)
                 values = self._values(trial, value)
@@ -180,14 +179,14 @@ class OptunaSweeperImpl(Sweeper):
         finally:
             self._tell(trial, state, values)
             if killed:
-                self._retry(self.storage.get_trial(trial._trial_id))
+                books.retry(self.study, self.storage.get_trial(trial._trial_id), self.s.max_retry)
             self.mine.discard(trial.number)
 
     # --- trials --------------------------------------------------------------------------------
 
     def _overrides(self, trial: optuna.Trial) -> list[str]:
         for name, distribution in self.space.items():
-            _suggest(trial, name, distribution)
+            suggest(trial, name, distribution)
         for name, value in self.fixed.items():
             trial.set_user_attr(name, value)
         if self.custom is not None:
@@ -221,64 +220,22 @@ class OptunaSweeperImpl(Sweeper):
             if "Study.stop" not in str(e):
                 raise
 
-    def _retry(self, trial: FrozenTrial) -> None:
-        if self.s.max_retry > 0:
-            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=self.s.max_retry)(self.study, trial)
-
-    @contextmanager
-    def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
-        if not self.s.heartbeat_interval:
-            yield
-            return
-        import threading
-
-        stop = threading.Event()
-
-        def beat() -> None:
-            while True:
-                try:
-                    self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT, time.time())
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    return
-                if stop.wait(self.s.heartbeat_interval):
-                    return
-
-        thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{trial.number}")
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    def _fail_stale_trials(self) -> None:
-        if not self.s.heartbeat_interval:
-            return
-        grace = self.s.grace_period or 2 * self.s.heartbeat_interval
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            last = max(t.system_attrs.get(HEARTBEAT, 0.0), t.datetime_start.timestamp())  # a retry inherits old beats
-            if t.number in self.mine or time.time() - last <= grace:
-                continue
-            try:
-                if self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
-                    log.warning(f"trial {t.number} stopped beating {time.time() - last:.0f} s ago "
-                                f"(its sweep was killed): FAIL{', retried' if self.s.max_retry else ''}")
-                    self._retry(self.storage.get_trial(t._trial_id))
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # another sweep process got there first
-
     def _others_running(self) -> bool:
+        """Whether another sweep's running trial has not beaten since this sweep first saw it: it may
+        be dead, so wait until it beats (alive: its own sweep finishes it) or goes stale (retry it)."""
         if not self.s.heartbeat_interval:  # without heartbeats a dead peer's trial would be waited on forever
             return False
-        return any(t.number not in self.mine for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = t.system_attrs.get(books.HEARTBEAT, 0.0)
+            if t.number not in self.mine and self.first_beat.setdefault(t.number, beat) == beat:
+                return True
+        return False
+
+    def _failed(self) -> int:
+        return sum(1 for t in books.counted(self.study.get_trials(deepcopy=False)) if t.state == TrialState.FAIL)
 
     def _too_many_failures(self) -> bool:
-        return self._counted(TrialState.FAIL) > self.s.max_failure_rate * self.n_trials
-
-    def _counted(self, state: TrialState) -> int:
-        trials = self.study.get_trials(deepcopy=False)
-        replaced = _replaced(trials)
-        return sum(1 for t in trials if t.state == state and t.number not in replaced and not t.system_attrs.get(SURPLUS))
+        return self._failed() > self.s.max_failure_rate * self.n_trials
 
     def _poll_s(self) -> float:
         return min(5.0, float(self.s.heartbeat_interval or 5))
@@ -294,56 +251,21 @@ class OptunaSweeperImpl(Sweeper):
         return space, fixed
 
     def _directions(self) -> list[str]:
-        d = self.s.direction
+        d = self.s.direction  # unset: the run's objective.direction (runner), else Optuna's minimize
+        if d is None:
+            d = OmegaConf.select(self.config, "objective.direction", default="minimize")
         directions = list(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else [d]
         return [str(x.name if hasattr(x, "name") else x) for x in directions]
 
     def _is_grid(self) -> bool:
         return str(OmegaConf.select(self.s.sampler, "_target_", default="")).endswith("GridSampler")
 
-    def _sampler(self, grid: Optional[dict[str, list]], seed_offset: int) -> optuna.samplers.BaseSampler:
-        from hydra.utils import get_class
-
-        kwargs = {k: v for k, v in OmegaConf.to_container(self.s.sampler, resolve=True).items() if v is not None}
-        cls = get_class(kwargs.pop("_target_"))
-        kwargs.pop("_partial_", None)
-        if "seed" in kwargs:  # a resumed or shared study must not replay the first process's draws
-            kwargs["seed"] += seed_offset
-        if grid is not None:
-            kwargs["search_space"] = grid
-        return cls(**{k: _instantiate(v) if isinstance(v, dict) and "_target_" in v else v for k, v in kwargs.items()})
-
     def _slot_count(self) -> int:
         if self.s.n_jobs > 0:
             return self.s.n_jobs
         import os
 
-        return max(1, len(_slots._visible_gpus()) or os.cpu_count() or 1)
-
-
-def _suggest(trial: optuna.Trial, name: str, d: BaseDistribution) -> None:
-    if isinstance(d, CategoricalDistribution):
-        trial.suggest_categorical(name, d.choices)
-    elif isinstance(d, IntDistribution):
-        trial.suggest_int(name, d.low, d.high, step=d.step, log=d.log)
-    else:
-        trial.suggest_float(name, d.low, d.high, step=d.step, log=d.log)
-
-
-def _replaced(trials: list[FrozenTrial]) -> set[int]:
-    """Trials a retry has taken the place of."""
-    return {t.system_attrs["retry_history"][-1] for t in trials if t.system_attrs.get("retry_history")}
-
-
-def _budget_used(trials: list[FrozenTrial]) -> int:
-    replaced = _replaced(trials)
-    return sum(1 for t in trials if t.number not in replaced and not t.system_attrs.get(SURPLUS))
-
-
-def _instantiate(cfg: dict) -> Any:
-    from hydra.utils import instantiate
-
-    return instantiate(cfg)
+        return max(1, len(_slots.visible_gpus()) or os.cpu_count() or 1)
 
 
 def _quote(text: str) -> str:

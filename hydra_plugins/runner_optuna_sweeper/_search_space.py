@@ -96,6 +96,16 @@ def grid_values(name: str, distribution: BaseDistribution) -> list[Any]:
                      f"(choice or range), not {type(distribution).__name__}")
 
 
+def suggest(trial: Any, name: str, d: BaseDistribution) -> None:
+    """Sample (or, for a retried trial, re-read) one parameter through Optuna's public API."""
+    if isinstance(d, CategoricalDistribution):
+        trial.suggest_categorical(name, d.choices)
+    elif isinstance(d, IntDistribution):
+        trial.suggest_int(name, d.low, d.high, step=d.step, log=d.log)
+    else:
+        trial.suggest_float(name, d.low, d.high, step=d.step, log=d.log)
+
+
 def describe(distribution: BaseDistribution) -> str:
     """A short text for MLflow params and logs: 'log-uniform [0.0001, 0.1]', 'choice(sgd, adam)'."""
     if isinstance(distribution, CategoricalDistribution):

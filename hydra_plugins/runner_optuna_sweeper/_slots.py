@@ -1,12 +1,13 @@
 """Running one trial's job in a slot.
 
 With one slot the job goes through `launcher.launch` in this thread, like any Hydra sweep. With
-several slots and Hydra's basic launcher, each job runs `launcher.launch` in a spawned process of
-its own (as hydra-joblib-launcher does): Hydra's job setup (the HydraConfig singleton, logging,
-the working directory) is process-global and cannot run twice at once in one process, and a
-process per trial isolates memory, CUDA state and crashes. Other launchers (submitit, joblib, ray)
-already run jobs elsewhere; each slot thread calls their `launch` with its one job.
-On a machine with several GPUs each slot's process sees only its own: CUDA_VISIBLE_DEVICES.
+several slots and Hydra's basic launcher, each job runs `launcher.launch` in a process of its own
+(as hydra-joblib-launcher does), forked from a fork server that imported torch and the engine once:
+Hydra's job setup (the HydraConfig singleton, logging, the working directory) is process-global and
+cannot run twice at once in one process, and a process per trial isolates memory, CUDA state and
+crashes. Other launchers (submitit, joblib, ray) already run jobs elsewhere; each slot thread calls
+their `launch` with its one job. Each slot's process gets its share of the machine: its own GPU
+when there are several (CUDA_VISIBLE_DEVICES), cores / slots CPU threads.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class JobDied(RuntimeError):
     """The job's process ended without a result: killed by a signal, or exited."""
 
     def __init__(self, exitcode: int | None):
-        self.killed = exitcode is None or exitcode < 0
+        self.killed = exitcode is None or exitcode < 0 or exitcode in (130, 137)  # signal, Ctrl-C, parent gone
         how = f"was killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}"
         super().__init__(f"the job's process {how} before returning a result")
 
@@ -81,7 +82,7 @@ def slot_env(slot: int, slots: int) -> dict[str, str]:
     """A slot's share of the machine: its own GPU when there are several, and cores / slots CPU
     threads (torch's default of one thread per core in every slot oversubscribes the CPU many times)."""
     env = {}
-    devices = _visible_gpus()
+    devices = visible_gpus()
     if len(devices) > 1:
         env["CUDA_VISIBLE_DEVICES"] = devices[slot % len(devices)]
     if "OMP_NUM_THREADS" not in os.environ:
@@ -89,7 +90,7 @@ def slot_env(slot: int, slots: int) -> dict[str, str]:
     return env
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip()]
@@ -105,7 +106,7 @@ def _context() -> Any:
     """Jobs fork from a server process that imported the heavy modules once (not from this process,
     whose threads and state a fork would copy), so a trial starts in well under a second."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD if "runner.spec" in sys.modules else [])  # runner's CLI, not another app
     return ctx
 
 

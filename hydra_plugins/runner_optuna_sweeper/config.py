@@ -135,7 +135,7 @@ class SuccessiveHalvingPrunerConfig(PrunerConfig):
 class HyperbandPrunerConfig(PrunerConfig):
     _target_: str = "optuna.pruners.HyperbandPruner"
     min_resource: int = 1
-    max_resource: Any = "auto"
+    max_resource: Any = "auto"  # runner's jobs: trainer.max_epochs; other apps: estimated from the first finished trial
     reduction_factor: int = 3
     bootstrap_count: int = 0
 
@@ -148,7 +148,8 @@ class OptunaSweeperConf:
 
     sampler: SamplerConfig = MISSING  # hydra/sweeper/sampler: tpe, random, cmaes, nsgaii, grid, gp, qmc
     pruner: PrunerConfig = MISSING    # hydra/sweeper/pruner: none, median, percentile, successive_halving, hyperband
-    direction: Any = "minimize"       # minimize | maximize, or a list of them for several objectives
+    direction: Any = None             # minimize | maximize, or a list for several objectives; null: the
+                                      # run's objective.direction (runner), else minimize
     # Optuna storage: null is the journal file outputs/optuna.journal (safe for parallel slots and
     # several sweep processes on one machine); a file path is a journal file; an RDB URL
     # (postgresql://user:pass@host/db for many machines; sqlite:///x.db for one writer); redis://.

@@ -159,3 +159,60 @@ def test_custom_search_space_example(tmp_path: Path) -> None:
         assert isinstance(t.params["x"], int) and -3 <= t.params["x"] <= 3 and 1 <= t.params["y"] <= 10
         assert abs(t.params["z"] - t.params["x"]) <= 0.5 and 0 <= t.params["+w"] <= 1
         assert t.value == pytest.approx(sum(t.params[k] ** 2 for k in ("x", "y", "z", "+w")))
+
+
+# its multi-objective example
+MULTI_APP = '''
+from typing import Tuple
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base=None, config_path="multi-objective-conf", config_name="config")
+def binh_and_korn(cfg: DictConfig) -> Tuple[float, float]:
+    x: float = cfg.x
+    y: float = cfg.y
+
+    v0 = 4 * x**2 + 4 * y**2
+    v1 = (x - 5) ** 2 + (y - 5) ** 2
+    return v0, v1
+
+
+if __name__ == "__main__":
+    binh_and_korn()
+'''
+MULTI = '''
+defaults:
+  - override hydra/sweeper: optuna
+  - override hydra/sweeper/sampler: nsgaii
+
+hydra:
+  sweeper:
+    sampler:
+      seed: 123
+    direction: [minimize, minimize]
+    study_name: multi-objective
+    storage: null
+    n_trials: 20
+    n_jobs: 1
+    params:
+      x: range(0, 5, step=0.5)
+      y: range(0, 3, step=0.5)
+
+x: 1
+y: 1
+'''
+
+
+def test_multi_objective_example(tmp_path: Path) -> None:
+    write(tmp_path / "multi-objective.py", MULTI_APP)
+    write(tmp_path / "multi-objective-conf" / "config.yaml", MULTI)
+    run_app(tmp_path, "multi-objective.py")
+    trials = study(tmp_path, "multi-objective").trials
+    assert len(trials) == 20 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    for t in trials:
+        x, y = t.params["x"], t.params["y"]
+        assert x < 5 and y < 3 and t.values == [4 * x**2 + 4 * y**2, (x - 5) ** 2 + (y - 5) ** 2]
+    front = results(tmp_path)["solutions"]
+    assert front and all(len(s["values"]) == 2 for s in front)

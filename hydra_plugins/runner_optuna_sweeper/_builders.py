@@ -1,0 +1,43 @@
+"""Sampler and pruner from their configs (the sweeper conf is not instantiated recursively: the
+pruner's config itself travels to the jobs through the study)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import optuna
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+
+def build_sampler(cfg: DictConfig, grid: Optional[dict[str, list]] = None, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler from its config; null fields take Optuna's defaults. A resumed or shared study
+    offsets the seed by the trials already there, so it does not replay the first draws."""
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if v is not None}
+    cls = get_class(kwargs.pop("_target_"))
+    kwargs.pop("_partial_", None)
+    if "seed" in kwargs:
+        kwargs["seed"] += seed_offset
+    if grid is not None:
+        kwargs["search_space"] = grid
+    kwargs = {k: instantiate(v) if isinstance(v, dict) and "_target_" in v else v for k, v in kwargs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return cls(**kwargs)
+
+
+def pruner_config(cfg: Optional[DictConfig], config: DictConfig) -> dict:
+    """The pruner's config as jobs will build it. Hyperband's max_resource 'auto' would wait for a
+    first trial to finish before pruning anything; runner's jobs report once per epoch, so for
+    them it is trainer.max_epochs, known from the start."""
+    pruner = OmegaConf.to_container(cfg, resolve=True) if cfg else {"_target_": "optuna.pruners.NopPruner"}
+    epochs = OmegaConf.select(config, "trainer.max_epochs", default=None)
+    per_epoch = (OmegaConf.select(config, "trainer.eval_every_n_steps", default=None) == 0
+                 and OmegaConf.select(config, "trainer.max_steps", default=0) is None)
+    if pruner["_target_"].endswith("HyperbandPruner") and pruner.get("max_resource") == "auto" and epochs and per_epoch:
+        pruner["max_resource"] = int(epochs)
+    return pruner
+
+
+def build_pruner(config: dict) -> Any:
+    return instantiate(config)
