@@ -69,8 +69,14 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
     if not blocks:
         raise SpecError(f"parallelism: fsdp found no blocks to shard in {type(module).__name__} (no child module with "
                         "parameters in a Sequential or ModuleList); use parallelism=ddp")
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if param_dtype else []
+    for norm in norms:
+        # BatchNorm's running statistics are fp32 buffers that F.batch_norm will not mix with bf16/fp16
+        # weights: norm layers keep fp32 parameters (inputs are cast up; autocast casts down after)
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     for block in blocks:
-        fully_shard(block, mp_policy=policy)
+        if not any(block is norm for norm in norms):
+            fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     return module
 

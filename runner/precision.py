@@ -32,11 +32,9 @@ class Precision:
         self.param_dtype = self.autocast_dtype if sharded else None
         self.scaler = None
         if spec.name == "fp16":
-            if sharded:  # all-reduces found-inf, so every rank skips the same steps
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
-            else:
-                from torch.amp import GradScaler as Scaler
-            self.scaler = Scaler(device.type, init_scale=spec.init_scale)
+            # FSDP2 too: its gradients are DTensors, whose inf check is reduced across ranks, so
+            # torch.amp's GradScaler (not FSDP1's ShardedGradScaler) is the one to use (torchtitan's docs)
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale)
         self.skipped_steps = 0
         if spec.name == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True

@@ -206,3 +206,25 @@ def test_slurm_endpoint_resolves_to_the_jobs_first_node_and_this_nodes_rank(monk
     monkeypatch.delenv("SLURM_JOB_NODELIST")
     with pytest.raises(SpecError, match="needs a SLURM job"):
         launch.on_cluster(ParallelismSpec(name="ddp", nnodes=2, rdzv_endpoint="slurm:29400"))
+
+
+def test_fsdp_resumes_from_a_checkpoint_as_if_never_stopped(tmp_path: Path) -> None:
+    """Full (gathered) state dicts: the sharded optimizer state and the schedule come back exactly."""
+    args = [*SMALL, "parallelism=fsdp", "dataset.batch_size=16", "scheduler=warmup_cosine", "trainer.max_steps=30",
+            "trainer.checkpoint_every_n_steps=10", "trainer.keep_checkpoints=5", "tracking=none"]
+    full = run_cli([*args, f"hydra.run.dir={tmp_path / 'full'}"], cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    resumed = run_cli([*args, f"hydra.run.dir={tmp_path / 'resumed'}",
+                       f"trainer.resume={tmp_path / 'full' / 'checkpoints' / 'step-00000010.pt'}"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming at step 10" in resumed.stdout + resumed.stderr
+    assert_same(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"), rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
+def test_fsdp_mixed_precision_trains_a_model_with_batchnorm(tmp_path: Path, precision: str) -> None:
+    """MixedPrecisionPolicy (low-precision compute, fp32 reduction) with BatchNorm kept in fp32."""
+    proc = run_cli(["parallelism=fsdp", "model=cnn", "model.norm=true", f"precision={precision}", "trainer.max_epochs=2",
+                    "trainer.clip_grad_norm=1.0", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.split("best val/acc: ")[1].split()[0]) > 0.7
