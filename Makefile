@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench ui clean
+.PHONY: install run test test-all bench bench-hpo ui clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,9 @@ test-all: install       ## every test, slow ones included
 
 bench: install          ## engine vs a hand-written loop: median optimizer-step time and their ratio
 	$(PY) -m runner.bench
+
+bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
+	$(PY) -m runner.bench_hpo
 
 ui: install             ## the MLflow UI on http://127.0.0.1:5000 over the local store
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000

@@ -24,6 +24,7 @@ from runner.trial import parent_run_id
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.yaml"  # rank 0's RunResult, for the launcher that started the workers
+PRUNED_FILE = "pruned"       # rank 0's note that an Optuna pruner stopped the run
 
 
 def spec_from_hydra(cfg: DictConfig) -> RunSpec:
@@ -98,6 +99,11 @@ def launch_workers(spec: RunSpec) -> RunResult:
                             f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
                             "was started") from None
         raise
+    pruned = Path(spec.run_dir) / PRUNED_FILE
+    if pruned.exists():
+        import optuna
+
+        raise optuna.TrialPruned(pruned.read_text())
     result_file = Path(spec.run_dir) / RESULT_FILE
     if not result_file.exists():  # global rank 0 ran on another node
         return RunResult(math.nan, {}, {}, {}, 0, 0.0)

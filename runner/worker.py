@@ -13,9 +13,10 @@ from pathlib import Path
 
 from runner import checkpoint
 from runner.engine import pick_device
-from runner.launch import run_in_process
+from runner.launch import PRUNED_FILE, run_in_process
 from runner.parallel import init_process_group
 from runner.spec import RunSpec, SpecError
+from runner.trial import is_pruned
 
 
 def main(spec_path: str) -> None:
@@ -33,6 +34,12 @@ def main(spec_path: str) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except BaseException as e:
+        if not is_pruned(e):
+            raise
+        # every rank gets the prune decision together; the launcher tells the sweeper
+        if rank == 0:
+            (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
     finally:
         import torch.distributed as dist
 
