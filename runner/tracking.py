@@ -178,8 +178,17 @@ def run_name_from(overrides: tuple[str, ...]) -> str:
         key, _, value = override.lstrip("+~").partition("=")
         if key.startswith(("hydra.", "trial.")) or key in ("trainer.resume", "tracking.uri"):
             continue
+        value = _short_number(value)
         parts.append(value if "." not in key and key not in ("seed", "accum") else f"{key.split('.')[-1]}={value}")
     return ",".join(parts)[:200] or "default"
+
+
+def _short_number(value: str) -> str:
+    """Sampled floats read as 0.0083, not 0.008313101133778738."""
+    try:
+        return value if float(value).is_integer() else f"{float(value):.3g}"
+    except ValueError:
+        return value
 
 
 def _param_value(value: Any) -> str:
