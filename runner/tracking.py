@@ -69,10 +69,10 @@ class MlflowTracker:
         self._pending: list = []
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
-        experiment_id = self._experiment_id()
+        experiment = experiment_id(self.client, self.experiment, self.uri, self.artifact_root)
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
-        if resume_run_id and self._run_exists(resume_run_id):
+        if resume_run_id and run_exists(self.client, resume_run_id):
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             self.run_name = self.client.get_run(resume_run_id).info.run_name
@@ -82,7 +82,7 @@ class MlflowTracker:
                 "host": socket.gethostname(), "run_dir": spec.run_dir}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
-        run = self.client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        run = self.client.create_run(experiment, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         if self.run_file is not None:
             self.run_file.parent.mkdir(parents=True, exist_ok=True)
@@ -131,24 +131,27 @@ class MlflowTracker:
             if op is not None and not synchronous:
                 self._pending.append(op)
 
-    def _experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            return found.experiment_id
-        location = None
-        if not self.uri.startswith(("http", "databricks")):
-            location = Path(self.artifact_root).resolve().as_uri()
-        try:
-            return self.client.create_experiment(self.experiment, artifact_location=location)
-        except Exception:  # another process created it first
-            return self.client.get_experiment_by_name(self.experiment).experiment_id
 
-    def _run_exists(self, run_id: str) -> bool:
-        try:
-            self.client.get_run(run_id)
-            return True
-        except Exception:
-            return False
+def experiment_id(client: Any, name: str, uri: str, artifact_root: str) -> str:
+    """The experiment's id, created on first use (artifacts under artifact_root on a local store)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if not uri.startswith(("http", "databricks")):
+        location = Path(artifact_root).resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # another process created it first
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def run_exists(client: Any, run_id: str) -> bool:
+    try:
+        client.get_run(run_id)
+        return True
+    except Exception:
+        return False
 
 
 def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None) -> Tracker:

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from runner.tracking import experiment_id, run_exists
 from runner.trial import PARENT_RUN_ENV
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,12 @@ class ParentRun:
 
     def start(self, name: str, tags: dict[str, str], params: dict[str, Any], reuse: str | None = None) -> str:
         """Open the parent (or reopen `reuse` when it still exists) and publish it to jobs."""
-        if reuse and self._exists(reuse):
+        if reuse and run_exists(self.client, reuse):
             self.run_id = reuse
             self.client.update_run(reuse, status="RUNNING")
         else:
-            run = self.client.create_run(self._experiment_id(), run_name=name, tags=tags)
+            experiment = experiment_id(self.client, self.experiment, self.uri, self.artifact_root)
+            run = self.client.create_run(experiment, run_name=name, tags=tags)
             self.run_id = run.info.run_id
             from mlflow.entities import Param
 
@@ -73,25 +75,6 @@ class ParentRun:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status)
             self.run_id = None
-
-    def _exists(self, run_id: str) -> bool:
-        try:
-            self.client.get_run(run_id)
-            return True
-        except Exception:
-            return False
-
-    def _experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.experiment)
-        if found is not None:
-            return found.experiment_id
-        location = None
-        if not self.uri.startswith(("http", "databricks")):
-            location = Path(self.artifact_root).resolve().as_uri()
-        try:
-            return self.client.create_experiment(self.experiment, artifact_location=location)
-        except Exception:  # another process created it first
-            return self.client.get_experiment_by_name(self.experiment).experiment_id
 
 
 class ParentRunCallback(Callback):
