@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from runner import checkpoint
 from runner.engine import pick_device
 from runner.launch import PRUNED_FILE, run_in_process
@@ -30,6 +32,7 @@ def main(spec_path: str) -> None:
     try:
         env = init_process_group(pick_device(spec.trainer.device).type)
         run_in_process(spec, env)
+        dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
     except SpecError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -40,11 +43,6 @@ def main(spec_path: str) -> None:
         # every rank gets the prune decision together; the launcher tells the sweeper
         if rank == 0:
             (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _has_checkpoint(run_dir: str) -> bool:

@@ -126,8 +126,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_s
     assert reference.returncode == 0, reference.stderr
 
     db = tmp_path / "mlflow.db"
-    # two restarts allowed: on a loaded machine a restarted gloo worker can miss its peers' connect window once
-    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=2", f"hydra.run.dir={tmp_path / 'cut'}",
+    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}",
            f"tracking.uri=sqlite:///{db}"]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
