@@ -126,7 +126,9 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_s
     assert reference.returncode == 0, reference.stderr
 
     db = tmp_path / "mlflow.db"
-    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}",
+    # restarts to spare: on CPU a restarted round's gloo mesh sometimes fails to connect, which costs a
+    # round (torch's elastic agent then starts another); the run must still finish once, exactly
+    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=3", f"hydra.run.dir={tmp_path / 'cut'}",
            f"tracking.uri=sqlite:///{db}"]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
