@@ -15,6 +15,7 @@ import yaml
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import checkpoint
 from runner.engine import Engine, RunResult, pick_device
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
 from runner.spec import ParallelismSpec, RunSpec, SpecError
@@ -113,6 +114,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
 def check_parallel(spec: RunSpec) -> None:
     """What can be known before any worker starts."""
     par = spec.parallelism
+    if spec.trainer.resume:
+        checkpoint.resolve(spec.trainer.resume)  # a missing checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
     if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
