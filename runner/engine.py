@@ -7,6 +7,7 @@ checkpoint holds everything needed to continue as if never stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -33,6 +34,8 @@ from runner.tracking import NullTracker, Tracker
 from runner.trial import is_pruned
 
 log = logging.getLogger(__name__)
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it has no state
 
 
 @dataclass
@@ -142,8 +145,9 @@ class Engine:
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         samples = sum(len(y) for _, y in micro_batches)
         losses = []
+        last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
-            with parallel.sync_gradients(self.model, sync=i == len(micro_batches) - 1):
+            with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
                 logits, y = self._forward(x, y)
                 loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
                 # Mean over every sample of the optimizer step. Ranks hold equally many samples (the

@@ -36,7 +36,7 @@ class Monitor:
         self.early_stopping_best: float | None = None
         self.evals_without_improvement = 0
         self.should_stop = False
-        self._loss = None
+        self._losses: list[torch.Tensor] = []
         self._samples = 0
         self.samples_seen = 0  # this process's run: the throughput summary
         self._t_last = time.perf_counter()
@@ -49,14 +49,14 @@ class Monitor:
 
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
                 lr: float, skipped_steps: int) -> None:
-        self._loss = loss_sum if self._loss is None else self._loss + loss_sum
+        self._losses.append(loss_sum)  # summed on log steps: no tensor op per step
         self._samples += samples
         self.samples_seen += samples
         self.bar.update(1)
         if not self.is_log_step(step):
             return
         now = time.perf_counter()
-        metrics = {"train/loss": self._loss.item() / self._samples, "lr": lr,
+        metrics = {"train/loss": torch.stack(self._losses).sum().item() / self._samples, "lr": lr,
                    "throughput/samples_per_s": self._samples / max(now - self._t_last, 1e-9),
                    "epoch": step / self.steps_per_epoch}
         if grad_norm is not None:
@@ -65,7 +65,7 @@ class Monitor:
             metrics["fp16/skipped_steps"] = skipped_steps
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self._loss, self._samples, self._t_last = None, 0, time.perf_counter()
+        self._losses, self._samples, self._t_last = [], 0, time.perf_counter()
         self._record(metrics, step)
         self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['throughput/samples_per_s']:.0f}")
 
