@@ -38,8 +38,7 @@ class EpochSampler(Sampler[int]):
         return iter(self._indices()[self.start:])
 
     def __len__(self) -> int:
-        n = math.ceil(self.size / self.world) if self.pad else len(range(self.rank, self.size, self.world))
-        return max(n - self.start, 0)
+        return max(self.per_rank() - self.start, 0)
 
     def per_rank(self) -> int:
         return math.ceil(self.size / self.world) if self.pad else len(range(self.rank, self.size, self.world))

@@ -66,9 +66,6 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
     # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     blocks = shard_blocks(module)
-    if not blocks:
-        raise SpecError(f"parallelism: fsdp found no blocks to shard in {type(module).__name__} (no child module with "
-                        "parameters in a Sequential or ModuleList); use parallelism=ddp")
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if param_dtype else []
     for norm in norms:
         # BatchNorm's running statistics are fp32 buffers that F.batch_norm will not mix with bf16/fp16
@@ -83,7 +80,8 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
 
 def shard_blocks(module: nn.Module) -> list[nn.Module]:
     """The units FSDP2 shards one by one: the children of every Sequential/ModuleList that hold
-    parameters (an MLP's Linear layers, a ResNet's BasicBlocks), outermost first, none nested."""
+    parameters (an MLP's Linear layers, a ResNet's BasicBlocks), outermost first, none nested.
+    A model without any cannot be sharded block by block: a SpecError says so."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for parent in module.modules():
@@ -93,6 +91,9 @@ def shard_blocks(module: nn.Module) -> list[nn.Module]:
             if any(True for _ in child.parameters()) and not isinstance(child, (nn.Sequential, nn.ModuleList)):
                 blocks.append(child)
                 inside.update(id(m) for m in child.modules())
+    if not blocks:
+        raise SpecError(f"parallelism: fsdp found no blocks to shard in {type(module).__name__} (no child module with "
+                        "parameters in a Sequential or ModuleList); use parallelism=ddp")
     return blocks
 
 
