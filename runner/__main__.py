@@ -15,11 +15,15 @@ def main(cfg: DictConfig) -> float:
     from runner.launch import run, spec_from_hydra
 
     from runner.launch import WorkersFailed
+    from runner.monitor import Diverged
 
     try:
         return run(spec_from_hydra(cfg)).objective
     except SpecError as e:
         fail(str(e))
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except WorkersFailed as e:
         print(f"runner: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -71,7 +71,7 @@ def hand_loop_step_times(spec: RunSpec) -> list[float]:
     stamps: list[float] = []
     epoch = 0
     while len(stamps) < spec.trainer.max_steps + 1:
-        loader.sampler.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)

@@ -104,3 +104,8 @@ def _atomic_link(target: Path, link: Path) -> None:
         _atomic_save(torch.load(target, weights_only=True), link)
         return
     os.replace(tmp, link)
+
+
+def read_spec(path_or_run_dir: str | Path) -> str | None:
+    """The spec YAML a checkpoint holds (None for checkpoints written before they held one)."""
+    return load(path_or_run_dir).get("spec")

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 
 from runner import checkpoint, parallel
 from runner.data import build_datasets
-from runner.loader import make_loader, micro_batches_per_epoch, optimizer_steps
+from runner.loader import make_loader, optimizer_steps
 from runner.models import build_model
-from runner.monitor import Monitor
+from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
 from runner.parallel import DistEnv
 from runner.precision import IGNORE, Precision
@@ -42,9 +43,9 @@ _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it has no state
 class Progress:
     """Where the run is: saved in checkpoints as the data position."""
 
-    step: int = 0            # optimizer steps taken
+    step: int = 0              # optimizer steps taken
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    samples_in_epoch: int = 0  # samples of this epoch already trained on, all ranks together
 
 
 @dataclass
@@ -70,14 +71,18 @@ class Engine:
         seed_everything(spec.seed, spec.trainer.deterministic)
 
         data = build_datasets(spec.dataset)
+        self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
+        if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
+            raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
+                            f"training split holds ({self.split_sizes['train']} samples); use at most "
+                            f"{max(self.split_sizes['train'] // self.env.world, 1)}")
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
                            rank=self.env.rank, world=self.env.world)
         self.train_loader = make_loader(data.train, spec.dataset.batch_size, shuffle=True, **loader_args)
         self.eval_loaders = {split: make_loader(getattr(data, split), spec.dataset.batch_size, shuffle=False, **loader_args)
                              for split in ("val", "test")}
         self.accum = spec.accumulation.steps
-        self.batches_per_epoch = micro_batches_per_epoch(self.train_loader)
-        self.steps_per_epoch = math.ceil(self.batches_per_epoch / self.accum)
+        self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
         self.module = self.precision.prepare_model(build_model(spec.model, data.input_shape, data.num_classes).to(self.device))
@@ -87,8 +92,12 @@ class Engine:
         self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
         self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         self.progress = Progress()
-        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch)
-        self.resume_run_id = None
+        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
+                               self.env.is_main)
+        self.watch = NonFiniteWatch(spec, self.device)
+        self.finished, self.final = False, {}
+        self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
+        self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
             self._load_state(resume_state)
 
@@ -96,14 +105,17 @@ class Engine:
 
     def fit(self) -> RunResult:
         self.tracker.start(self.spec, self.resume_run_id)
-        batch = self.spec.dataset.batch_size
-        self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
-                               "global_batch_size": str(batch * self.accum * self.env.world)})
         started = time.perf_counter()
-        try:
-            self._train()
-            final = self.evaluate("test")
-            self.monitor.finish(final, self.progress.step)
+        try:  # from here on, whatever fails ends the MLflow run FAILED (or KILLED), never RUNNING
+            batch = self.spec.dataset.batch_size
+            self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
+                                   "global_batch_size": str(batch * self.accum * self.env.world), **self.resumed_from})
+            if self.finished:
+                log.info("the run already finished at step %d: nothing left to do", self.progress.step)
+            else:
+                self._train()
+                self._finish_training()
+            self.monitor.finish(self.final, self.progress.step)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -112,47 +124,66 @@ class Engine:
         except BaseException as e:
             self.monitor.close()
             if is_pruned(e):  # an Optuna pruner stopped this trial: an ordinary end for a search run
-                self.tracker.set_tags({"pruned": "true"})
-            self.tracker.finish("FINISHED" if is_pruned(e) else "FAILED")
+                self.tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
+                                       "mlflow.runName": f"{self.tracker.run_name} (pruned)"})
+                self.tracker.finish("FINISHED")
+            else:
+                self.tracker.set_tags({"runner.outcome": "failed"})
+                self.tracker.log_text("".join(traceback.format_exception(e)), "error.txt")
+                self.tracker.finish("FAILED")
             raise
         seconds = time.perf_counter() - started
-        return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, final,
+        return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds)
 
     def _train(self) -> None:
         trainer, p = self.spec.trainer, self.progress
+        global_micro_batch = self.spec.dataset.batch_size * self.env.world
         self.model.train()
         while (p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs)
                and not self.monitor.should_stop):
-            self.train_loader.sampler.set_epoch(p.epoch, start=p.batch_in_epoch * self.spec.dataset.batch_size)
+            self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
             for micro_batches in optimizer_steps(self.train_loader, self.accum):
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
-                p.batch_in_epoch += len(micro_batches)
-                self.monitor.on_step(p.step, loss_sum, samples * self.env.world, grad_norm, self.schedule.lr, self.precision.skipped_steps)
+                p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
+                                         self.split_sizes["train"])
+                self.watch.on_step(p.step, loss_sum)
+                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, self.schedule.lr, self.precision.skipped_steps)
+                if self.monitor.is_log_step(p.step):
+                    self.watch.check(parallel.all_reduce_max)
                 if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
                     self._evaluate_and_watch()
                 if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
                     self.save_checkpoint()
                 if p.step >= self.total_steps or self.monitor.should_stop:
                     break
-            if p.batch_in_epoch >= self.batches_per_epoch:  # the epoch ran to its end
-                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+            if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
+                p.epoch, p.samples_in_epoch = p.epoch + 1, 0
                 if trainer.eval_every_epoch:
                     self._evaluate_and_watch()
+
+    def _finish_training(self) -> None:
+        """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
+        step), test, and write the final checkpoint: a run resumed after this has nothing left to do."""
+        if self.monitor.last_eval_step != self.progress.step:
+            self._evaluate_and_watch()
+        self.final = self.evaluate("test")
+        self.finished = True
         self.save_checkpoint()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         samples = sum(len(y) for _, y in micro_batches)
+        # The mean over every sample of the step on all ranks: DDP/FSDP average gradients over ranks,
+        # so each rank's sum is scaled by world / (samples on all ranks), whatever each rank holds.
+        scale = self.env.world / parallel.global_count(samples, self.device)
         losses = []
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
                 logits, y = self._forward(x, y)
                 loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
-                # Mean over every sample of the optimizer step. Ranks hold equally many samples (the
-                # sampler pads), and DDP/FSDP average over ranks: the global mean, exactly.
-                self.precision.backward(loss / samples)
+                self.precision.backward(loss * scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
@@ -184,6 +215,10 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, float]:
+        """Loss and accuracy over the whole split, each sample counted once. Every rank runs as many
+        batches (a rank's share of the last one may be empty), so FSDP's collectives stay in step."""
+        if not self.split_sizes[split]:
+            return {}  # an empty split reports nothing
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
@@ -193,25 +228,30 @@ class Engine:
             logits, y = self._forward(x, y)
             loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
             correct += (logits.argmax(dim=-1) == y).sum()
-        # sums and counts over ranks: equal to one process evaluating the whole split
         loss_sum, correct, n = parallel.all_reduce_sum([loss_sum, correct, torch.tensor(count, device=self.device)])
-        return {f"{split}/loss": loss_sum.item() / max(n.item(), 1), f"{split}/acc": correct.item() / max(n.item(), 1)}
+        return {f"{split}/loss": loss_sum.item() / n.item(), f"{split}/acc": correct.item() / n.item()}
 
     def _evaluate_and_watch(self) -> None:
+        self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
         metrics = self.evaluate("val")
         self.model.train()
-        self.schedule.on_eval(metrics)
+        if metrics:
+            self.schedule.on_eval(metrics)
         self.monitor.on_eval(metrics, self.progress.step, self.progress.epoch)
 
     # --- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path | None:
+        self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
         if not self.env.is_main:
             parallel.barrier()
             return None
+        # metrics up to this step are stored before the checkpoint exists: a kill after it loses none
+        self.tracker.flush()
         state = {
+            "spec": self.spec.to_yaml(),
             "model": model_state,
             "optimizer": optim_state,
             "schedule": self.schedule.state_dict(),
@@ -219,6 +259,8 @@ class Engine:
             "rng": rng,
             "progress": vars(self.progress).copy(),
             "monitor": self.monitor.state_dict(),
+            "finished": self.finished,
+            "final": self.final,
             "mlflow_run_id": self.tracker.run_id or "",
         }
         path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
@@ -228,7 +270,10 @@ class Engine:
 
     def _read_checkpoint(self, where: str) -> dict:
         """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
-        state = checkpoint.load(where) if self.env.is_main else None
+        state = None
+        if self.env.is_main:
+            state = checkpoint.load(where)
+            state["path"] = str(checkpoint.resolve(where))
         return parallel.broadcast_object(state)
 
     def _load_state(self, state: dict) -> None:
@@ -242,9 +287,22 @@ class Engine:
         checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])
         self.progress = Progress(**state["progress"])
         self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
-        self.resume_run_id = state.get("mlflow_run_id") or None
-        log.info("resuming at step %d (epoch %d, micro-batch %d)", self.progress.step, self.progress.epoch,
-                 self.progress.batch_in_epoch)
+        # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
+        self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.monitor.should_stop)
+        self.final = dict(state.get("final") or {})
+        source_run = state.get("mlflow_run_id") or ""
+        if _inside(Path(state["path"]), Path(self.spec.run_dir)):
+            self.resume_run_id = source_run or None  # continuing this run directory: reattach to its run
+        else:  # another run's checkpoint starts a new run, which names where it came from
+            self.resumed_from = {"runner.resumed_from_checkpoint": state["path"]}
+            if source_run:
+                self.resumed_from["runner.resumed_from_run"] = source_run
+        log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
+                 self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path.resolve().is_relative_to(directory.resolve())
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:

@@ -15,8 +15,9 @@ import yaml
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint
+from runner import checkpoint, process_state, resume
 from runner.engine import Engine, RunResult, pick_device
+from runner.monitor import Diverged
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
 from runner.spec import ParallelismSpec, RunSpec, SpecError
 from runner.tracking import build_tracker, end_left_running
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.yaml"  # rank 0's RunResult, for the launcher that started the workers
 PRUNED_FILE = "pruned"       # rank 0's note that an Optuna pruner stopped the run
+DIVERGED_FILE = "diverged"   # rank 0's one-line account of a loss that stopped being finite
 
 
 def spec_from_hydra(cfg: DictConfig) -> RunSpec:
@@ -38,7 +40,15 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
 
 
 def run(spec: RunSpec) -> RunResult:
-    """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here."""
+    """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
+    Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
+    with process_state.isolated():
+        return _run(spec)
+
+
+def _run(spec: RunSpec) -> RunResult:
+    if spec.trainer.resume:
+        spec = resume.plan(spec)
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if spec.parallelism.name != "single" and not in_torchrun():
@@ -69,6 +79,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
 
     check_parallel(spec)
     spec = spec.replace(parallelism=on_cluster(spec.parallelism))
+    for note in (PRUNED_FILE, DIVERGED_FILE, RESULT_FILE):  # a resumed run directory: the last attempt's notes
+        (Path(spec.run_dir) / note).unlink(missing_ok=True)
     spec_path = Path(spec.run_dir) / "spec.yaml"
     spec_path.write_text(spec.to_yaml())
     par = spec.parallelism
@@ -89,6 +101,9 @@ def launch_workers(spec: RunSpec) -> RunResult:
         elastic_launch(config, entrypoint=sys.executable)("-m", "runner.worker", str(spec_path))
     except ChildFailedError as e:
         end_left_running(spec, "FAILED")
+        diverged = Path(spec.run_dir) / DIVERGED_FILE
+        if diverged.exists():
+            raise Diverged(diverged.read_text()) from None
         raise WorkersFailed(_describe_failure(e)) from None
     except KeyboardInterrupt:
         end_left_running(spec, "KILLED")

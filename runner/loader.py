@@ -1,8 +1,14 @@
-"""Data loaders whose order depends on (seed, epoch) alone and that can start mid-epoch.
+"""Data loaders whose order depends on (seed, epoch) alone, that deal samples to ranks without
+repeating any, and that can start mid-epoch.
 
-torch's DistributedSampler has the per-epoch shuffle but no way to start at a position, so resuming
-would mean re-reading the skipped batches; this sampler adds the start position (a checkpoint's
-data position) and keeps DistributedSampler's padding so every rank sees as many samples.
+torch's DistributedSampler pads a shard by repeating samples so that every rank sees as many, which
+makes N ranks differ from one process whenever the dataset size does not divide by N, and it cannot
+start at a position. Here each epoch's order is cut into global micro-batches of batch x world
+samples, and each global micro-batch is dealt across the ranks in turn: every rank gets the same
+number of micro-batches (so collectives stay in step), a rank may get one sample fewer, or none, in
+the epoch's last micro-batch, and no sample is seen twice. The step's loss is normalised by the
+sample count reduced across ranks (runner/engine.py), so N ranks at batch B equal one process at
+batch N*B for any dataset size.
 """
 from __future__ import annotations
 
@@ -13,35 +19,38 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 
-class EpochSampler(Sampler[int]):
-    def __init__(self, size: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1, pad: bool = True):
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.rank, self.world, self.pad = rank, world, pad
+class EpochBatches(Sampler[list[int]]):
+    """One rank's micro-batches (lists of indices) of one epoch."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1):
+        self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.rank, self.world = rank, world
         self.epoch, self.start = 0, 0
 
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Order of `epoch`, skipping this rank's first `start` samples."""
+        """Order of `epoch`, skipping the first `start` samples of it (all ranks together)."""
         self.epoch, self.start = epoch, start
 
-    def _indices(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
-        else:
-            order = list(range(self.size))
-        if self.pad and self.world > 1:  # as DistributedSampler: repeat from the start
-            total = math.ceil(self.size / self.world) * self.world
-            order += order[: total - self.size]
-        return order[self.rank::self.world]
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.size, generator=g).tolist()
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._indices()[self.start:])
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        for begin in range(self.start, self.size, self.global_batch):
+            yield order[begin:begin + self.global_batch][self.rank::self.world]
 
     def __len__(self) -> int:
-        return max(self.per_rank() - self.start, 0)
+        return math.ceil(max(self.size - self.start, 0) / self.global_batch)
 
-    def per_rank(self) -> int:
-        return math.ceil(self.size / self.world) if self.pad else len(range(self.rank, self.size, self.world))
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.size / self.global_batch)
 
 
 class BatchedTensors(Dataset):
@@ -58,7 +67,7 @@ class BatchedTensors(Dataset):
         return tuple(t[index] for t in self.tensors)
 
     def __getitems__(self, indices: list[int]) -> tuple:
-        index = torch.as_tensor(indices)
+        index = torch.as_tensor(indices, dtype=torch.long)  # may be empty: a rank's share of the last batch
         return tuple(t[index] for t in self.tensors)
 
 
@@ -68,20 +77,15 @@ def _already_batched(batch: tuple) -> tuple:
 
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
                 pin_memory: bool, rank: int = 0, world: int = 1) -> DataLoader:
-    # Evaluation shards without padding so reduced metrics equal a single-process pass.
-    sampler = EpochSampler(len(dataset), seed, shuffle, rank, world, pad=shuffle)
+    batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world)
     collate = None
     if isinstance(dataset, TensorDataset):
         dataset, collate = BatchedTensors(dataset), _already_batched
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
-                      pin_memory=pin_memory, drop_last=False, persistent_workers=num_workers > 0,
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0,
                       # an own generator: creating an iterator must not consume the global RNG,
                       # or a resumed run's dropout stream would differ from an uninterrupted one
                       generator=torch.Generator().manual_seed(seed))
-
-
-def micro_batches_per_epoch(loader: DataLoader) -> int:
-    return math.ceil(loader.sampler.per_rank() / loader.batch_size)
 
 
 def optimizer_steps(loader: DataLoader, accum: int) -> Iterator[list]:

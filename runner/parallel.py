@@ -115,6 +115,25 @@ def all_reduce_sum(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(flat.unbind())
 
 
+def all_reduce_max(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Maxima across ranks in one collective (the divergence watch: every rank decides alike)."""
+    if not dist.is_initialized():
+        return values
+    flat = torch.stack([v.double() for v in values])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return list(flat.unbind())
+
+
+def global_count(local: int, device: torch.device) -> torch.Tensor | int:
+    """The step's sample (or token) count summed over ranks: the loss is normalised by it, so ranks
+    holding unequal shares of a batch still give the global mean (one small all-reduce per step)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    count = torch.tensor(float(local), device=device)
+    dist.all_reduce(count)
+    return count
+
+
 def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank.
 

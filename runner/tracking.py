@@ -38,6 +38,11 @@ class NullTracker:
     """tracking=none, and every rank but 0."""
 
     run_id = None
+    run_name = ""
+
+    def flush(self) -> None: ...
+    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -104,6 +109,15 @@ class MlflowTracker:
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
+
+    def flush(self) -> None:
+        self._flush(synchronous=True)
+
+    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None:
+        self.log_metrics({"objective": objective, **{f"best/{k}": v for k, v in best.items()}}, step)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():

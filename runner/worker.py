@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from runner import checkpoint
 from runner.engine import pick_device
-from runner.launch import PRUNED_FILE, run_in_process
-from runner.parallel import init_process_group
+from runner.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
+from runner.monitor import Diverged
+from runner.parallel import broadcast_object, init_process_group
 from runner.spec import RunSpec, SpecError
 from runner.trial import is_pruned
 
@@ -26,17 +27,26 @@ def main(spec_path: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarts and spec.trainer.resume is None and _has_checkpoint(spec.run_dir):
-        logging.getLogger("runner").info("restart %d: resuming from the newest checkpoint in %s", restarts, spec.run_dir)
-        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
     try:
         env = init_process_group(pick_device(spec.trainer.device).type)
+        if restarts:
+            # Rank 0 decides for every node (another node's disk may hold other files): after a restart
+            # the run goes on from its own newest checkpoint, even when it started from trainer.resume=X.
+            own = broadcast_object(_has_checkpoint(spec.run_dir) if env.is_main else None)
+            if own:
+                logging.getLogger("runner").info("restart %d: resuming from the newest checkpoint in %s", restarts,
+                                                 spec.run_dir)
+                spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
         run_in_process(spec, env)
         dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
     except SpecError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Diverged as e:  # every rank stops at the same step; the launcher tells the user in one line
+        if rank == 0:
+            (Path(spec.run_dir) / DIVERGED_FILE).write_text(str(e))
+        sys.exit(1)
     except BaseException as e:
         if not is_pruned(e):
             raise

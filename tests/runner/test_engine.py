@@ -16,6 +16,14 @@ def train(overrides: list[str], run_dir: Path, **kw) -> Engine:
     return engine
 
 
+def tracked(overrides: list[str], run_dir: Path, uri: str) -> Engine:
+    """An engine that logs to the MLflow store at uri, as the CLI builds it."""
+    from runner.tracking import build_tracker
+
+    spec = compose_spec(overrides, run_dir, tracking_uri=uri)
+    return Engine(spec, build_tracker(spec))
+
+
 def assert_same_weights(a: Engine, b: Engine, rtol: float) -> None:
     sa, sb = a.module.state_dict(), b.module.state_dict()
     assert sa.keys() == sb.keys()
@@ -35,12 +43,24 @@ def test_accumulation_equals_the_big_batch(tmp_path: Path, optimizer: str, big: 
     assert_same_weights(a, b, rtol=1e-5)
 
 
-def test_accumulation_changes_nothing_but_the_grouping(tmp_path: Path) -> None:
-    """Sanity: without the exact normalization the weights would differ; with a different batch they do."""
-    a = train(["trainer.max_steps=5", "dataset.batch_size=16"], tmp_path / "a")
-    b = train(["trainer.max_steps=5", "dataset.batch_size=8"], tmp_path / "b")
-    with pytest.raises(AssertionError):
-        assert_same_weights(a, b, rtol=1e-5)
+def test_a_step_of_unequal_micro_batches_follows_the_mean_over_all_its_samples(tmp_path: Path) -> None:
+    """Normalised by the step's sample count, not by the number of micro-batches: micro-batches of 10, 10
+    and 3 samples give the gradient of the mean loss over all 23 (the mean of the three means would not)."""
+    import torch.nn.functional as F
+
+    engine = Engine(compose_spec(["optimizer=sgd", "optimizer.momentum=0", "optimizer.lr=1", "optimizer.weight_decay=0", "+accum=3", *FAST,
+                                  "model.hidden=[16]"], tmp_path / "run"))
+    x, y = next(iter(engine.eval_loaders["val"]))
+    parts = [(x[:10], y[:10]), (x[10:20], y[10:20]), (x[20:23], y[20:23])]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    exact = torch.autograd.grad(F.cross_entropy(engine.module(x[:23]), y[:23]), list(engine.module.parameters()))
+    naive = torch.autograd.grad(sum(F.cross_entropy(engine.module(a), b) for a, b in parts) / 3,
+                                list(engine.module.parameters()))
+    engine.train_step(parts)
+    steps = [b - p.detach() for b, p in zip(before, engine.module.parameters())]  # sgd, lr 1: the gradient
+    for step, want, wrong in zip(steps, exact, naive):
+        torch.testing.assert_close(step, want, rtol=1e-5, atol=1e-7)
+    assert max((s - w).abs().max().item() for s, w in zip(steps, naive)) > 1e-3  # the check can tell them apart
 
 
 RESUMABLE = ["optimizer=adamw", "scheduler=warmup_cosine", "scheduler.warmup=5", "model.dropout=0.2",
@@ -82,7 +102,8 @@ def test_interrupted_run_resumes_from_its_run_dir_into_the_same_mlflow_run(tmp_p
     run = client.get_run(engine.tracker.run_id)
     assert run.info.status == "KILLED"
 
-    spec = compose_spec([*FAST, *RESUMABLE, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "resumed",
+    # continuing in place, as `trainer.resume=<run dir>` plans it (runner/resume.py)
+    spec = compose_spec([*FAST, *RESUMABLE, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut",
                         tracking_uri=sqlite_uri)
     resumed = Engine(spec, build_tracker(spec))
     assert resumed.progress.step == 20  # the newest checkpoint before the interruption
@@ -100,8 +121,10 @@ def test_max_steps_wins_over_epochs_and_objective_is_the_best_evaluation(tmp_pat
                                   "trainer.progress_bar=off"], tmp_path / "run"))
     result = engine.fit()
     assert result.steps == 7
+    # every 3 steps, and at the end because step 7 had not been evaluated
+    assert [s for s, _ in engine.monitor.history["val/acc"]] == [3, 6, 7]
     accs = [v for _, v in engine.monitor.history["val/acc"]]
-    assert len(accs) == 2 and result.objective == max(accs)
+    assert result.objective == max(accs)
 
 
 def test_early_stopping_stops_after_patience_evaluations(tmp_path: Path) -> None:
@@ -122,3 +145,59 @@ def test_gradient_clipping_by_norm_bounds_the_update(tmp_path: Path) -> None:
     engine.fit()
     after = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
     assert torch.linalg.vector_norm(after - before).item() == pytest.approx(0.001, rel=1e-3)
+
+
+def test_a_run_shorter_than_an_epoch_is_evaluated_at_its_end(tmp_path: Path, sqlite_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    engine = tracked(["trainer.max_steps=5", "trainer.progress_bar=off"], tmp_path / "run", sqlite_uri)
+    result = engine.fit()
+    assert result.objective == result.objective and 0 < result.objective <= 1  # not NaN
+    history = MlflowClient(sqlite_uri).get_metric_history(engine.tracker.run_id, "val/acc")
+    assert [(m.step, m.value) for m in history] == [(5, result.objective)]
+    metrics = MlflowClient(sqlite_uri).get_run(engine.tracker.run_id).data.metrics
+    assert metrics["objective"] == result.objective and metrics["best/val/acc"] == result.objective
+
+
+def test_an_empty_split_logs_nothing(tmp_path: Path, sqlite_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    engine = tracked(["trainer.max_epochs=2", "dataset.val_fraction=0", "objective.metric=test/acc",
+                      "trainer.progress_bar=off"], tmp_path / "run", sqlite_uri)
+    result = engine.fit()
+    metrics = MlflowClient(sqlite_uri).get_run(engine.tracker.run_id).data.metrics
+    assert not [k for k in metrics if k.startswith("val/") or k.startswith("best/val/")]
+    assert metrics["test/acc"] == result.final["test/acc"] == result.objective > 0.5
+
+
+@pytest.mark.parametrize("extra", [[], ["precision=bf16"], ["trainer.clip_grad_norm=1.0"], ["precision=fp16"],
+                                   ["trainer.early_stopping.monitor=val/loss"]])
+def test_a_diverging_run_stops_failed_and_never_checkpoints_broken_weights(tmp_path: Path, sqlite_uri: str,
+                                                                         extra: list[str]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.monitor import Diverged
+
+    engine = tracked(["optimizer=sgd", "optimizer.lr=1e6", "trainer.max_epochs=3", "trainer.checkpoint_every_n_steps=5",
+                      "trainer.progress_bar=off", *extra], tmp_path / "run", sqlite_uri)
+    with pytest.raises(Diverged, match=r"not finite from step \d+ on.*lower optimizer.lr \(now 1e\+06\)"):
+        engine.fit()
+    assert MlflowClient(sqlite_uri).get_run(engine.tracker.run_id).info.status == "FAILED"
+    for ckpt in (tmp_path / "run" / "checkpoints").glob("*.pt"):
+        state = torch.load(ckpt, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert engine.progress.step <= 10  # stopped at the first log step that saw it, not after 3 epochs
+
+
+def test_fp16_stops_only_after_the_configured_run_of_non_finite_steps(tmp_path: Path) -> None:
+    from runner.monitor import Diverged, NonFiniteWatch
+
+    spec = compose_spec(["precision=fp16", "trainer.max_non_finite_steps=3"], tmp_path / "run")
+    watch = NonFiniteWatch(spec, torch.device("cpu"))
+    nan, ok = torch.tensor(float("nan")), torch.tensor(1.0)
+    for step, loss in enumerate([ok, nan, nan, ok, nan, nan], start=1):  # runs of 2: the scaler recovers
+        watch.on_step(step, loss)
+    watch.check(lambda values: values)
+    watch.on_step(7, nan)
+    with pytest.raises(Diverged, match="from step 5 on"):
+        watch.check(lambda values: values)
