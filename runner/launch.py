@@ -42,11 +42,11 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
 def run(spec: RunSpec) -> RunResult:
     """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
     Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
-    with process_state.isolated():
-        return _run(spec)
+    with process_state.isolated() as start_state:
+        return _run(spec, start_state)
 
 
-def _run(spec: RunSpec) -> RunResult:
+def _run(spec: RunSpec, start_state: dict) -> RunResult:
     if spec.trainer.resume:
         spec = resume.plan(spec)
     run_dir = Path(spec.run_dir)
@@ -59,6 +59,8 @@ def _run(spec: RunSpec) -> RunResult:
                         "add parallelism=ddp or parallelism=fsdp")
     if env.is_main:
         (run_dir / "spec.yaml").write_text(spec.to_yaml())
+        # the process state the job started from: equal for every job, and recorded to reproduce it
+        (run_dir / "process_state.yaml").write_text(yaml.safe_dump(process_state.describe(start_state)))
     return run_in_process(spec, env)
 
 

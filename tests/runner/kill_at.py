@@ -1,0 +1,61 @@
+"""`python tests/runner/kill_at.py POINT N <runner overrides>`: runs `python -m runner` and SIGKILLs
+itself at the N-th time it reaches POINT: a real kill at a chosen moment, for the fault tests.
+
+POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
+final_eval (during the validation of the last step), finish_training (after the last step, before
+the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended).
+"""
+import os
+import runpy
+import signal
+import sys
+
+from runner import engine, monitor
+
+point, nth = sys.argv[1], int(sys.argv[2])
+sys.argv = ["runner", *sys.argv[3:]]
+seen = {"n": 0}
+
+
+def reached() -> None:
+    seen["n"] += 1
+    if seen["n"] == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wrap(owner, name, when=lambda *a, **k: True):
+    original = getattr(owner, name)
+
+    def patched(*args, **kwargs):
+        if when(*args, **kwargs):
+            reached()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, patched)
+
+
+if point == "step":
+    wrap(engine.Engine, "train_step")
+elif point == "final_eval":
+    wrap(engine.Engine, "evaluate", lambda self, split: split == "val" and self.progress.step == self.total_steps)
+elif point == "finish_training":
+    wrap(engine.Engine, "_finish_training")
+elif point == "after_final_checkpoint":
+    wrap(monitor.Monitor, "finish")
+elif point == "save":
+    import torch
+
+    original_save = torch.save
+
+    def half_written(obj, f, *args, **kwargs):
+        seen["n"] += 1
+        if seen["n"] == nth and hasattr(f, "write"):
+            f.write(b"\x80\x02partial checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_save(obj, f, *args, **kwargs)
+
+    torch.save = half_written
+else:
+    raise SystemExit(f"unknown kill point {point!r}")
+runpy.run_module("runner", run_name="__main__")

@@ -1,0 +1,167 @@
+"""Resume continues the run it names, from its own spec; faults (real SIGKILLs) lose nothing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner import resume
+from runner.engine import Engine
+from runner.spec import SpecError
+from tests.conftest import REPO, compose_spec, run_cli
+
+SAVED = ["trainer.max_epochs=3", "scheduler=cosine", "optimizer.lr=0.01", "trainer.max_steps=4",
+         "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    Engine(compose_spec(SAVED, run_dir)).fit()
+    return run_dir
+
+
+def plan(overrides: list[str], run_dir: Path):
+    return resume.plan(compose_spec(overrides, run_dir))
+
+
+def test_a_resume_continues_the_runs_own_spec_not_todays_defaults(saved_run: Path, tmp_path: Path) -> None:
+    planned = plan([f"trainer.resume={saved_run}"], tmp_path / "new")
+    saved = compose_spec(SAVED, saved_run)
+    assert planned.trainer.max_epochs == 3 and planned.scheduler.name == "cosine" and planned.optimizer.lr == 0.01
+    assert planned.run_dir == str(saved_run)  # a run directory goes on in place
+    assert planned.replace(trainer=saved.trainer, tracking=saved.tracking) == saved.replace(run_dir=str(saved_run))
+
+
+def test_a_checkpoint_file_alone_is_enough_and_starts_a_new_run_directory(saved_run: Path, tmp_path: Path) -> None:
+    ckpt = next((saved_run / "checkpoints").glob("step-*.pt"))
+    (saved_run / "spec.yaml").unlink(missing_ok=True)  # the spec comes from inside the checkpoint
+    planned = plan([f"trainer.resume={ckpt}", "trainer.max_steps=6"], tmp_path / "new")
+    assert planned.run_dir == str(tmp_path / "new") and planned.trainer.max_steps == 6
+    assert planned.scheduler.name == "cosine" and planned.trainer.resume == str(ckpt)
+
+
+@pytest.mark.parametrize("override, key, saved, new", [
+    ("optimizer.lr=0.5", "optimizer.lr", "0.01", "0.5"),
+    ("optimizer=sgd", "optimizer.name", "'adam'", "'sgd'"),
+    ("seed=3", "seed", "0", "3"),
+    ("precision=bf16", "precision.name", "'fp32'", "'bf16'"),
+    ("model.hidden=[8]", "model.hidden", "[256, 128]", "[8]"),
+    ("trainer.clip_grad_norm=1.0", "trainer.clip_grad_norm", "None", "1.0"),
+    ("scheduler=step", "scheduler.name", "'cosine'", "'step'"),
+])
+def test_an_override_that_changes_what_is_trained_stops_the_resume(saved_run: Path, tmp_path: Path, override: str,
+                                                                   key: str, saved: str, new: str) -> None:
+    with pytest.raises(SpecError) as error:
+        plan([f"trainer.resume={saved_run}", override], tmp_path / "new")
+    text = str(error.value)
+    assert text.startswith(f"{key}: the resumed run was trained with {saved}, this resume sets {new}") and "\n" not in text
+
+
+def test_how_long_where_and_where_it_logs_may_change_but_not_the_global_batch(saved_run: Path, tmp_path: Path) -> None:
+    planned = plan([f"trainer.resume={saved_run}", "trainer.max_steps=9", "trainer.device=cpu", "dataset.num_workers=1",
+                    "parallelism=ddp", "parallelism.nproc_per_node=2", "dataset.batch_size=32"], tmp_path / "new")
+    assert (planned.trainer.max_steps, planned.dataset.num_workers, planned.parallelism.name) == (9, 1, "ddp")
+    with pytest.raises(SpecError, match="global batch of 64 .* this resume gives 128"):
+        plan([f"trainer.resume={saved_run}", "parallelism=ddp", "parallelism.nproc_per_node=2"], tmp_path / "new")
+
+
+def test_a_wrong_resume_override_is_one_line_on_the_command_line(saved_run: Path, tmp_path: Path) -> None:
+    proc = run_cli([f"trainer.resume={saved_run}", "optimizer.lr=0.5", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        proc.stderr.strip()] and proc.stderr.startswith("error: optimizer.lr: the resumed run was trained with 0.01")
+
+
+# --- the CLI end to end: MLflow records -----------------------------------------------------------------
+
+RUN = ["optimizer=adamw", "scheduler=warmup_cosine", "scheduler.warmup=5", "model.dropout=0.2", "+accum=2",
+       "trainer.max_steps=40", "trainer.checkpoint_every_n_steps=10", "trainer.keep_checkpoints=10",
+       "trainer.eval_every_n_steps=15", "trainer.log_every_n_steps=5", "trainer.progress_bar=off"]
+
+
+def cli(args: list[str], cwd: Path, db: Path, kill: tuple[str, int] | None = None) -> subprocess.CompletedProcess:
+    args = [*args, f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={cwd / 'artifacts'}"]
+    if kill is None:
+        return run_cli(args, cwd)
+    cmd = [sys.executable, str(REPO / "tests" / "runner" / "kill_at.py"), kill[0], str(kill[1]), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def mlflow_record(db: Path) -> dict:
+    """Every run's status and its full metric history: {run name: (status, {metric: [(step, value)]})}."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    record = {}
+    for run in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+        history = {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                   for key in run.data.metrics}
+        record[run.info.run_id] = (run.info.status, history, run.data.tags)
+    return record
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    proc = cli([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd, cwd / "mlflow.db")
+    assert proc.returncode == 0, proc.stderr
+    [(status, history, _)] = mlflow_record(cwd / "mlflow.db").values()
+    assert status == "FINISHED"
+    return weights(cwd / "run"), history
+
+
+KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), ("after_final_checkpoint", 1)]
+
+
+@pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] in ("step", "final_eval") else pytest.mark.slow)
+                                        for k in KILLS], ids=[k[0] for k in KILLS])
+def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, uninterrupted: tuple, point: str,
+                                                                 nth: int) -> None:
+    want_weights, want_history = uninterrupted
+    db = tmp_path / "mlflow.db"
+    killed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(point, nth))
+    assert killed.returncode == -9, killed.stderr
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*")) or point == "save"
+    resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
+    assert resumed.returncode == 0, resumed.stderr
+    [(status, history, _)] = mlflow_record(db).values()  # one MLflow run: the same one, finished
+    assert status == "FINISHED"
+    timing = {"throughput/samples_per_s"}
+    assert {k: v for k, v in history.items() if k not in timing} == {k: v for k, v in want_history.items() if k not in timing}
+    assert [s for s, _ in history["throughput/samples_per_s"]] == [s for s, _ in want_history["throughput/samples_per_s"]]
+    got = weights(tmp_path / "run")
+    assert all(torch.equal(got[k], want_weights[k]) for k in want_weights)
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))  # a save's leftovers are cleaned up
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    short = ["trainer.max_steps=6", "trainer.progress_bar=off"]
+    assert cli([*short, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db).returncode == 0
+    before = mlflow_record(db)
+    again = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"], tmp_path, db)
+    assert again.returncode == 0 and "nothing left to do" in again.stderr + again.stdout
+    after = mlflow_record(db)
+    assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}
+
+
+def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    assert cli(["trainer.max_steps=6", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'source'}"],
+               tmp_path, db).returncode == 0
+    [(source_id, source)] = mlflow_record(db).items()
+    ckpt = tmp_path / "source" / "checkpoints" / "last.pt"
+    proc = cli(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db)
+    assert proc.returncode == 0, proc.stderr
+    record = mlflow_record(db)
+    assert record[source_id][:2] == source[:2]  # the source run is untouched
+    children = [r for rid, r in record.items() if r[2].get("runner.resumed_from_run") == source_id]
+    assert sorted(max(s for s, _ in r[1]["train/loss"]) for r in children) == [8, 10]
+    assert all(r[0] == "FINISHED" and min(s for s, _ in r[1]["train/loss"]) > 6 for r in children)
