@@ -1,22 +1,15 @@
 """Checkpoints: everything a run needs to continue as if never stopped, written atomically, verified on load.
 
 A checkpoint holds model, optimizer, scheduler, precision (scaler) state, RNG states, step/epoch, the
-data position and the run's spec. On disk it is a short header, a small JSON record (step, spec) and the
-torch.save payload:
+data position and the run's spec. On disk: a header, a small JSON meta record (step, spec), the
+torch.save payload. `runner checkpoint 1\n` `sha256 <64 hex> meta <10 digits> payload <16 digits>\n`.
+The SHA-256 covers meta and payload; it is computed while torch.save streams out and checked by streaming
+the file back before anything is unpickled (`weights_only=True`), so no side holds a second copy in
+memory. Files are written under a temporary name, fsynced and renamed: a crash leaves the previous
+checkpoint intact, and a torn or corrupt file is refused with a one-line SpecError.
 
-    runner checkpoint 1\n
-    sha256 <64 hex> meta <10 digits> payload <16 digits>\n
-    <meta JSON><torch.save bytes>
-
-The SHA-256 covers meta and payload. It is computed while torch.save streams the payload out and
-verified by streaming the file back before anything is unpickled, so neither side holds a second copy of
-the checkpoint in memory. A file is written to a temporary name in the same directory, fsynced and
-renamed: a crash leaves the previous checkpoint intact, never a torn one, and a torn or corrupt file is
-refused on load with a one-line SpecError. The payload is loaded with `weights_only=True`.
-
-`load(run_dir)` falls back to the previous good checkpoint of the directory when the newest is corrupt
-(`load_latest_good` also says which file it used); `load(file)` never falls back: a named file is used or
-refused.
+`load(run_dir)` falls back to the directory's previous good checkpoint when the newest is corrupt
+(`load_latest_good` also says which file it used); `load(file)` never falls back.
 """
 from __future__ import annotations
 
@@ -100,12 +93,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
 
 def load(path_or_run_dir: str | Path) -> dict[str, Any]:
     """The state of a checkpoint file, or of a run directory's newest good checkpoint (see load_latest_good)."""
-    path = Path(path_or_run_dir)
-    if path.is_dir():
-        return load_latest_good(path)[1]
-    path = resolve(path)
-    remove_orphans(path.parent)
-    return _read_state(path)
+    return _use(path_or_run_dir, _read_state)[1]
 
 
 def load_latest_good(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -114,15 +102,18 @@ def load_latest_good(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     Tries the step files newest first (last.pt only where it is a copy, not a hard link); each refused
     file is logged as a warning naming it.
     """
-    return _first_good(run_dir, _read_state)
+    return _first_good(Path(run_dir), _read_state)
 
 
 def read_spec(path_or_run_dir: str | Path) -> str | None:
     """The spec YAML stored in a checkpoint (None when it was saved without one), checksum verified."""
-    path = Path(path_or_run_dir)
-    if path.is_dir():
-        return _first_good(path, _read_spec)[1]
-    return _read_spec(resolve(path))
+    return _use(path_or_run_dir, _read_spec)[1]
+
+
+def verify(path_or_run_dir: str | Path) -> Path:
+    """The checkpoint file a resume would load, its checksum verified (a directory: its newest good one).
+    Nothing is unpickled, so a launcher can refuse a bad file cheaply before any worker starts."""
+    return _use(path_or_run_dir, _read_spec)[0]
 
 
 def resolve(path_or_run_dir: str | Path) -> Path:
@@ -182,8 +173,6 @@ def _numpy_rng() -> tuple:
     return torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
 
 
-# --- finiteness -------------------------------------------------------------------------------------
-
 
 def _first_non_finite(state: dict[str, Any]) -> str | None:
     """The key of the first floating tensor of model/optimizer state holding NaN or inf, else None.
@@ -197,10 +186,23 @@ def _first_non_finite(state: dict[str, Any]) -> str | None:
         by_device.setdefault(t.device, []).append(i)
     bad = []
     for indices in by_device.values():
-        finite = torch.stack([torch.isfinite(tensors[i][1]).all() for i in indices])
+        finite = torch.stack([_finite(tensors[i][1]) for i in indices])
         if not bool(finite.all()):
             bad.append(indices[int((~finite).nonzero()[0])])
     return tensors[min(bad)][0] if bad else None
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on t's device. aminmax reads t once and propagates NaN; on a CPU it is ~10x faster than
+    isfinite(t).all(), which first writes a bool copy of t (256 MiB fp32: 0.4 s against 4 s)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    try:
+        return torch.isfinite(torch.stack(torch.aminmax(t))).all()
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
+        return torch.isfinite(t.float()).all()
 
 
 def _floating(obj: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -214,8 +216,6 @@ def _floating(obj: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
         for k, v in enumerate(obj):
             yield from _floating(v, f"{key}.{k}")
 
-
-# --- writing ----------------------------------------------------------------------------------------
 
 
 class _HashingSink:
@@ -297,12 +297,9 @@ def _fsync_directory(directory: Path) -> None:
 
 def _write_error(e: OSError, path: Path) -> CheckpointWriteError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        message = f"disk full while writing {path}"
-    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        message = f"cannot write checkpoint {path}: {os.strerror(e.errno).lower()}"
+        error = CheckpointWriteError(f"disk full while writing {path}")
     else:
-        message = f"cannot write checkpoint {path}: {e.strerror or e}"
-    error = CheckpointWriteError(message)
+        error = CheckpointWriteError(f"cannot write checkpoint {path}: {os.strerror(e.errno).lower() if e.errno else e}")
     error.errno = e.errno
     return error
 
@@ -316,8 +313,6 @@ def _alive(pid: int) -> bool:
         return False
     return pid > 0
 
-
-# --- reading ----------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -400,8 +395,17 @@ def _candidates(run_dir: Path) -> list[Path]:
     return paths
 
 
-def _first_good(run_dir: str | Path, read: Callable[[Path], T]) -> tuple[Path, T]:
-    run_dir = Path(run_dir)
+def _use(path_or_run_dir: str | Path, read: Callable[[Path], T]) -> tuple[Path, T]:
+    """A file is used or refused; a directory falls back to its previous good checkpoint."""
+    path = Path(path_or_run_dir)
+    if path.is_dir():
+        return _first_good(path, read)
+    path = resolve(path)
+    remove_orphans(path.parent)
+    return path, read(path)
+
+
+def _first_good(run_dir: Path, read: Callable[[Path], T]) -> tuple[Path, T]:
     remove_orphans(_checkpoint_dir(run_dir))
     candidates = _candidates(run_dir)
     if not candidates:

@@ -196,6 +196,9 @@ def test_a_run_directory_falls_back_to_its_previous_good_checkpoint(tmp_path: Pa
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and str(newest) in warnings[0] and "checksum mismatch" in warnings[0]
     refused(newest, "checksum mismatch")  # a file named explicitly never falls back
+    assert checkpoint.verify(tmp_path) == path
+    with pytest.raises(SpecError, match="checksum mismatch"):
+        checkpoint.verify(newest)
 
     for step in (1, 2):
         flip(tmp_path / "checkpoints" / f"step-{step:08d}.pt", HEADER + 100)
@@ -286,6 +289,20 @@ def test_a_non_finite_state_is_never_written(tmp_path: Path, device: str, where:
     assert hashlib.sha256((tmp_path / "last.pt").read_bytes()).hexdigest() == before
 
 
+DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_floating_dtype_is_checked(tmp_path: Path, dtype: torch.dtype) -> None:
+    weight = torch.linspace(-3, 3, 50).to(dtype)
+    ints = {"step": torch.tensor(7), "empty": torch.empty(0, dtype=dtype), "scalar": torch.tensor(2.0).to(dtype)}
+    checkpoint.save(tmp_path, 1, {"model": {"w": weight, **ints}}, keep=2)  # finite: written
+    weight[17] = float("nan")
+    with pytest.raises(NonFiniteCheckpoint, match="model.w holds NaN or inf"):
+        checkpoint.save(tmp_path, 2, {"model": {**ints, "w": weight}}, keep=2)
+    assert not (tmp_path / "step-00000002.pt").exists()
+
+
 def _to(obj, device: str):
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
@@ -326,7 +343,7 @@ def test_an_unwritable_directory_raises_one_line_and_leaves_nothing(tmp_path: Pa
     blocker.write_text("")
     with pytest.raises(CheckpointWriteError) as info:
         checkpoint.save(blocker / "checkpoints", 1, trained_state(), keep=2)
-    assert str(info.value) == f"cannot write checkpoint {blocker / 'checkpoints'}: Not a directory"
+    assert str(info.value) == f"cannot write checkpoint {blocker / 'checkpoints'}: not a directory"
 
     locked = tmp_path / "locked"
     checkpoint.save(locked, 1, trained_state(), keep=2)
