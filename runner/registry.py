@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_PACKAGE = Path(__file__).resolve().parent
+# An installed wheel carries conf/ inside the package as runner/conf (pyproject.toml maps it there, so a
+# wheel never installs a top-level `conf`); a checkout keeps it at the repository's top level. The
+# packaged copy is looked at first: next to an installed runner, `../conf` is site-packages/conf, which
+# may belong to another project.
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf"
 
 
 def groups() -> list[str]:

@@ -1,0 +1,70 @@
+"""A built wheel carries everything a run needs: installed alone (no checkout on the path) it trains."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# build outputs and local state that are not part of the source
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "datasets", "build", "dist", "*.egg-info",
+                                    "__pycache__", ".pytest_cache", ".whl", ".gpu")
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True,
+                   capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of a pristine copy of the source, so no stale build/ of the checkout can leak into it."""
+    tmp = tmp_path_factory.mktemp("packaging")
+    shutil.copytree(REPO, tmp / "src", ignore=NOT_SOURCE)
+    pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"), str(tmp / "src"))
+    (built,) = (tmp / "dist").glob("runner-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_module_and_config_and_no_top_level_conf(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    configs = {f"runner/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
+    groups = {p.name for p in (REPO / "conf").iterdir() if p.is_dir()}
+    assert {"dataset", "model", "optimizer", "scheduler", "precision", "trainer"} <= groups
+    assert configs - names == set()
+    assert {n.split("/")[2] for n in configs if n.count("/") > 2} == groups
+    modules = {p.relative_to(REPO).as_posix() for d in ("runner", "hydra_plugins") for p in (REPO / d).rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules - names == set()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"runner", "hydra_plugins"}
+    assert not top_level & {"conf", "data", "models"}
+
+
+def test_an_installed_wheel_runs_from_anywhere(wheel: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # only the target dir on the path; torch and friends come from the venv's own site-packages. The venv
+    # also holds an editable install of a checkout: the imports below prove it is not the one used.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+
+    where = subprocess.run(
+        [sys.executable, "-c", "import runner, runner.registry as r, hydra_plugins.runner_optuna_sweeper as s; "
+                               "print(runner.__file__, r.CONF_DIR, s.__file__, sep='\\n')"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
+    runner_file, conf_dir, sweeper_file = (Path(line) for line in where.stdout.split())
+    for path in (runner_file, conf_dir, sweeper_file):
+        assert path.resolve().is_relative_to(site.resolve()), where.stdout
+    assert conf_dir == site / "runner" / "conf" and (conf_dir / "config.yaml").is_file()
+
+    proc = subprocess.run([sys.executable, "-m", "runner", "trainer.max_steps=2", "tracking=none"], cwd=elsewhere,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((elsewhere / "outputs" / "runs").glob("*/*/spec.yaml")), proc.stdout[-2000:]
