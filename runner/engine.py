@@ -272,8 +272,8 @@ class Engine:
         """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
         state = None
         if self.env.is_main:
-            state = checkpoint.load(where)
-            state["path"] = str(checkpoint.resolve(where))
+            path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
+            state["path"] = str(path)
         return parallel.broadcast_object(state)
 
     def _load_state(self, state: dict) -> None:

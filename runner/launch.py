@@ -132,7 +132,7 @@ def check_parallel(spec: RunSpec) -> None:
     """What can be known before any worker starts."""
     par = spec.parallelism
     if spec.trainer.resume:
-        checkpoint.resolve(spec.trainer.resume)  # a missing checkpoint: one error here, not one per worker
+        checkpoint.verify(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
     if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "

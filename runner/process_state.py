@@ -18,7 +18,7 @@ import torch
 
 def snapshot() -> dict[str, Any]:
     loggers = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
-               if isinstance(logger, logging.Logger)}
+               if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET}
     return {
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
@@ -57,7 +57,7 @@ def describe(state: dict[str, Any]) -> dict[str, Any]:
     """The snapshot as a run records it: environment values are hashed (they may hold secrets)."""
     out = {k: v for k, v in state.items() if k not in ("environ", "log_levels")}
     out["environ_sha256"] = {k: hashlib.sha256(v.encode()).hexdigest()[:12] for k, v in sorted(state["environ"].items())}
-    out["log_levels"] = {k: v for k, v in sorted(state["log_levels"].items()) if v != logging.NOTSET}
+    out["log_levels"] = dict(sorted(state["log_levels"].items()))
     return out
 
 

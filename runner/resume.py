@@ -81,7 +81,7 @@ def _typed(key: str, typed: set[str]) -> bool:
 
 
 def _saved_spec(target: Path) -> RunSpec:
-    path = checkpoint.resolve(target)
+    path = checkpoint.verify(target)
     text = checkpoint.read_spec(path)
     if text is None:  # a checkpoint written before checkpoints held their spec: the run's spec.yaml
         spec_file = path.parent.parent / "spec.yaml"

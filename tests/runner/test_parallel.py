@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from runner import checkpoint
 from runner.engine import Engine
 from runner.parallel import DistEnv
 from runner.spec import SpecError
@@ -32,7 +33,7 @@ def free_port() -> int:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
 def assert_same(a: dict, b: dict, rtol: float = 1e-5) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import resume
+from runner import checkpoint, resume
 from runner.engine import Engine
 from runner.spec import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
@@ -104,7 +104,7 @@ def mlflow_record(db: Path) -> dict:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
 @pytest.fixture(scope="module")
