@@ -230,3 +230,58 @@ def test_fsdp_mixed_precision_trains_a_model_with_batchnorm(tmp_path: Path, prec
                     "trainer.clip_grad_norm=1.0", "tracking=none"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.split("best val/acc: ")[1].split()[0]) > 0.7
+
+
+def _history(db: Path) -> dict[str, list[tuple[int, float]]]:
+    with sqlite3.connect(db) as con:
+        rows = con.execute("select key, step, value from metrics order by key, step").fetchall()
+    out: dict[str, list[tuple[int, float]]] = {}
+    for key, step, value in rows:
+        out.setdefault(key, []).append((step, value))
+    return out
+
+
+# digits has 1797 samples: validation splits of 2kB+1 (201, 161, 193, 109) give rank 0 one batch more
+# than rank 1 under an even split, and the training splits do not divide by the global batch either
+UNEVEN = [("fsdp", 50, 1, 0.1115), ("ddp", 16, 2, 0.0895),
+          pytest.param("fsdp", 16, 2, 0.1072, marks=pytest.mark.slow), pytest.param("ddp", 9, 1, 0.0605, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("strategy, batch, accum, val_fraction", UNEVEN)
+def test_two_ranks_log_and_train_like_one_process_for_any_split_size(tmp_path: Path, strategy: str, batch: int,
+                                                                      accum: int, val_fraction: float) -> None:
+    """No sample repeated or dropped in training or evaluation, every evaluation finishes (FSDP runs a
+    collective per forward: a rank with one batch more used to hang), and the logged numbers, train/loss
+    included, are one process's: the global mean, not rank 0's share."""
+    from runner.tracking import build_tracker
+
+    common = ["trainer.max_epochs=2", "trainer.progress_bar=off", f"dataset.val_fraction={val_fraction}",
+              "trainer.log_every_n_steps=3", f"+accum={accum}", "model.hidden=[32]"]
+    spec = compose_spec([*common, f"dataset.batch_size={2 * batch}"], tmp_path / "single",
+                        tracking_uri=f"sqlite:///{tmp_path / 'single.db'}")
+    single = Engine(spec, build_tracker(spec))
+    single.fit()
+    assert single.split_sizes["val"] % (2 * batch) == 1 and single.split_sizes["train"] % (2 * batch)  # really uneven
+    proc = run_cli([*common, f"parallelism={strategy}", "parallelism.nproc_per_node=2", f"dataset.batch_size={batch}",
+                    f"hydra.run.dir={tmp_path / 'two'}", f"tracking.uri=sqlite:///{tmp_path / 'two.db'}",
+                    f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "single"))
+    one, two = _history(tmp_path / "single.db"), _history(tmp_path / "two.db")
+    for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "lr", "objective"):
+        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        for (_, a), (_, b) in zip(one[key], two[key]):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7), key
+
+
+def test_only_the_main_rank_writes_run_files(tmp_path: Path) -> None:
+    from runner.monitor import Monitor
+    from runner.parallel import all_reduce_sum
+    from runner.tracking import NullTracker
+
+    spec = compose_spec(["trainer.progress_bar=off"], tmp_path / "run")
+    for is_main in (False, True):
+        monitor = Monitor(spec, NullTracker(), 10, 5, all_reduce_sum, is_main=is_main)
+        monitor.on_step(10, torch.tensor(2.0), 4, None, 0.1, 0)
+        monitor.finish({"test/acc": 0.5}, 10)
+        assert (tmp_path / "run" / "curves.png").exists() == is_main
