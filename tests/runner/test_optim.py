@@ -63,11 +63,28 @@ def test_yaml_has_only_spec_keys_and_its_own_name(name):
     assert _build(OptimizerSpec, data, "optimizer.").name == name
 
 
+def learn(optimizer: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[float]:
+    """Full-batch steps on a learnable problem (labels from a random linear teacher); the losses."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    y = (x @ torch.randn(8, 3, generator=g)).argmax(dim=1)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_every_optimizer_reduces_the_loss(name):
+def test_every_optimizer_learns(name):
+    """60 steps at lr 0.01 bring the loss below half of an untrained model's (ln 3 = 1.10): the slowest
+    here (sgd) reaches 0.50, an optimizer that did not step would stay at 1.12."""
     model = tiny_model()
-    losses = train(build_optimizer(spec_of(name), model, CPU), model, 30)
-    assert losses[-1] < 0.98 * losses[0], losses
+    losses = learn(build_optimizer(spec_of(name, lr=0.01), model, CPU), model, 60)
+    assert losses[-1] < 0.5 * losses[0], losses
 
 
 def test_biases_and_norm_weights_are_not_decayed():
@@ -147,17 +164,24 @@ def test_every_optimizer_steps_on_cuda_with_its_auto_kernel(name):
         assert optimizer.defaults["fused"] is True
     loss = nn.functional.cross_entropy(model(torch.randn(4, 8, device=cuda)), torch.tensor([0, 1, 2, 0], device=cuda))
     loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
     optimizer.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     resumed = build_optimizer(spec_of(name), model, cuda)
     resumed.load_state_dict(round_trip(optimizer.state_dict()))
+    assert resumed.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
 
 
 def test_forced_kernels():
     assert build_optimizer(spec_of("adamw", impl="fused"), tiny_model(), CPU).defaults["fused"] is True
     loop = build_optimizer(spec_of("adamw", impl="for_loop"), tiny_model(), CPU).defaults
     assert loop["foreach"] is False and loop["fused"] is False
-    model = tiny_model()
-    assert train(build_optimizer(spec_of("sgd", impl="fused"), model, CPU), model, 3)[-1] < 1.2
+    fused, loop = tiny_model(), tiny_model()
+    learn(build_optimizer(spec_of("sgd", impl="fused"), fused, CPU), fused, 3)
+    learn(build_optimizer(spec_of("sgd", impl="for_loop"), loop, CPU), loop, 3)
+    for a, b in zip(fused.parameters(), loop.parameters()):
+        torch.testing.assert_close(a, b)  # the forced fused kernel computes the same update
+    assert not torch.equal(next(fused.parameters()), next(tiny_model().parameters()))  # and did step
 
 
 @pytest.mark.parametrize("name", ["rmsprop", "adafactor", "lamb", "muon"])
