@@ -1,6 +1,6 @@
 """Is the MLflow store usable, and safe to open from several processes at once?
 
-`check_tracking` answers the first in about a second, importing neither torch nor MLflow, so bad
+`check_tracking` answers the first within a few seconds, importing neither torch nor MLflow, so bad
 tracking input fails in one line before training: MLflow's own client retries an unreachable server
 for minutes and fails a read-only or full store with a long traceback.
 
@@ -27,8 +27,9 @@ from typing import Any, Iterator
 
 from runner.spec import SpecError, TrackingSpec
 
-# The MLflow UI reads this experiment tag to choose between its model-training view (runs table)
-# and its GenAI view (traces overview); the values are the UI's ExperimentKind enum.
+# MLflow 3's UI chooses between its model-training view (runs table) and its GenAI view (traces
+# overview) per experiment from this tag (values: the UI's ExperimentKind enum). The 3.17 UI lets a
+# global GenAI / model-training switch override it, which experiment_page's link sets.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 DEFAULT_URI = "sqlite:///outputs/mlflow.db"
@@ -59,8 +60,8 @@ def check_tracking(tracking: TrackingSpec) -> None:
     elif scheme in _DB_PORTS:
         _probe_database(uri)
     elif scheme in ("", "file"):
-        _check_writable(Path(urllib.parse.urlsplit(uri).path if scheme else uri), "tracking.uri",
-                        "the MLflow store", "point tracking.uri at a writable place")
+        path = Path(urllib.parse.urlsplit(uri).path if scheme else uri)
+        _check_writable(path, "tracking.uri", f"the MLflow store {path}", "point tracking.uri at a writable place")
     elif scheme not in _plugin_schemes():
         raise SpecError(f"tracking.uri: {uri!r} has an unknown scheme {scheme + ':'!r}; use sqlite:///<file> "
                         f"(default {DEFAULT_URI}), http(s)://<mlflow server>, postgresql://, mysql:// or a directory")
@@ -73,7 +74,7 @@ def check_artifact_location(location: str) -> None:
     if parsed.scheme not in ("", "file"):
         return  # a remote artifact store (s3://, mlflow-artifacts:, ...) answers for itself
     path = Path(urllib.parse.unquote(parsed.path) if parsed.scheme else location)
-    _check_writable(path, "tracking.artifact_root", "MLflow artifacts",
+    _check_writable(path, "tracking.artifact_root", f"MLflow artifacts to {path}",
                     "make it writable or set tracking.artifact_root to a writable directory "
                     "(an experiment keeps the location it was created with: use a new tracking.experiment)")
 
@@ -193,18 +194,17 @@ def _check_writable(directory: Path, key: str, what: str, fix: str) -> None:
             os.fsync(probe.fileno())
     except OSError as e:
         if e.errno in _FULL:
-            raise SpecError(f"{key}: disk full: cannot write {what} to {target}; free some space or "
-                            f"use another disk") from None
-        reason = "read-only" if e.errno in _READ_ONLY else (e.strerror or str(e))
-        raise SpecError(f"{key}: cannot write {what} to {target} ({reason}); {fix}") from None
+            raise SpecError(f"{key}: disk full: cannot write {what} (no space left in {target}); free some space "
+                            f"or use another disk") from None
+        reason = "is read-only" if e.errno in _READ_ONLY else f"says: {e.strerror or e}"
+        raise SpecError(f"{key}: cannot write {what}: {target} {reason}; {fix}") from None
 
 
 def _store_message(path: Path, error: OSError) -> str:
     if error.errno in _FULL:
         return f"tracking.uri: disk full: cannot write the MLflow store {path}; free some space or use another disk"
-    reason = "read-only" if error.errno in _READ_ONLY else (error.strerror or str(error))
-    return (f"tracking.uri: cannot write the MLflow store {path} ({reason}); "
-            f"make it writable or point tracking.uri at another file")
+    reason = "is read-only" if error.errno in _READ_ONLY else f"cannot be written ({error.strerror or error})"
+    return f"tracking.uri: the MLflow store {path} {reason}; make it writable or point tracking.uri at another file"
 
 
 def _probe_server(uri: str) -> None:

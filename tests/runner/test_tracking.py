@@ -132,6 +132,20 @@ def test_a_killed_run_keeps_its_flushed_metrics_and_its_resume_logs_every_step_o
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
+def test_metrics_sent_from_the_async_queue_are_all_stored_by_flush(tmp_path: Path, store: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("runner.tracking._FLUSH_EVERY_S", 0.0)  # every call hands a batch to MLflow's queue
+    spec = spec_at(tmp_path)
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    for step in range(50):
+        tracker.log_metrics({"loss": float(step)}, step)
+    tracker.flush()
+    client = MlflowClient(spec.tracking.uri)
+    assert history(client, tracker.run_id, "loss") == list(range(50))
+    tracker.finish("FINISHED")
+
+
 # --- 3. a failure after the run exists ends it FAILED ---------------------------------------------------
 
 
@@ -216,7 +230,7 @@ def test_a_malformed_tracking_uri_is_one_line(uri: str) -> None:
 
 def test_a_read_only_sqlite_store_is_one_line(tmp_path: Path, read_only_dir: Path) -> None:
     for uri in (f"sqlite:///{read_only_dir}/new.db", f"sqlite:///{read_only_dir}/sub/new.db"):
-        with pytest.raises(SpecError, match=r"^tracking\.uri: cannot write the MLflow store .*\(read-only\)") as error:
+        with pytest.raises(SpecError, match=r"^tracking\.uri: cannot write the MLflow store .*: .* is read-only; ") as error:
             check_tracking(TrackingSpec(uri=uri, artifact_root=str(tmp_path / "artifacts")))
         assert "\n" not in str(error.value)
 
@@ -231,7 +245,7 @@ def test_an_existing_sqlite_store_that_turned_read_only_is_one_line_from_the_tra
         with pytest.raises(SpecError) as error:
             build_tracker(spec).start(spec)
     print(error.value)
-    assert str(error.value).startswith(f"tracking.uri: cannot write the MLflow store {view}/mlflow.db (read-only)")
+    assert str(error.value).startswith(f"tracking.uri: the MLflow store {view}/mlflow.db is read-only; ")
 
 
 def test_a_full_disk_is_named_with_its_path(tmp_path: Path) -> None:
