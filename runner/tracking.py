@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.mlflow_store import check_tracking, experiment_page, open_client, open_experiment
+from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,9 @@ class MlflowTracker:
     def describe(self) -> str:
         if self.uri.startswith("http"):
             where = experiment_page(self.uri, self.experiment_id or "0")
-        else:
-            where = f"make ui, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
+        else:  # the link opens the runs table, not MLflow 3's GenAI overview
+            ui = "make ui" if self.uri == DEFAULT_URI else f"make ui  (mlflow ui --backend-store-uri {self.uri})"
+            where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
         return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
 
     def _send(self, synchronous: bool) -> None:
