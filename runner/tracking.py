@@ -2,8 +2,11 @@
 
 MlflowClient is used rather than the fluent `mlflow.start_run` API: no process-global active run,
 so parallel trials in one process and resumed runs each address their own run id.
-Metrics are buffered in the step loop and sent in batches from MLflow's async logging queue, so
-logging costs the step loop a list append.
+Metrics cost the step loop a list append; every few seconds they go to MLflow's async logging queue
+in batches, and `flush` stores them for good (the engine calls it before writing a checkpoint, so a
+kill loses no step that a resume will not log again). A resumed run skips the (metric, step) pairs
+its MLflow run already holds, so its history has every step once.
+Store checks and the store lock live in runner.mlflow_store.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.spec import RunSpec
+from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
+from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +26,20 @@ RUN_FILE = "mlflow_run_id"
 _FLUSH_EVERY_S = 5.0
 _FLUSH_AT = 500  # metric values; MLflow takes at most 1000 per batch
 
+__all__ = ["Tracker", "NullTracker", "MlflowTracker", "build_tracker", "check_tracking", "end_left_running",
+           "experiment_id", "open_client", "run_exists", "run_name_from"]
+
 
 class Tracker(Protocol):
     run_id: str | None
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: Path) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
+    def flush(self) -> None: ...
     def finish(self, status: str) -> None: ...
     def describe(self) -> str: ...
 
@@ -38,16 +48,14 @@ class NullTracker:
     """tracking=none, and every rank but 0."""
 
     run_id = None
-    run_name = ""
-
-    def flush(self) -> None: ...
-    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: Path) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
+    def flush(self) -> None: ...
     def finish(self, status: str) -> None: ...
 
     def describe(self) -> str:
@@ -57,107 +65,135 @@ class NullTracker:
 class MlflowTracker:
     def __init__(self, uri: str, experiment: str, artifact_root: str, parent_run_id: str | None = None,
                  run_file: Path | None = None):
-        for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        from mlflow.tracking import MlflowClient
-
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client: Any = None  # opened in start, after the store is checked
         self.experiment = experiment
         self.artifact_root = artifact_root
         self.parent_run_id = parent_run_id
         self.run_file = run_file  # the run directory remembers its MLflow run: restarts reattach to it
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.run_name = ""
-        self._buffer: list = []
-        self._last_flush = time.monotonic()
+        self._buffer: list[tuple[int, int, dict[str, float]]] = []  # (step, ms timestamp, metrics)
+        self._buffered = 0
+        self._last_send = time.monotonic()
         self._pending: list = []
+        self._logged: dict[str, set[int]] = {}  # steps the run already held when this tracker reattached
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
-        experiment = experiment_id(self.client, self.experiment, self.uri, self.artifact_root)
+        check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
+        self.client = open_client(self.uri)
+        self.experiment_id = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and run_exists(self.client, resume_run_id):
+            self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             self.run_name = self.client.get_run(resume_run_id).info.run_name
+            self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)", "git_commit": _git_commit(),
                 "host": socket.gethostname(), "run_dir": spec.run_dir}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
-        run = self.client.create_run(experiment, run_name=self.run_name, tags=tags)
+        run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
-        if self.run_file is not None:
-            self.run_file.parent.mkdir(parents=True, exist_ok=True)
-            self.run_file.write_text(self.run_id)
-        from mlflow.entities import Param
+        try:  # from here on a failure must not leave the run RUNNING
+            if self.run_file is not None:
+                self.run_file.parent.mkdir(parents=True, exist_ok=True)
+                self.run_file.write_text(self.run_id)
+            from mlflow.entities import Param
 
-        params = [Param(k, _param_value(v)) for k, v in spec.flat().items() if k != "overrides"]
-        for i in range(0, len(params), 100):  # MLflow's limit per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
-        self.client.log_text(self.run_id, spec.to_yaml(), "spec.yaml")
+            params = [Param(k, _param_value(v)) for k, v in spec.flat().items() if k != "overrides"]
+            for i in range(0, len(params), 100):  # MLflow's limit per batch
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_text(self.run_id, spec.to_yaml(), "spec.yaml")
+        except BaseException:
+            self.client.set_terminated(self.run_id, status="FAILED")
+            raise
+        self._last_send = time.monotonic()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        self._buffer.append((step, int(time.time() * 1000), dict(metrics)))
+        self._buffered += len(metrics)
+        if self._buffered >= _FLUSH_AT or time.monotonic() - self._last_send > _FLUSH_EVERY_S:
+            self._send(synchronous=False)
 
-        now = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-        if len(self._buffer) >= _FLUSH_AT or time.monotonic() - self._last_flush > _FLUSH_EVERY_S:
-            self._flush(synchronous=False)
+    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None:
+        """The runs table shows a metric's last value; these columns rank runs by their best."""
+        self.log_metrics({"objective": objective, **{f"best/{k}": v for k, v in best.items()}}, step)
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
-    def flush(self) -> None:
-        self._flush(synchronous=True)
-
-    def log_summary(self, objective: float, best: dict[str, float], step: int) -> None:
-        self.log_metrics({"objective": objective, **{f"best/{k}": v for k, v in best.items()}}, step)
-
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        """Called while a run fails (its traceback): a store error here must not hide that failure."""
+        try:
+            self.client.log_text(self.run_id, text, artifact_file)
+        except Exception as e:
+            log.warning("MLflow: could not store %s: %s", artifact_file, str(e).splitlines()[0] if str(e) else e)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def flush(self) -> None:
+        """Store every metric logged so far, synchronously."""
+        if self.run_id is None:
+            return
+        pending, self._pending = self._pending, []
+        errors = []
+        for operation in pending:
+            try:
+                operation.wait()
+            except Exception as e:
+                errors.append(e)
+        self._send(synchronous=True)
+        if errors:
+            raise errors[0]
 
     def finish(self, status: str) -> None:
+        """End the run; set_terminated is attempted even when the last metrics cannot be stored."""
         if self.run_id is None:
             return
         try:
-            self._flush(synchronous=True)
-            for operation in self._pending:
-                operation.wait()
-        finally:
-            self.client.set_terminated(self.run_id, status=status)
+            self.flush()
+        except Exception as e:
+            log.warning("MLflow: could not store the last metrics of run %s: %s", self.run_id,
+                        str(e).splitlines()[0] if str(e) else e)
+            self.client.set_terminated(self.run_id, status="FAILED")
+            if status == "FINISHED":
+                raise  # a run whose metrics are lost did not finish; an ending failure keeps its own error
+            return
+        self.client.set_terminated(self.run_id, status=status)
 
     def describe(self) -> str:
-        ui = f"mlflow ui --backend-store-uri {self.uri}" if not self.uri.startswith("http") else self.uri
-        return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: make ui  ({ui})"
+        if self.uri.startswith("http"):
+            where = experiment_page(self.uri, self.experiment_id or "0")
+        else:  # the link opens the runs table, not MLflow 3's GenAI overview
+            ui = "make ui" if self.uri == DEFAULT_URI else f"make ui  (mlflow ui --backend-store-uri {self.uri})"
+            where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
+        return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
 
-    def _flush(self, synchronous: bool) -> None:
-        self._last_flush = time.monotonic()
-        batch, self._buffer = self._buffer, []
-        for i in range(0, len(batch), 1000):
-            op = self.client.log_batch(self.run_id, metrics=batch[i:i + 1000], synchronous=synchronous)
+    def _send(self, synchronous: bool) -> None:
+        from mlflow.entities import Metric
+
+        self._last_send = time.monotonic()
+        batch, self._buffer, self._buffered = self._buffer, [], 0
+        metrics = [Metric(k, float(v), ms, step) for step, ms, values in batch for k, v in values.items()
+                   if step not in self._logged.get(k, ())]
+        for i in range(0, len(metrics), 1000):
+            op = self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=synchronous)
             if op is not None and not synchronous:
                 self._pending.append(op)
 
 
 def experiment_id(client: Any, name: str, uri: str, artifact_root: str) -> str:
-    """The experiment's id, created on first use (artifacts under artifact_root on a local store)."""
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    location = None
-    if not uri.startswith(("http", "databricks")):
-        location = Path(artifact_root).resolve().as_uri()
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except Exception:  # another process created it first
-        return client.get_experiment_by_name(name).experiment_id
+    """The experiment's id, created on first use (kept for the sweeper's parent run)."""
+    return open_experiment(client, name, uri, artifact_root)
 
 
 def run_exists(client: Any, run_id: str) -> bool:
@@ -166,6 +202,12 @@ def run_exists(client: Any, run_id: str) -> bool:
         return True
     except Exception:
         return False
+
+
+def logged_steps(client: Any, run_id: str) -> dict[str, set[int]]:
+    """Metric key -> the steps the run already holds."""
+    keys = client.get_run(run_id).data.metrics
+    return {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
 
 
 def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None) -> Tracker:
@@ -180,11 +222,9 @@ def end_left_running(spec: RunSpec, status: str) -> None:
     run_file = Path(spec.run_dir) / RUN_FILE
     if spec.tracking.name == "none" or not run_file.exists():
         return
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=spec.tracking.uri)
+    client = open_client(spec.tracking.uri)
     run_id = run_file.read_text().strip()
-    if client.get_run(run_id).info.status == "RUNNING":
+    if run_exists(client, run_id) and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, status=status)
 
 

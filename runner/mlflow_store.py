@@ -1,0 +1,252 @@
+"""Is the MLflow store usable, and safe to open from several processes at once?
+
+`check_tracking` answers the first within a few seconds, importing neither torch nor MLflow, so bad
+tracking input fails in one line before training: MLflow's own client retries an unreachable server
+for minutes and fails a read-only or full store with a long traceback.
+
+`open_client` serialises MLflow's first open of a sqlite store behind a file lock: MLflow migrates
+a fresh sqlite file on first open, and several processes migrating one file at once break it
+("duplicate column name", "_alembic_tmp_metrics already exists"), sometimes for good.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import ssl
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+from runner.spec import SpecError, TrackingSpec
+
+# MLflow 3's UI chooses between its model-training view (runs table) and its GenAI view (traces
+# overview) per experiment from this tag (values: the UI's ExperimentKind enum). The 3.17 UI lets a
+# global GenAI / model-training switch override it, which experiment_page's link sets.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+DEFAULT_URI = "sqlite:///outputs/mlflow.db"
+
+_PROBE_TIMEOUT_S = 5.0  # long enough for a slow but working server; short next to MLflow's retries
+_LOCK_WAIT_S = 600.0    # a first migration takes seconds; a holder this slow is stuck
+_DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+_SERVER_SCHEMES = {"databricks", "databricks-uc", "uc"}
+_READ_ONLY = {errno.EACCES, errno.EPERM, errno.EROFS}
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def check_tracking(tracking: TrackingSpec) -> None:
+    """Raise SpecError (one line) unless runs can be logged to tracking.uri and tracking.artifact_root."""
+    if tracking.name == "none":
+        return
+    uri = tracking.uri
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    if scheme in ("http", "https"):
+        _probe_server(uri)
+        return
+    if scheme in _SERVER_SCHEMES:
+        return
+    if scheme == "sqlite":
+        path = sqlite_path(uri)
+        if path is not None:
+            _check_sqlite_file(path)
+    elif scheme in _DB_PORTS:
+        _probe_database(uri)
+    elif scheme in ("", "file"):
+        path = Path(urllib.parse.urlsplit(uri).path if scheme else uri)
+        _check_writable(path, "tracking.uri", f"the MLflow store {path}", "point tracking.uri at a writable place")
+    elif scheme not in _plugin_schemes():
+        raise SpecError(f"tracking.uri: {uri!r} has an unknown scheme {scheme + ':'!r}; use sqlite:///<file> "
+                        f"(default {DEFAULT_URI}), http(s)://<mlflow server>, postgresql://, mysql:// or a directory")
+    check_artifact_location(tracking.artifact_root)
+
+
+def check_artifact_location(location: str) -> None:
+    """A local artifact location must be writable: MLflow would fail only at the first artifact, mid-run."""
+    parsed = urllib.parse.urlsplit(location)
+    if parsed.scheme not in ("", "file"):
+        return  # a remote artifact store (s3://, mlflow-artifacts:, ...) answers for itself
+    path = Path(urllib.parse.unquote(parsed.path) if parsed.scheme else location)
+    _check_writable(path, "tracking.artifact_root", f"MLflow artifacts to {path}",
+                    "make it writable or set tracking.artifact_root to a writable directory "
+                    "(an experiment keeps the location it was created with: use a new tracking.experiment)")
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a sqlite:/// uri; None for an in-memory database."""
+    rest = uri.split(":", 1)[1] if uri.startswith("sqlite") else ""
+    if not rest.startswith("///"):
+        return None
+    path = rest[3:].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock file next to a sqlite store (no-op for other stores)."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as lock:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SpecError(f"tracking.uri: another process has held {lock_path} for over "
+                                    f"{_LOCK_WAIT_S:.0f} s; stop it or delete the lock file") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def open_client(uri: str) -> Any:
+    """An MlflowClient on uri. Constructing one opens the store (creating and migrating a fresh sqlite
+    file), so it happens under the store's lock: several runs may start at once."""
+    for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):  # migration steps log at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from mlflow.tracking import MlflowClient
+
+    with store_lock(uri):
+        try:
+            return MlflowClient(tracking_uri=uri)
+        except Exception as e:  # a broken or foreign file: MLflow's message, on one line
+            raise SpecError(f"tracking.uri: cannot open the MLflow store {uri} ({_first_line(e)}); "
+                            f"fix or move it, or use another tracking.uri") from None
+
+
+def open_experiment(client: Any, name: str, uri: str, artifact_root: str) -> str:
+    """The experiment's id, created on first use (under the store's lock) and marked as model training."""
+    local = not uri.startswith(("http", "databricks"))
+    with store_lock(uri):
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            location = Path(artifact_root).resolve().as_uri() if local else None
+            if location:
+                check_artifact_location(location)
+            try:
+                return client.create_experiment(name, artifact_location=location,
+                                                tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+            except Exception:  # a server store: another process created it first
+                found = client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+        if found.lifecycle_stage == "deleted":
+            raise SpecError(f"tracking.experiment: MLflow experiment {name!r} is deleted; restore it with "
+                            f"`mlflow experiments restore --experiment-id {found.experiment_id}` or pick another name")
+        if not found.tags.get(EXPERIMENT_KIND_TAG):
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        if local and found.artifact_location:
+            check_artifact_location(found.artifact_location)
+        return found.experiment_id
+
+
+def experiment_page(base_url: str, experiment_id: str) -> str:
+    """The UI page with the experiment's runs table. MLflow 3's UI picks its GenAI or model-training
+    view from a global switch (default GenAI) that the workflowType parameter sets; older MLflow 3
+    releases read the experiment tag instead, which open_experiment sets."""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+# --- checks -----------------------------------------------------------------------------------
+
+
+def _check_sqlite_file(path: Path) -> None:
+    if path.is_dir():
+        raise SpecError(f"tracking.uri: {path} is a directory, not a sqlite file; name a file such as {path}/mlflow.db")
+    if path.exists():
+        try:
+            with open(path, "r+b") as f:  # opened for writing, written nothing
+                head = f.read(16)
+        except OSError as e:
+            raise SpecError(_store_message(path, e)) from None
+        if head and head != b"SQLite format 3\x00":
+            raise SpecError(f"tracking.uri: {path} is not a sqlite database; point tracking.uri at another file")
+    _check_writable(path.parent, "tracking.uri", f"the MLflow store {path}",
+                    "make it writable or point tracking.uri at another file")
+
+
+def _check_writable(directory: Path, key: str, what: str, fix: str) -> None:
+    """Write (and sync) a small probe file in the directory, or in its nearest existing parent when it
+    does not exist yet: only a real write tells a full disk and a read-only mount apart from access
+    bits, which root ignores."""
+    target = directory.resolve()
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    try:
+        with tempfile.TemporaryFile(dir=target) as probe:
+            probe.write(b"\0" * 65536)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        if e.errno in _FULL:
+            raise SpecError(f"{key}: disk full: cannot write {what} (no space left in {target}); free some space "
+                            f"or use another disk") from None
+        reason = "is read-only" if e.errno in _READ_ONLY else f"says: {e.strerror or e}"
+        raise SpecError(f"{key}: cannot write {what}: {target} {reason}; {fix}") from None
+
+
+def _store_message(path: Path, error: OSError) -> str:
+    if error.errno in _FULL:
+        return f"tracking.uri: disk full: cannot write the MLflow store {path}; free some space or use another disk"
+    reason = "is read-only" if error.errno in _READ_ONLY else f"cannot be written ({error.strerror or error})"
+    return f"tracking.uri: the MLflow store {path} {reason}; make it writable or point tracking.uri at another file"
+
+
+def _probe_server(uri: str) -> None:
+    url = uri.rstrip("/") + "/health"
+    context = None
+    if url.startswith("https"):
+        context = ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
+        if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S, context=context).close()
+    except urllib.error.HTTPError:
+        return  # something answers; MLflow reports authentication or path problems itself
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise SpecError(f"tracking.uri: no MLflow tracking server answers at {uri} ({_first_line(reason)}); "
+                        f"start one with `mlflow server` or use the local default {DEFAULT_URI}") from None
+
+
+def _probe_database(uri: str) -> None:
+    parsed = urllib.parse.urlsplit(uri)
+    scheme = parsed.scheme.split("+", 1)[0]
+    try:
+        host, port = parsed.hostname, parsed.port or _DB_PORTS[scheme]
+    except ValueError as e:
+        raise SpecError(f"tracking.uri: {uri!r} is not a valid database uri ({e})") from None
+    if not host:
+        return  # a local socket; the driver reports it
+    try:
+        socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise SpecError(f"tracking.uri: no {scheme} server answers at {host}:{port} ({_first_line(e)}); "
+                        f"start it or use the local default {DEFAULT_URI}") from None
+
+
+def _plugin_schemes() -> set[str]:
+    """Schemes that installed MLflow plugins register for tracking stores."""
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
+
+
+def _first_line(error: object) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
