@@ -20,7 +20,7 @@ from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
 from runner.spec import ParallelismSpec, RunSpec, SpecError
-from runner.tracking import build_tracker, end_left_running
+from runner.tracking import build_tracker, check_tracking, end_left_running
 from runner.trial import parent_run_id
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
         spec = resume.plan(spec)
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
+        check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.parallelism.name != "single" and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()

@@ -48,6 +48,7 @@ class NullTracker:
     """tracking=none, and every rank but 0."""
 
     run_id = None
+    run_name = ""
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
