@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -14,13 +15,24 @@ from runner.spec import DatasetSpec, SpecError
 
 @dataclass(frozen=True)
 class DataSplits:
-    """Three splits of `(x: float32 tensor of input_shape, y: int64 scalar tensor)` items."""
+    """What a dataset builder returns: three splits (any may be empty) and what the data decides for
+    the model (passed to it only through the constructor parameters of the same names).
+
+    Items are `(inputs, label)` tuples or dicts (`input_ids`, `attention_mask`, `labels`); labels that
+    must not count (padding) are -100. `collate` batches items (default: torch's); `batch_transform`
+    (train only) maps a batch on the device, e.g. mixup/cutmix to soft labels.
+    """
 
     train: Dataset
     val: Dataset
     test: Dataset
-    input_shape: tuple[int, ...]
-    num_classes: int
+    input_shape: tuple[int, ...] = ()
+    num_classes: Optional[int] = None
+    vocab_size: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    max_length: Optional[int] = None
+    collate: Optional[Callable] = None
+    batch_transform: Optional[Callable] = None
 
 
 def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: float,
