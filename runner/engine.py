@@ -19,16 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from runner import checkpoint, parallel
+from runner import checkpoint, parallel, tasks
 from runner.data import build_datasets
 from runner.loader import make_loader, optimizer_steps
 from runner.models import build_model
 from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
 from runner.parallel import DistEnv
-from runner.precision import IGNORE, Precision
+from runner.precision import Precision
 from runner.schedule import build_scheduler
 from runner.spec import RunSpec, SpecError
 from runner.tracking import NullTracker, Tracker
@@ -76,8 +75,12 @@ class Engine:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.world, 1)}")
+        task_spec = getattr(spec, "task", None)
+        self.task = tasks.build_task(task_spec.name if task_spec else "classification", data.num_classes,
+                                     task_spec.label_smoothing if task_spec else 0.0)
+        self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
-                           rank=self.env.rank, world=self.env.world)
+                           rank=self.env.rank, world=self.env.world, collate=data.collate)
         self.train_loader = make_loader(data.train, spec.dataset.batch_size, shuffle=True, **loader_args)
         self.eval_loaders = {split: make_loader(getattr(data, split), spec.dataset.batch_size, shuffle=False, **loader_args)
                              for split in ("val", "test")}
@@ -86,6 +89,7 @@ class Engine:
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
         self.module = self.precision.prepare_model(build_model(spec.model, data.input_shape, data.num_classes).to(self.device))
+        self.pass_labels = tasks.accepts_labels(self.module)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype)
         if spec.trainer.compile:
             self.model = torch.compile(self.model)
@@ -173,16 +177,16 @@ class Engine:
         self.save_checkpoint()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        samples = sum(len(y) for _, y in micro_batches)
-        # The mean over every sample of the step on all ranks: DDP/FSDP average gradients over ranks,
-        # so each rank's sum is scaled by world / (samples on all ranks), whatever each rank holds.
-        scale = self.env.world / parallel.global_count(samples, self.device)
+        batches = [tasks.split_batch(b) for b in micro_batches]
+        counts = [self.task.count(b.labels) for b in batches]  # samples, or tokens that are not padding
+        # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
+        # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
+        scale = self.env.world / parallel.global_count(sum(counts), self.device)
         losses = []
-        last = len(micro_batches) - 1
-        for i, (x, y) in enumerate(micro_batches):
+        last = len(batches) - 1
+        for i, (batch, count) in enumerate(zip(batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
-                logits, y = self._forward(x, y)
-                loss = F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
+                loss = self._loss_sum(self._prepare(batch, train=True), count)
                 self.precision.backward(loss * scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
@@ -190,14 +194,24 @@ class Engine:
         if self.precision.step(self.optimizer):
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, samples, grad_norm
+        return loss_sum, sum(counts), grad_norm
 
-    def _forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        x, y = self.precision.prepare_batch(x, y)
+    def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
+        batch = self.precision.prepare_batch(tasks.to_device(batch, self.device))
+        if train and self.batch_transform is not None and len(batch.labels):
+            inputs, labels = self.batch_transform(batch.inputs, batch.labels)  # mixup/cutmix: soft labels
+            batch = tasks.Batch(inputs, labels)
+        return batch
+
+    def _forward(self, batch: tasks.Batch):
         with self.precision.autocast():
-            logits = self.model(x)
-        return logits.float(), y
+            return tasks.call_model(self.model, batch, self.pass_labels)
+
+    def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
+        output = self._forward(batch)
+        own = tasks.own_loss(output)
+        # a model's own loss is its mean over the micro-batch's units: back to a sum
+        return own.float() * count if own is not None else self.task.loss_sum(output, batch.labels)
 
     def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
         trainer = self.spec.trainer
@@ -220,16 +234,18 @@ class Engine:
         if not self.split_sizes[split]:
             return {}  # an empty split reports nothing
         self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        totals: dict[str, torch.Tensor] = {}
         count = 0
-        for x, y in self.eval_loaders[split]:
-            count += len(y)
-            logits, y = self._forward(x, y)
-            loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE)
-            correct += (logits.argmax(dim=-1) == y).sum()
-        loss_sum, correct, n = parallel.all_reduce_sum([loss_sum, correct, torch.tensor(count, device=self.device)])
-        return {f"{split}/loss": loss_sum.item() / n.item(), f"{split}/acc": correct.item() / n.item()}
+        for batch in self.eval_loaders[split]:
+            batch = self._prepare(tasks.split_batch(batch), train=False)
+            count += self.task.count(batch.labels)
+            for name, value in self.task.eval_sums(self._forward(batch), batch.labels).items():
+                totals[name] = totals.get(name, 0) + value.double()
+        names = self.task.sum_names()  # in one order on every rank, an empty shard included
+        values = parallel.all_reduce_sum([totals.get(n, torch.zeros((), device=self.device, dtype=torch.float64))
+                                          for n in names] + [torch.tensor(float(count), device=self.device)])
+        *sums, n = [v.item() for v in values]
+        return self.task.metrics(dict(zip(names, sums)), n, split)
 
     def _evaluate_and_watch(self) -> None:
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged

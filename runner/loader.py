@@ -13,10 +13,10 @@ batch N*B for any dataset size.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, default_collate
 
 
 class EpochBatches(Sampler[list[int]]):
@@ -75,12 +75,29 @@ def _already_batched(batch: tuple) -> tuple:
     return batch
 
 
+class Collate:
+    """The dataset's collate (torch's default when it has none), and for a rank whose share of the
+    epoch's last batch is empty, a stand-in batch of one sample whose labels count for nothing, so the
+    rank still joins the step's collectives."""
+
+    def __init__(self, dataset: Dataset, collate: Callable | None):
+        self.dataset, self.collate = dataset, collate or default_collate
+
+    def __call__(self, items: list) -> Any:
+        if items:
+            return self.collate(items)
+        from runner.tasks import ignored
+
+        return ignored(self.collate([self.dataset[0]]))
+
+
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
-                pin_memory: bool, rank: int = 0, world: int = 1) -> DataLoader:
+                pin_memory: bool, rank: int = 0, world: int = 1, collate: Callable | None = None) -> DataLoader:
     batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world)
-    collate = None
-    if isinstance(dataset, TensorDataset):
+    if isinstance(dataset, TensorDataset) and collate is None:
         dataset, collate = BatchedTensors(dataset), _already_batched
+    elif len(dataset):
+        collate = Collate(dataset, collate)
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0,
                       # an own generator: creating an iterator must not consume the global RNG,

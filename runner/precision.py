@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import ContextManager
+from typing import TYPE_CHECKING, ContextManager
+
+if TYPE_CHECKING:
+    from runner.tasks import Batch
 
 import torch
 
@@ -11,7 +14,6 @@ from runner.spec import PrecisionSpec, SpecError
 
 log = logging.getLogger(__name__)
 
-IGNORE = -100  # label of padding samples: cross_entropy's default ignore_index
 
 
 class Precision:
@@ -58,16 +60,22 @@ class Precision:
             return model
         return model
 
-    def prepare_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.name == "bf16_true" and x.is_floating_point():
-            return x.to(torch.bfloat16), y
-        if self.name == "fp8" and len(y) % 16:
+    def prepare_batch(self, batch: "Batch") -> "Batch":
+        from runner.tasks import IGNORE, Batch
+
+        inputs, labels = batch.inputs, batch.labels
+        if self.name == "bf16_true":
+            def cast(t):
+                return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+            inputs = {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, dict) else cast(inputs)
+        if self.name == "fp8" and isinstance(inputs, torch.Tensor) and len(labels) % 16 and not labels.is_floating_point():
             # fp8 GEMMs need the batch dim divisible by 16: pad a ragged batch with samples whose
             # label the loss ignores, so the sum over real samples is unchanged
-            pad = 16 - len(y) % 16
-            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-            y = torch.cat([y, y.new_full((pad,), IGNORE)])
-        return x, y
+            pad = 16 - len(labels) % 16
+            inputs = torch.cat([inputs, inputs.new_zeros((pad, *inputs.shape[1:]))])
+            labels = torch.cat([labels, labels.new_full((pad, *labels.shape[1:]), IGNORE)])
+        return Batch(inputs, labels)
 
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)
