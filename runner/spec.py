@@ -301,7 +301,10 @@ def _check_metric_names(spec: RunSpec) -> None:
         _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")
     if spec.scheduler.name == "plateau":
         _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
-    _check_metric("objective.metric", spec.objective.metric, during | at_end, set(), spec, None)
+    # The objective is checked against what the splits hold, not against the evaluation schedule:
+    # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.
+    splits = at_end | ({"val/loss", "val/acc"} if spec.dataset.val_fraction > 0 else set())
+    _check_metric("objective.metric", spec.objective.metric, splits, set(), spec, None)
 
 
 def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], spec: RunSpec, off: str | None) -> None:
@@ -309,16 +312,19 @@ def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], s
         return
     choose = f"choose one of {', '.join(sorted(allowed))}" if allowed else ""
     if value in end_only:
-        raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _no_val(spec, key, off)}")
-    if value in {"val/loss", "val/acc"} or not allowed:
-        fix = _no_val(spec, key, off) + (f", or {choose}" if choose else "")
+        raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
+    split = value.split("/")[0]
+    if value in {"val/loss", "val/acc", "test/loss", "test/acc"} or not allowed:
+        fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
         raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")
     raise SpecError(f"{key}: {value!r} is not a metric this run evaluates; {did_you_mean(value, allowed)}{choose}")
 
 
-def _no_val(spec: RunSpec, key: str, off: str | None) -> str:
-    """Why the run has no validation metric during training, and how to get one (or turn `key` off)."""
-    if spec.dataset.val_fraction == 0:
+def _missing(spec: RunSpec, split: str, key: str, off: str | None) -> str:
+    """Why the run never evaluates on `split` (val: during training), and how to change that."""
+    if split == "test":
+        why = "dataset.test_fraction=0 leaves no test split; set dataset.test_fraction > 0"
+    elif spec.dataset.val_fraction == 0:
         why = "dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"
     else:
         why = "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate; set one of them"

@@ -163,8 +163,11 @@ CASES = [
          "error: trainer.early_stopping.monitor: 'val/loss' is never evaluated in this run: dataset.val_fraction=0"),
     case("dataset.test_fraction=0 objective.metric=test/acc", "error: objective.metric: 'test/acc' is never evaluated in "
          "this run: dataset.test_fraction=0 leaves no test split"),
-    case("trainer.eval_every_epoch=false", "error: objective.metric: 'val/acc' is never evaluated in this run: "
-         "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate"),
+    case("trainer.eval_every_epoch=false trainer.early_stopping.monitor=val/loss", "error: "
+         "trainer.early_stopping.monitor: 'val/loss' is never evaluated in this run: trainer.eval_every_epoch=false and "
+         "trainer.eval_every_n_steps=0 never evaluate"),
+    case("trainer.eval_every_epoch=false scheduler=plateau", "error: scheduler.monitor: 'val/loss' is never evaluated "
+         "in this run"),
     case("scheduler=plateau scheduler.monitor=val/los", "error: scheduler.monitor: 'val/los' is not a metric this run "
          "evaluates; did you mean val/loss?"),
     case("scheduler=plateau scheduler.monitor=test/loss", "error: scheduler.monitor: 'test/loss' is evaluated only at "

@@ -137,9 +137,9 @@ def test_produced_metrics_does_not_import_torch(tmp_path: Path) -> None:
     (["dataset.val_fraction=0", "objective.metric=test/acc", "trainer.early_stopping.monitor=val/loss"],
      "trainer.early_stopping.monitor: 'val/loss' is never evaluated in this run: dataset.val_fraction=0 leaves no "
      "validation split; set dataset.val_fraction > 0, or trainer.early_stopping.monitor=null"),
-    (["trainer.eval_every_epoch=false"],
-     "objective.metric: 'val/acc' is never evaluated in this run: trainer.eval_every_epoch=false and "
-     "trainer.eval_every_n_steps=0 never evaluate"),
+    (["trainer.eval_every_epoch=false", "trainer.early_stopping.monitor=val/loss"],
+     "trainer.early_stopping.monitor: 'val/loss' is never evaluated in this run: trainer.eval_every_epoch=false and "
+     "trainer.eval_every_n_steps=0 never evaluate; set one of them, or trainer.early_stopping.monitor=null"),
     (["dataset.test_fraction=0", "objective.metric=test/acc"],
      "objective.metric: 'test/acc' is never evaluated in this run: dataset.test_fraction=0 leaves no test split; "
      "set dataset.test_fraction > 0, or choose one of val/acc, val/loss"),
@@ -156,6 +156,8 @@ def test_metric_names_the_run_evaluates_are_accepted(tmp_path: Path) -> None:
     spec = compose_spec(["trainer.early_stopping.monitor=val/acc", "scheduler=plateau", "scheduler.monitor=val/acc",
                          "objective.metric=test/loss"], tmp_path / "run")
     assert spec.objective.metric == "test/loss"
+    # evaluation turned off on purpose (benchmarks): the objective names a metric the splits hold
+    assert compose_spec(["trainer.eval_every_epoch=false"], tmp_path / "run").objective.metric == "val/acc"
     # a scheduler other than plateau ignores its monitor
     assert compose_spec(["+scheduler.monitor=nothing"], tmp_path / "run").scheduler.monitor == "nothing"
 
