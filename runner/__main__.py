@@ -294,16 +294,16 @@ _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errn
 
 
 def check_writable(key: str, path: str) -> None:
-    """Create the run directory and write a file into it, then remove both again (Hydra makes the
+    """Create the run directory and write a file into it, then remove them again (Hydra makes the
     directory itself moments later): a directory that cannot be written fails here, in one line,
-    rather than inside Hydra's, the engine's or MLflow's setup, and nothing is left behind."""
+    rather than inside Hydra's, the engine's or MLflow's setup, and nothing is left behind.
+
+    On success only the run directory itself is removed: its parents (outputs/runs/<date>) may be
+    shared with a run starting beside this one, and Hydra needs them anyway."""
     target = Path(path).absolute()
-    created: list[Path] = []
+    missing = [d for d in [target, *target.parents] if not d.exists()]  # deepest first
     try:
-        for directory in reversed([target, *target.parents]):
-            if not directory.exists():
-                directory.mkdir()
-                created.append(directory)
+        target.mkdir(parents=True, exist_ok=True)
         probe = target / f".runner-write-check-{os.getpid()}"
         try:
             with open(probe, "wb") as f:
@@ -313,14 +313,18 @@ def check_writable(key: str, path: str) -> None:
         finally:
             probe.unlink(missing_ok=True)
     except OSError as e:
+        _remove_empty(missing)
         raise SpecError(f"{key}: cannot write the run directory {target} ({_reason(e, target)}); "
                         f"choose another with {key}=<dir>") from None
-    finally:
-        for directory in reversed(created):
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
+    _remove_empty(missing[:1] if missing and missing[0] == target else [])
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another run's), or never made
+            pass
 
 
 def _reason(error: OSError, target: Path) -> str:
