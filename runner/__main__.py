@@ -97,7 +97,8 @@ def _check_command_line(args: Any) -> None:
         _refuse_sweeps(overrides)
     variants = _variants(overrides) if args.multirun else [[o.input_line for o in overrides]]
     dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
-    for i, variant in enumerate(variants):
+    first: tuple[RunSpec, str] | None = None
+    for variant in variants:
         cfg = _compose(args.config_name or CONFIG_NAME, variant)
         if args.cfg or args.info:
             return  # printing the config: the values are the user's to inspect, not to run
@@ -105,8 +106,9 @@ def _check_command_line(args: Any) -> None:
         container = resolved(cfg)
         container["run_dir"] = run_dir
         spec = RunSpec.from_config(container, tuple(line for line in variant if not _key_of(line).startswith("hydra")))
-        if i == 0:
-            _check_surroundings(spec, dir_key, run_dir)
+        first = first or (spec, run_dir)
+    if first is not None:  # every job's values are good: now what they name outside themselves
+        _check_surroundings(first[0], dir_key, first[1])
 
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
