@@ -1,27 +1,44 @@
-"""`python -m runner [overrides]`: Hydra composes conf/ once; the run spec takes it from there."""
+"""`python -m runner [overrides]`: Hydra composes conf/ once; the run spec takes it from there.
+
+Before Hydra starts the run, `preflight` checks everything a user can get wrong without importing
+torch, MLflow or Optuna (they take seconds to import): the override grammar, group options and keys,
+the values and metric names (RunSpec), and whether the run directory can be written. A mistake is
+one `error: <key>: ...` line and exit code 2, within a second, with nothing created.
+"""
 from __future__ import annotations
 
+import errno
+import os
 import sys
+from pathlib import Path
+from typing import Any, NoReturn
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner import registry
-from runner.spec import SpecError
+from runner.spec import OPTION_GROUPS, RunSpec, SpecError, check_option, did_you_mean
+
+CONFIG_NAME = "config"
 
 
-@hydra.main(config_path=str(registry.CONF_DIR), config_name="config", version_base="1.3")
+@hydra.main(config_path=str(registry.CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from runner.launch import run, spec_from_hydra
-
-    from runner.launch import WorkersFailed
+    try:
+        spec = spec_from_hydra(cfg)
+    except SpecError as e:
+        fail(str(e))
+    # torch, MLflow and the engine: only now that the spec is known to be good
+    from runner.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
+    from runner.launch import WorkersFailed, run
     from runner.monitor import Diverged
 
     try:
-        return run(spec_from_hydra(cfg)).objective
+        return run(spec).objective
     except SpecError as e:
         fail(str(e))
-    except Diverged as e:
+    except (Diverged, NonFiniteCheckpoint, CheckpointWriteError) as e:  # the run failed, not the input
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except WorkersFailed as e:
@@ -29,22 +46,307 @@ def main(cfg: DictConfig) -> float:
         sys.exit(1)
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}".replace("\n", " "), file=sys.stderr, flush=True)
     sys.exit(2)
 
 
-def check_group_options(argv: list[str]) -> None:
-    """Catch `precision=fp17` with a one-line error before Hydra's multi-line one."""
-    groups = set(registry.groups())
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in groups or "(" in value or "$" in value:
+def spec_from_hydra(cfg: DictConfig) -> RunSpec:
+    """The RunSpec of the job Hydra is running (its run directory is the job's output directory)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    container = resolved(cfg)
+    container["run_dir"] = hydra_cfg.runtime.output_dir
+    return RunSpec.from_config(container, tuple(hydra_cfg.overrides.task))
+
+
+def resolved(cfg: DictConfig) -> dict:
+    """The config without Hydra's own node, as plain data with `${...}` resolved (a bad one is a SpecError)."""
+    out = {}
+    for key in cfg:
+        if key == "hydra":  # preflight's config has it: its job fields are only known once a job runs
             continue
-        allowed = registry.options(key)
-        for option in value.split(","):
-            if option not in allowed:
-                fail(f"{key}: unknown option {option!r}; choose one of {', '.join(allowed)}")
+        try:
+            value = cfg[key]  # a node keeps its root: interpolations resolve as in the whole config
+            out[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        except OmegaConfBaseException as e:
+            raise SpecError(f"{e.full_key or key}: cannot resolve an interpolation ({_first_line(e)}); "
+                            "check the ${...} expression") from None
+    return out
+
+
+# --- preflight: everything that can be checked before the run starts ---------------------------
+
+
+def preflight(argv: list[str]) -> None:
+    """Check the command line as Hydra will read it; `fail` at the first mistake."""
+    from hydra._internal.utils import get_args_parser  # hydra.main's own parser: flags as Hydra reads them
+
+    args, unknown = get_args_parser().parse_known_args(argv)
+    if unknown:
+        fail(f"{unknown[0]}: unknown flag; see python -m runner --help")
+    if args.help or args.hydra_help or args.shell_completion or args.config_path or args.config_dir \
+            or args.experimental_rerun:
+        return  # Hydra's own business: nothing of the run is composed
+    try:
+        _check_command_line(args)
+    except SpecError as e:
+        fail(str(e))
+
+
+def _check_command_line(args: Any) -> None:
+    overrides = _parse(args.overrides)
+    _check_groups(overrides)
+    if not args.multirun:
+        _refuse_sweeps(overrides)
+    variants = _variants(overrides) if args.multirun else [[o.input_line for o in overrides]]
+    dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    first: tuple[RunSpec, str] | None = None
+    for variant in variants:
+        cfg = _compose(args.config_name or CONFIG_NAME, variant)
+        if args.cfg or args.info:
+            return  # printing the config: the values are the user's to inspect, not to run
+        run_dir = str(_select(cfg, dir_key))
+        container = resolved(cfg)
+        container["run_dir"] = run_dir
+        spec = RunSpec.from_config(container, tuple(line for line in variant if not _key_of(line).startswith("hydra")))
+        first = first or (spec, run_dir)
+    if first is not None:  # every job's values are good: now what they name outside themselves
+        _check_surroundings(first[0], dir_key, first[1])
+
+
+def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
+    """What the spec names outside itself: the checkpoint to resume from, the run directory."""
+    if spec.trainer.resume:
+        from runner import checkpoint  # imports torch today; a resumed run needs it next anyway
+
+        checkpoint.resolve(spec.trainer.resume)
+    # ranks under torchrun share one directory that rank 0 names; a probe there would race
+    if not _under_torchrun():
+        check_writable(dir_key, run_dir)
+
+
+def _refuse_sweeps(overrides: list[Any]) -> None:
+    for o in overrides:
+        if o.is_sweep_override():
+            value = o.get_value_string()
+            raise SpecError(f"{o.key_or_group}: {value!r} is a sweep; add -m to run one job per value, "
+                            f"or quote it to mean one string: {o.key_or_group}='{value}'")
+
+
+def _parse(lines: list[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for line in lines:
+        try:
+            override = parser.parse_override(line)
+        except HydraException as e:
+            reason = [ln for ln in str(e).splitlines() if ln.strip() and "hydra.cc" not in ln and "Error parsing" not in ln]
+            key = line.split("=", 1)[0] or line
+            raise SpecError(f"{key}: {line!r} is not a valid override ({reason[0] if reason else 'bad syntax'}); "
+                            "write key=value, e.g. optimizer.lr=0.01") from None
+        if not override.key_or_group:
+            raise SpecError(f"{line}: not a valid override (no key before '='); write key=value, e.g. optimizer.lr=0.01")
+        parsed.append(override)
+    return parsed
+
+
+def _check_groups(overrides: list[Any]) -> None:
+    """`precision=fp17`: the option check RunSpec.validate uses, before Hydra's multi-line error."""
+    groups = set(registry.groups())
+    for o in overrides:
+        if o.key_or_group not in groups or o.is_delete() or o.is_interval_sweep():
+            continue
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator()) if o.is_discrete_sweep() and not _is_glob(o) else []
+        else:
+            values = [o.value()]
+        for value in values:
+            check_option(o.key_or_group, value)
+
+
+def _is_glob(o: Any) -> bool:
+    from hydra.core.override_parser.types import Glob
+
+    return isinstance(o.value(), Glob)
+
+
+def _variants(overrides: list[Any], limit: int = 32) -> list[list[str]]:
+    """For a multirun: the first job of the sweep, then each other value of each enumerable sweep
+    on its own (up to `limit` jobs), so a bad value fails here rather than midway through the sweep.
+    Interval sweeps (Optuna's) have no values to try; they leave the key at its configured value."""
+    def line(o: Any, value: str) -> str:
+        return f"{o.get_key_element()}={value}"
+
+    first: list[str] = []
+    others: list[tuple[int, str]] = []
+    for o in overrides:
+        if not o.is_sweep_override():
+            first.append(o.input_line)
+        elif o.is_discrete_sweep() and not _is_glob(o):
+            values = list(o.sweep_string_iterator())
+            first.append(line(o, values[0]))
+            others += [(len(first) - 1, line(o, v)) for v in values[1:]]
+    variants = [first]
+    for index, replacement in others[:limit - 1]:
+        variants.append(first[:index] + [replacement] + first[index + 1:])
+    return variants
+
+
+def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+
+    with initialize_config_dir(config_dir=str(registry.CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as e:
+            raise SpecError(_composition_error(e, config_name, overrides)) from None
+    HydraConfig.instance().set_config(cfg)  # as Hydra does for a job: ${hydra:...} resolves
+    return cfg
+
+
+def _composition_error(error: Exception, config_name: str, overrides: list[str]) -> str:
+    """One line for Hydra's multi-line composition errors, naming the override at fault; an unknown
+    key gets the closest existing key."""
+    from hydra import compose
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = error.__cause__
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        # the keys the user could have meant: the config composed with the group choices alone
+        groups = [line for line in overrides if _is_group(_key_of(line))]
+        try:
+            return unknown_key_message(cause.full_key, compose(config_name, overrides=groups, return_hydra_config=True))
+        except (HydraException, OmegaConfBaseException):
+            pass
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    if isinstance(error, MissingConfigException) and "Could not find '" in str(error):
+        group, _, option = str(error).split("Could not find '")[1].split("'")[0].rpartition("/")
+        available = [ln for ln in lines if ln.startswith("Available options")]
+        choices = lines[lines.index(available[0]) + 1:] if available else []
+        choices = choices[:next((i for i, ln in enumerate(choices) if ln.startswith("Config search path")), len(choices))]
+        return f"{group}: unknown option {option!r}; {did_you_mean(option, choices)}choose one of {', '.join(choices)}"
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return f"{cause.full_key}: {_first_line(cause)}"
+    keys = [_key_of(line) for line in overrides]
+    culprit = next((k for k in keys if f"'{k}'" in str(error)), "config")
+    return f"{culprit}: {' '.join(ln for ln in lines if not ln.startswith('Config search path'))}"
+
+
+def _key_of(line: str) -> str:
+    return line.split("=", 1)[0].lstrip("+~").split("@")[0]
+
+
+def _is_group(key: str) -> bool:
+    return "/" in key or key in registry.groups()
+
+
+def unknown_key_message(key: str, cfg: DictConfig) -> str:
+    if key == "accum":
+        return "accum: the shorthand is added with a plus: +accum=N"
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(plain, dict)
+    if not key.startswith("hydra."):
+        plain.pop("hydra", None)
+    parent, _, leaf = key.rpartition(".")
+    if parent in OPTION_GROUPS and isinstance(plain.get(parent), dict):
+        meta = _spec_field(parent, leaf)
+        if meta is not None:  # a spec key that the chosen option does not take
+            return f"{key}: {parent}={plain[parent].get('name')} has no {leaf} ({meta['help']})"
+    hint = did_you_mean(key, list(_dotted(plain)))
+    node = OmegaConf.select(cfg, parent) if parent else None
+    if isinstance(node, DictConfig):
+        return f"{key}: unknown key; {hint}keys under {parent}: {', '.join(sorted(str(k) for k in node))}"
+    return f"{key}: unknown key; {hint.strip() or 'python -m runner --cfg job shows every key'}"
+
+
+def _spec_field(group: str, name: str) -> Any:
+    import dataclasses
+    import typing
+
+    cls = typing.get_type_hints(RunSpec)[group]
+    return next((f.metadata for f in dataclasses.fields(cls) if f.name == name), None)
+
+
+def _dotted(node: dict, prefix: str = "") -> Any:
+    for k, v in node.items():
+        yield f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _dotted(v, f"{prefix}{k}.")
+
+
+def _select(cfg: DictConfig, key: str) -> Any:
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise SpecError(f"{key}: cannot resolve it ({_first_line(e)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
+
+
+# --- the run directory -------------------------------------------------------------------------
+
+_REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
+            errno.EACCES: "permission denied", errno.EPERM: "not permitted",
+            errno.ENOENT: "directories cannot be created there"}
+
+
+def check_writable(key: str, path: str) -> None:
+    """Create the run directory and write a file into it, then remove them again (Hydra makes the
+    directory itself moments later): a directory that cannot be written fails here, in one line,
+    rather than inside Hydra's, the engine's or MLflow's setup, and nothing is left behind.
+
+    On success only the run directory itself is removed: its parents (outputs/runs/<date>) may be
+    shared with a run starting beside this one, and Hydra needs them anyway."""
+    target = Path(path).absolute()
+    missing = [d for d in [target, *target.parents] if not d.exists()]  # deepest first
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".runner-write-check-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * 65536)  # a few blocks: a disk with a few bytes left still fails
+                f.flush()
+                os.fsync(f.fileno())  # delayed allocation reports a full disk only here
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        _remove_empty(missing)
+        raise SpecError(f"{key}: cannot write the run directory {target} ({_reason(e, target)}); "
+                        f"choose another with {key}=<dir>") from None
+    _remove_empty(missing[:1] if missing and missing[0] == target else [])
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another run's), or never made
+            pass
+
+
+def _reason(error: OSError, target: Path) -> str:
+    if error.errno == errno.ENOTDIR:
+        blocker = next((p for p in [target, *target.parents] if p.is_file()), None)
+        return f"{blocker} is a file, not a directory" if blocker else "not a directory"
+    return _REASONS.get(error.errno or 0, error.strerror or str(error))
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+
+def _under_torchrun() -> bool:
+    # runner.parallel.in_torchrun says the same, but importing it imports torch
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def shared_run_dir_overrides() -> list[str]:
@@ -66,10 +368,8 @@ def shared_run_dir_overrides() -> list[str]:
 
 
 def cli() -> None:
-    from runner.parallel import in_torchrun
-
-    check_group_options(sys.argv[1:])
-    if in_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
+    preflight(sys.argv[1:])
+    if _under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
         sys.argv += shared_run_dir_overrides()
     try:
         main()

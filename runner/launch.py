@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from omegaconf import DictConfig, OmegaConf
 
 from runner import checkpoint, process_state, resume
 from runner.engine import Engine, RunResult, pick_device
@@ -28,15 +27,6 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "result.yaml"  # rank 0's RunResult, for the launcher that started the workers
 PRUNED_FILE = "pruned"       # rank 0's note that an Optuna pruner stopped the run
 DIVERGED_FILE = "diverged"   # rank 0's one-line account of a loss that stopped being finite
-
-
-def spec_from_hydra(cfg: DictConfig) -> RunSpec:
-    from hydra.core.hydra_config import HydraConfig
-
-    hydra_cfg = HydraConfig.get()
-    container = OmegaConf.to_container(cfg, resolve=True)
-    container["run_dir"] = hydra_cfg.runtime.output_dir
-    return RunSpec.from_config(container, tuple(hydra_cfg.overrides.task))
 
 
 def run(spec: RunSpec) -> RunResult:

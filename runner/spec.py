@@ -5,53 +5,49 @@ checking every key, type and range so that bad input fails before anything start
 nothing reads the raw DictConfig: `spec.yaml` (see `to_yaml`/`from_yaml`) is all a worker, a
 resumed run or a reproduced run needs.
 
-Every field carries its help text and its allowed range in `field(metadata=...)`; `_check` reads them.
+Every field carries its help text and its allowed range (`opt`); runner/fields.py builds the
+dataclasses from plain data and checks them. Rules across fields live in `RunSpec.validate`.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import yaml
 
+from runner.fields import SpecError, build as _build, opt, to_plain as _to_plain
 
-class SpecError(ValueError):
-    """Bad user input: one line naming the key, the bad value and what is allowed."""
+__all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
 
 
-def opt(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
-        le: float | None = None, lt: float | None = None) -> Any:
-    """A spec field with its help text and numeric bounds."""
-    meta = {"help": help, "gt": gt, "ge": ge, "le": le, "lt": lt}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
+DIM = 2**31 - 1  # the largest tensor dimension many kernels index; a larger one ends in a torch traceback
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str = opt("digits", "dataset option (conf/dataset/<name>.yaml)")
-    batch_size: int = opt(64, "samples per device per micro-step", gt=0)
+    # the upper bound only refuses the absurd; the engine checks the batch against the training split
+    batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
     root: str = opt("datasets", "directory that datasets live in (relative to the working directory)")
     download: bool = opt(False, "let torchvision datasets download when missing (needs a network)")
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
     val_fraction: float = opt(0.15, "share of the data held out for validation", ge=0, lt=1)
     test_fraction: float = opt(0.15, "share of the data held out for testing", ge=0, lt=1)
-    split_seed: int = opt(0, "seed of the train/val/test split (independent of the run seed)")
+    split_seed: int = opt(0, "seed of the train/val/test split (independent of the run seed)", ge=0, lt=2**63)
     # synthetic
-    shape: tuple[int, ...] = opt((3, 32, 32), "synthetic: shape of one input sample")
-    num_classes: int = opt(10, "synthetic: number of classes", gt=1)
-    size: int = opt(2048, "synthetic: number of samples", gt=0)
+    shape: tuple[int, ...] = opt((3, 32, 32), "synthetic: shape of one input sample", gt=0, le=DIM)
+    num_classes: int = opt(10, "synthetic: number of classes", gt=1, le=DIM)
+    size: int = opt(2048, "synthetic: number of samples", gt=0, le=DIM)
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str = opt("mlp", "model option (conf/model/<name>.yaml)")
-    hidden: tuple[int, ...] = opt((256, 128), "mlp: hidden layer widths")
-    channels: tuple[int, ...] = opt((32, 64), "cnn: channels of each conv block")
+    hidden: tuple[int, ...] = opt((256, 128), "mlp: hidden layer widths", gt=0, le=DIM)
+    channels: tuple[int, ...] = opt((32, 64), "cnn: channels of each conv block", gt=0, le=DIM)
     dropout: float = opt(0.0, "dropout probability", ge=0, lt=1)
     norm: bool = opt(False, "mlp/cnn: use normalization layers (LayerNorm / BatchNorm)")
     small_stem: bool = opt(True, "resnet18: 3x3 stride-1 stem without max-pool, for small images")
@@ -65,10 +61,12 @@ class OptimizerSpec:
     decay_norm_and_bias: bool = opt(False, "also decay biases and normalization weights")
     momentum: float = opt(0.9, "sgd/rmsprop momentum; muon momentum", ge=0, lt=1)
     nesterov: bool = opt(False, "sgd/muon: Nesterov momentum")
-    betas: tuple[float, ...] = opt((0.9, 0.999), "adam/adamw/lamb betas")
+    betas: tuple[float, float] = opt((0.9, 0.999), "adam/adamw/lamb betas", ge=0, lt=1)
     eps: float = opt(1e-8, "numerical-stability epsilon", gt=0)
     alpha: float = opt(0.99, "rmsprop smoothing constant", gt=0, lt=1)
-    impl: str = opt("auto", "kernel: auto (fused on CUDA where supported, else foreach), fused, foreach, for_loop")
+    # which kernels each optimizer offers on which device is runner/optim.py's to say (it needs torch)
+    impl: Literal["auto", "fused", "foreach", "for_loop"] = opt(
+        "auto", "kernel: auto (fused on CUDA where supported, else foreach), fused, foreach, for_loop")
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class SchedulerSpec:
     min_lr_ratio: float = opt(0.0, "final lr as a fraction of the peak lr (cosine, warmup_cosine, sgdr, wsd; plateau's floor)", ge=0, le=1)
     step_size: int = opt(100, "step/exponential: optimizer steps per decay by gamma", gt=0)
     gamma: float = opt(0.1, "step/multistep/exponential: decay factor", gt=0, le=1)
-    milestones: tuple[float, ...] = opt((0.5, 0.75), "multistep: steps (>= 1) or fractions (< 1) where lr decays")
+    milestones: tuple[float, ...] = opt((0.5, 0.75), "multistep: steps (>= 1) or fractions (< 1) where lr decays", gt=0)
     cycle_steps: float = opt(0.25, "sgdr/cyclic: first cycle length, steps or fraction", gt=0)
     cycle_mult: float = opt(1.0, "sgdr: cycle length multiplier after each restart", ge=1)
     base_lr_ratio: float = opt(0.1, "cyclic/onecycle: lowest lr as a fraction of the peak", gt=0, le=1)
@@ -92,13 +90,13 @@ class SchedulerSpec:
 
 @dataclass(frozen=True)
 class PrecisionSpec:
-    name: Literal["fp32", "tf32", "fp16", "bf16", "bf16_true", "fp8"] = opt("fp32", "numeric precision")
+    name: str = opt("fp32", "numeric precision option (conf/precision/<name>.yaml)")
     init_scale: float = opt(2.0 ** 16, "fp16: initial loss scale", gt=0)
 
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    name: Literal["single", "ddp", "fsdp"] = opt("single", "single process, DDP replicas, or FSDP2 shards")
+    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process, DDP replicas, or FSDP2 shards")
     nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
     nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
     node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
@@ -122,7 +120,7 @@ class EarlyStoppingSpec:
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    max_epochs: int = opt(10, "epochs to train", gt=0)
+    max_epochs: int = opt(20, "epochs to train", gt=0)
     max_steps: Optional[int] = opt(None, "optimizer steps to train; wins over max_epochs when set", gt=0)
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "device: auto picks cuda when available")
     eval_every_n_steps: int = opt(0, "evaluate every N optimizer steps (0: off)", ge=0)
@@ -136,12 +134,14 @@ class TrainerSpec:
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
     compile: bool = opt(False, "torch.compile the model")
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
+    max_non_finite_steps: int = opt(3, "stop the run after this many consecutive optimizer steps with a non-finite "
+                                       "loss (fp16 skips them through its loss scaler); 1 stops at the first", gt=0)
     early_stopping: EarlyStoppingSpec = field(default_factory=EarlyStoppingSpec)
 
 
 @dataclass(frozen=True)
 class TrackingSpec:
-    name: Literal["mlflow", "none"] = opt("mlflow", "mlflow, or none for no tracking at all")
+    name: str = opt("mlflow", "tracking option (conf/tracking/<name>.yaml): mlflow, or none for no tracking at all")
     uri: str = opt("sqlite:///outputs/mlflow.db", "MLflow tracking URI")
     experiment: str = opt("runner", "MLflow experiment name")
     artifact_root: str = opt("outputs/mlartifacts", "artifact location for new experiments on a local store")
@@ -165,7 +165,7 @@ class TrialSpec:
 
 @dataclass(frozen=True)
 class RunSpec:
-    seed: int = opt(0, "seed of model init, data order and dropout")
+    seed: int = opt(0, "seed of model init, data order and dropout", ge=0, lt=2**63)
     run_dir: str = opt("outputs/runs/unnamed", "where this run writes spec.yaml, checkpoints and plots")
     overrides: tuple[str, ...] = opt((), "the command-line overrides this run was composed from")
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
@@ -228,23 +228,15 @@ class RunSpec:
     # --- cross-field rules --------------------------------------------------------------------
 
     def validate(self) -> None:
-        from runner import registry  # late: the registry lists conf/ options
-
-        for group, value in (("dataset", self.dataset.name), ("model", self.model.name),
-                             ("optimizer", self.optimizer.name), ("scheduler", self.scheduler.name)):
-            allowed = registry.options(group)
-            if value not in allowed:
-                raise SpecError(f"{group}.name: unknown option {value!r}; choose one of {', '.join(allowed)}")
-        impls = ("auto", "fused", "foreach", "for_loop")
-        if self.optimizer.impl not in impls:
-            raise SpecError(f"optimizer.impl: {self.optimizer.impl!r} is not allowed; choose one of {', '.join(impls)}")
-        if len(self.optimizer.betas) != 2 or not all(0 <= b < 1 for b in self.optimizer.betas):
-            raise SpecError(f"optimizer.betas: {list(self.optimizer.betas)} is not allowed; give two numbers in [0, 1)")
+        for group in OPTION_GROUPS:
+            check_option(group, getattr(self, group).name, f"{group}.name")
         if self.trainer.clip_grad_norm is not None and self.trainer.clip_grad_value is not None:
             raise SpecError("trainer.clip_grad_value: set either clip_grad_norm or clip_grad_value, not both")
-        if any(d <= 0 for d in self.dataset.shape):
-            raise SpecError(f"dataset.shape: {list(self.dataset.shape)} is not allowed; every size must be > 0")
         par = self.parallelism
+        if par.name == "single" and (par.nnodes > 1 or par.nproc_per_node > 1):
+            key, value = ("nnodes", par.nnodes) if par.nnodes > 1 else ("nproc_per_node", par.nproc_per_node)
+            raise SpecError(f"parallelism.{key}: {value} needs several processes but parallelism=single runs one; "
+                            "add parallelism=ddp or parallelism=fsdp")
         if par.node_rank >= par.nnodes:
             raise SpecError(f"parallelism.node_rank: {par.node_rank} is out of range; allowed: 0 to nnodes-1 ({par.nnodes - 1})")
         host, _, port = par.rdzv_endpoint.rpartition(":")
@@ -252,6 +244,91 @@ class RunSpec:
             raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
         if self.dataset.val_fraction + self.dataset.test_fraction >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
+        _check_metric_names(self)
+
+
+# --- config-group options and metric names: each rule once, used by the CLI and the spec ---------
+
+# the groups whose chosen option is the spec's `<group>.name`
+OPTION_GROUPS = ("dataset", "model", "optimizer", "scheduler", "precision", "parallelism", "tracking")
+# datasets that ship a test split of their own (runner/data: from_train_test); the others carve
+# theirs by dataset.test_fraction
+OFFICIAL_TEST_SPLIT = frozenset({"mnist", "fashion_mnist", "cifar10"})
+
+
+def check_option(group: str, value: Any, key: str | None = None) -> None:
+    """Refuse an option of a config group that has no conf/<group>/<value>.yaml."""
+    from runner import registry  # late: the registry lists conf/, which only this check needs
+
+    allowed = registry.options(group)
+    if value not in allowed:
+        raise SpecError(f"{key or group}: unknown option {value!r}; {did_you_mean(str(value), allowed)}"
+                        f"choose one of {', '.join(allowed)}")
+
+
+def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    """'did you mean X? ' for the closest candidate, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}? " if close else ""
+
+
+def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
+    """(metrics evaluated during training, metrics evaluated only at the end): val/* and test/*."""
+    data, trainer = spec.dataset, spec.trainer
+    during: set[str] = set()
+    if data.val_fraction > 0 and (trainer.eval_every_epoch or trainer.eval_every_n_steps > 0):
+        during = {"val/loss", "val/acc"}
+    at_end = {"test/loss", "test/acc"} if data.test_fraction > 0 or data.name in OFFICIAL_TEST_SPLIT else set()
+    return during, at_end
+
+
+def produced_metrics(spec: RunSpec) -> set[str]:
+    """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
+    included only for trainer.device=cuda: with device=auto it depends on the machine."""
+    names = {"train/loss", "lr", "grad_norm", "epoch", "throughput/samples_per_s", "objective"}
+    if spec.precision.name == "fp16":
+        names.add("fp16/skipped_steps")
+    if spec.trainer.device == "cuda":
+        names.add("memory/max_allocated_gib")
+    during, at_end = evaluation_metrics(spec)
+    return names | during | at_end
+
+
+def _check_metric_names(spec: RunSpec) -> None:
+    """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
+    during, at_end = evaluation_metrics(spec)
+    if spec.trainer.early_stopping.monitor is not None:
+        _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")
+    if spec.scheduler.name == "plateau":
+        _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
+    # The objective is checked against what the splits hold, not against the evaluation schedule:
+    # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.
+    splits = at_end | ({"val/loss", "val/acc"} if spec.dataset.val_fraction > 0 else set())
+    _check_metric("objective.metric", spec.objective.metric, splits, set(), spec, None)
+
+
+def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], spec: RunSpec, off: str | None) -> None:
+    if value in allowed:
+        return
+    choose = f"choose one of {', '.join(sorted(allowed))}" if allowed else ""
+    if value in end_only:
+        raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
+    split = value.split("/")[0]
+    if value in {"val/loss", "val/acc", "test/loss", "test/acc"} or not allowed:
+        fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
+        raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")
+    raise SpecError(f"{key}: {value!r} is not a metric this run evaluates; {did_you_mean(value, allowed)}{choose}")
+
+
+def _missing(spec: RunSpec, split: str, key: str, off: str | None) -> str:
+    """Why the run never evaluates on `split` (val: during training), and how to change that."""
+    if split == "test":
+        why = "dataset.test_fraction=0 leaves no test split; set dataset.test_fraction > 0"
+    elif spec.dataset.val_fraction == 0:
+        why = "dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"
+    else:
+        why = "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate; set one of them"
+    return why + (f", or {key}{off}" if off else "")
 
 
 def _check_accum_shorthand(accum: Any, cfg: dict, overrides: tuple[str, ...]) -> None:
@@ -260,89 +337,3 @@ def _check_accum_shorthand(accum: Any, cfg: dict, overrides: tuple[str, ...]) ->
         steps = (cfg.get("accumulation") or {}).get("steps")
         if steps != accum:
             raise SpecError(f"accum: +accum={accum} conflicts with accumulation.steps={steps}; set only one")
-
-
-# --- generic typed building ---------------------------------------------------------------------
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise SpecError(f"{prefix[:-1] or 'spec'}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        key = f"{prefix}{unknown[0]}"
-        raise SpecError(f"{key}: unknown key; allowed keys under {prefix[:-1] or 'the root'}: {', '.join(sorted(known))}")
-    values = {}
-    for name, value in data.items():
-        f = known[name]
-        values[name] = _convert(hints[name], value, f"{prefix}{name}", f.metadata)
-    return cls(**values)
-
-
-def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, key + ".")
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _convert(inner, value, key, meta)
-    if origin is Literal:
-        if value not in args:
-            raise SpecError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, args))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise SpecError(f"{key}: {value!r} is not a list; expected a list like [{', '.join('1' for _ in range(2))}]")
-        return tuple(_convert(args[0], v, f"{key}[{i}]", None) for i, v in enumerate(value))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{key}: {value!r} is not a boolean; use true or false")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{key}: {value!r} is not an integer{_range_text(meta)}")
-        _check_range(key, value, meta)
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise SpecError(f"{key}: {value!r} is not a number{_range_text(meta)}")
-        _check_range(key, float(value), meta)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise SpecError(f"{key}: {value!r} is not a string")
-        return value
-    raise TypeError(f"spec field {key} has an unsupported type {tp}")
-
-
-def _range_text(meta: Any) -> str:
-    if not meta:
-        return ""
-    parts = [f"{op} {meta[k]:g}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if meta.get(k) is not None]
-    return f"; allowed: a value {' and '.join(parts)}" if parts else ""
-
-
-def _check_range(key: str, value: float, meta: Any) -> None:
-    if not meta:
-        return
-    bad = ((meta.get("gt") is not None and not value > meta["gt"])
-           or (meta.get("ge") is not None and not value >= meta["ge"])
-           or (meta.get("lt") is not None and not value < meta["lt"])
-           or (meta.get("le") is not None and not value <= meta["le"]))
-    if bad:
-        raise SpecError(f"{key}: {value!r} is out of range{_range_text(meta)}")
-
-
-def _to_plain(node: Any) -> Any:
-    if dataclasses.is_dataclass(node):
-        return {f.name: _to_plain(getattr(node, f.name)) for f in fields(node)}
-    if isinstance(node, tuple):
-        return [_to_plain(v) for v in node]
-    return node
