@@ -117,11 +117,15 @@ def _check_command_line(args: Any) -> None:
 
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
-    """What the spec names outside itself: the checkpoint to resume from, the run directory."""
+    """What the spec names outside itself: the checkpoint to resume from, the tracking store, the run directory."""
     if spec.trainer.resume:
-        from runner import checkpoint  # imports torch today; a resumed run needs it next anyway
+        from runner import checkpoint  # imports torch; a resumed run needs it next anyway
 
-        checkpoint.resolve(spec.trainer.resume)
+        checkpoint.verify(spec.trainer.resume)  # missing, corrupt, truncated or foreign: one line now
+    if spec.tracking.name == "mlflow":
+        from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
+
+        check_tracking(spec.tracking)
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not _under_torchrun():
         check_writable(dir_key, run_dir)

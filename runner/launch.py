@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import yaml
 
-
 from runner import checkpoint, process_state, resume
 from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged

@@ -41,7 +41,7 @@ class NonFiniteWatch:
     such steps that its loss scaler skips; every other precision stops at the first."""
 
     def __init__(self, spec: RunSpec, device: torch.device):
-        self.limit = getattr(spec.trainer, "max_non_finite_steps", 3) if spec.precision.name == "fp16" else 1
+        self.limit = spec.trainer.max_non_finite_steps if spec.precision.name == "fp16" else 1
         self.spec = spec
         self.streak = torch.zeros((), device=device, dtype=torch.int64)
         self.worst = torch.zeros((), device=device, dtype=torch.int64)
