@@ -28,7 +28,8 @@ bench: install          ## engine vs a hand-written loop: median optimizer-step 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
 	$(PY) -m runner.bench_hpo
 
-ui: install             ## the MLflow UI on http://127.0.0.1:5000 over the local store
+ui: install             ## the MLflow UI over the local store; open the experiment link each run prints
+	@echo "runs table: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning (each run prints its own link)"
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
