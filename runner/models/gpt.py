@@ -1,0 +1,150 @@
+"""A decoder-only transformer language model in the GPT-2 layout.
+
+Pre-norm blocks, causal self-attention through `scaled_dot_product_attention` (so PyTorch picks the
+flash / memory-efficient kernel the device has), a GELU MLP, and an lm head tied to the token
+embedding. `size="gpt2"` with vocab 50257 and max_length 1024 is GPT-2 small (124,439,808 parameters).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# (n_layer, n_head, n_embd) per named size; explicit n_* arguments override single fields
+SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 2, 128),
+    "mini": (4, 4, 256),
+    "small": (6, 6, 384),
+    "gpt2": (12, 12, 768),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        # one projection for q, k and v: a single matmul instead of three
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (B, T, C) -> (B, heads, T, C / heads), the layout SDPA expects
+        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(batch, length, width)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size).
+
+    `vocab_size` and `max_length` come from the data; `size` picks the shape, and n_layer / n_head /
+    n_embd, when given, override the size's value for that one field.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_length: int = 256,
+        size: Literal["tiny", "mini", "small", "gpt2"] = "tiny",
+        n_layer: Optional[int] = None,
+        n_head: Optional[int] = None,
+        n_embd: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if size not in SIZES:
+            raise ValueError(f"size: {size!r} is not a known size; allowed: {', '.join(SIZES)}")
+        default_layer, default_head, default_embd = SIZES[size]
+        n_layer = default_layer if n_layer is None else n_layer
+        n_head = default_head if n_head is None else n_head
+        n_embd = default_embd if n_embd is None else n_embd
+        for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("n_layer", n_layer),
+                            ("n_head", n_head), ("n_embd", n_embd)):
+            if value < 1:
+                raise ValueError(f"{name}: {value} is too small; allowed: an integer >= 1")
+        if n_embd % n_head:
+            raise ValueError(f"n_embd: {n_embd} is not divisible by n_head={n_head}; "
+                             f"allowed: a multiple of {n_head}, e.g. {n_head * max(1, round(n_embd / n_head))}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout: {dropout} is out of range; allowed: 0 <= dropout < 1")
+        self.vocab_size, self.max_length = vocab_size, max_length
+        self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
+
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(max_length, n_embd)
+        self.drop = nn.Dropout(dropout)
+        # a ModuleList: the engine's FSDP wrapping shards each child of it as its own unit
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        # tying saves vocab*n_embd parameters (38.6M of GPT-2's 124M) and is how GPT-2 was trained
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # each block adds two residual branches; scaling their output projections keeps the residual
+        # stream's variance from growing with depth (GPT-2 paper, section 2.3)
+        residual_std = 0.02 / math.sqrt(2 * n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # torch's defaults scale with fan-in; GPT-2 uses a flat 0.02, which trains better at these widths
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits (B, T, vocab_size); position t sees tokens 0..t only.
+
+        attention_mask is accepted so padded text batches can be passed as they come, but not applied:
+        with padding on the right, causal attention already keeps every real token from seeing the pads
+        after it, and the pads' own outputs are dropped by their -100 labels.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} is not (batch, length)")
+        length = input_ids.shape[1]
+        if length > self.max_length:
+            raise ValueError(f"input_ids: sequence length {length} exceeds max_length={self.max_length}; "
+                             f"allowed: at most {self.max_length} tokens (raise model max_length)")
+        positions = torch.arange(length, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
