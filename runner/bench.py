@@ -20,10 +20,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.data import build_datasets
 from runner.engine import Engine, pick_device, seed_everything
+from runner import components
 from runner.loader import make_loader
-from runner.models import build_model
 from runner.optim import build_optimizer
 from runner.registry import CONF_DIR
 from runner.spec import RunSpec
@@ -63,8 +62,8 @@ def hand_loop_step_times(spec: RunSpec) -> list[float]:
     """What a user would write: the same model, optimizer and loader; no tracking, no checks."""
     seed_everything(spec.seed, False)
     device = pick_device(spec.trainer.device)
-    data = build_datasets(spec.dataset)
-    model = build_model(spec.model, data.input_shape, data.num_classes).to(device)
+    data = components.build_data(spec)
+    model = components.build_model(spec, data).to(device)
     optimizer = build_optimizer(spec.optimizer, model, device)
     loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0,
                          pin_memory=device.type == "cuda")

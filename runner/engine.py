@@ -20,15 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner import checkpoint, parallel, tasks
-from runner.data import build_datasets
+from runner import checkpoint, components, parallel, tasks
 from runner.loader import make_loader, optimizer_steps
-from runner.models import build_model
 from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
 from runner.parallel import DistEnv
 from runner.precision import Precision
 from runner.schedule import build_scheduler
+from runner.resume import typed_keys
 from runner.spec import RunSpec, SpecError
 from runner.tracking import NullTracker, Tracker
 from runner.trial import is_pruned
@@ -60,6 +59,7 @@ class RunResult:
 
 class Engine:
     def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None):
+        spec = components.resolved_spec(spec, typed_keys(spec.overrides))
         self.spec = spec
         self.tracker = tracker or NullTracker()
         self.env = env or DistEnv()
@@ -69,15 +69,14 @@ class Engine:
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
-        data = build_datasets(spec.dataset)
+        data = components.build_data(spec)
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.world, 1)}")
-        task_spec = getattr(spec, "task", None)
-        self.task = tasks.build_task(task_spec.name if task_spec else "classification", data.num_classes,
-                                     task_spec.label_smoothing if task_spec else 0.0)
+        self.task = tasks.build_task(spec.task.name, data.num_classes, spec.task.label_smoothing)
+        self._check_watched_metrics()
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
                            rank=self.env.rank, world=self.env.world, collate=data.collate)
@@ -88,7 +87,7 @@ class Engine:
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
-        self.module = self.precision.prepare_model(build_model(spec.model, data.input_shape, data.num_classes).to(self.device))
+        self.module = self.precision.prepare_model(components.build_model(spec, data).to(self.device))
         self.pass_labels = tasks.accepts_labels(self.module)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype)
         if spec.trainer.compile:
@@ -104,6 +103,21 @@ class Engine:
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
             self._load_state(resume_state)
+
+    def _check_watched_metrics(self) -> None:
+        """Now that the data is built: a watched metric that this run never produces stops it here
+        (it would watch nothing), e.g. val/top5 with 5 classes or less, or val/* with an empty split."""
+        produced = {name for split in ("val", "test") if self.split_sizes[split] for name in self.task.metric_names(split)}
+        during = {name for name in produced if name.startswith("val/")}
+        watched = [("objective.metric", self.spec.objective.metric, produced),
+                   ("trainer.early_stopping.monitor", self.spec.trainer.early_stopping.monitor, during)]
+        if self.spec.scheduler.name == "plateau":
+            watched.append(("scheduler.monitor", self.spec.scheduler.monitor, during))
+        for key, metric, allowed in watched:
+            if metric is not None and metric not in allowed:
+                raise SpecError(f"{key}: {metric!r} is never produced by this run (dataset splits: "
+                                f"{', '.join(f'{k} {v}' for k, v in self.split_sizes.items())}); "
+                                f"choose one of {', '.join(sorted(allowed)) or '(none: no evaluation split)'}")
 
     # --- the step loop ------------------------------------------------------------------------
 

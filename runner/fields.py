@@ -50,6 +50,8 @@ def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # parsed already (components: runner/spec.py)
+            return value
         return build(tp, value if value is not None else {}, key + ".")
     if origin is typing.Union:  # Optional[X]
         if value is None:
@@ -119,6 +121,10 @@ def _check_range(key: str, value: float, meta: Any) -> None:
 
 
 def to_plain(node: Any) -> Any:
+    if hasattr(node, "__to_plain__"):  # a component spec: its target's own keys, flat
+        return to_plain(node.__to_plain__())
+    if isinstance(node, dict):
+        return {k: to_plain(v) for k, v in node.items()}
     if dataclasses.is_dataclass(node):
         return {f.name: to_plain(getattr(node, f.name)) for f in fields(node)}
     if isinstance(node, tuple):

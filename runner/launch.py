@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from runner import checkpoint, process_state, resume
+from runner import checkpoint, components, process_state, resume
 from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
@@ -38,6 +38,9 @@ def run(spec: RunSpec) -> RunResult:
 def _run(spec: RunSpec, start_state: dict) -> RunResult:
     if spec.trainer.resume:
         spec = resume.plan(spec)
+    # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
+    # is then the fully resolved record
+    spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
@@ -129,12 +132,9 @@ def check_parallel(spec: RunSpec) -> None:
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
     if par.name == "fsdp":
-        from runner.data import build_datasets
-        from runner.models import build_model
-
-        data = build_datasets(spec.dataset)
+        data = components.build_data(spec)
         with torch.device("meta"):
-            model = build_model(spec.model, data.input_shape, data.num_classes)
+            model = components.build_model(spec, data)
         shard_blocks(model)  # raises when the model has nothing to shard
 
 

@@ -61,8 +61,8 @@ def plan(spec: RunSpec) -> RunSpec:
 
 
 def typed_keys(overrides: tuple[str, ...]) -> set[str]:
-    """Keys the user typed: `optimizer.lr=0.1` -> optimizer.lr; a group choice `optimizer=sgd` -> optimizer.name;
-    `+accum=4` -> accumulation.steps."""
+    """Keys the user typed: `optimizer.lr=0.1` -> optimizer.lr; a group choice `optimizer=sgd` -> optimizer.name
+    (`model=cnn` -> every model key: `model.`); `+accum=4` -> accumulation.steps."""
     keys = set()
     for override in overrides:
         key, sep, _ = override.lstrip("+~").partition("=")
@@ -71,7 +71,8 @@ def typed_keys(overrides: tuple[str, ...]) -> set[str]:
         if key == "accum":
             key = "accumulation.steps"
         elif "." not in key and key not in ("seed", "run_dir"):
-            key = f"{key}.name" if key not in ("parallelism", "tracking") else key + "."
+            # a group choice: the option's name, or for components and whole-group moves every key
+            key = key + "." if key in ("parallelism", "tracking", "model", "dataset") else f"{key}.name"
         keys.add(key)
     return keys
 

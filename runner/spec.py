@@ -27,30 +27,76 @@ DIM = 2**31 - 1  # the largest tensor dimension many kernels index; a larger one
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
-    name: str = opt("digits", "dataset option (conf/dataset/<name>.yaml)")
-    # the upper bound only refuses the absurd; the engine checks the batch against the training split
-    batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
-    root: str = opt("datasets", "directory that datasets live in (relative to the working directory)")
-    download: bool = opt(False, "let torchvision datasets download when missing (needs a network)")
-    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
-    val_fraction: float = opt(0.15, "share of the data held out for validation", ge=0, lt=1)
-    test_fraction: float = opt(0.15, "share of the data held out for testing", ge=0, lt=1)
-    split_seed: int = opt(0, "seed of the train/val/test split (independent of the run seed)", ge=0, lt=2**63)
-    # synthetic
-    shape: tuple[int, ...] = opt((3, 32, 32), "synthetic: shape of one input sample", gt=0, le=DIM)
-    num_classes: int = opt(10, "synthetic: number of classes", gt=1, le=DIM)
-    size: int = opt(2048, "synthetic: number of samples", gt=0, le=DIM)
+class ModelSpec:
+    """A model named by `_target_` (a class or function returning an nn.Module) and its own arguments,
+    checked against its signature by runner/components.py (conf/model/<name>.yaml)."""
+
+    target: str = "runner.models.mlp.MLP"
+    params: dict = field(default_factory=dict)
+
+    def with_params(self, params: dict) -> "ModelSpec":
+        return dataclasses.replace(self, params=dict(params))
+
+    def __to_plain__(self) -> dict:
+        return {"_target_": self.target, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str = "model") -> "ModelSpec":
+        data = _component_dict(data, key)
+        return cls(target=data.pop("_target_"), params=data)
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    name: str = opt("mlp", "model option (conf/model/<name>.yaml)")
-    hidden: tuple[int, ...] = opt((256, 128), "mlp: hidden layer widths", gt=0, le=DIM)
-    channels: tuple[int, ...] = opt((32, 64), "cnn: channels of each conv block", gt=0, le=DIM)
-    dropout: float = opt(0.0, "dropout probability", ge=0, lt=1)
-    norm: bool = opt(False, "mlp/cnn: use normalization layers (LayerNorm / BatchNorm)")
-    small_stem: bool = opt(True, "resnet18: 3x3 stride-1 stem without max-pool, for small images")
+class DatasetSpec:
+    """A dataset builder named by `_target_` and its own arguments (conf/dataset/<name>.yaml), plus the
+    loader's keys, which are runner's: the builder never sees them."""
+
+    target: str = "runner.data.digits.build"
+    # the upper bound only refuses the absurd; the engine checks the batch against the training split
+    batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
+    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
+    params: dict = field(default_factory=dict)
+
+    def with_params(self, params: dict) -> "DatasetSpec":
+        return dataclasses.replace(self, params=dict(params))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    def __to_plain__(self) -> dict:
+        return {"_target_": self.target, "batch_size": self.batch_size, "num_workers": self.num_workers, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str = "dataset") -> "DatasetSpec":
+        data = _component_dict(data, key)
+        loader = {k: data.pop(k) for k in ("batch_size", "num_workers") if k in data}
+        built = _build(_LoaderKeys, loader, f"{key}.")
+        return cls(target=data.pop("_target_"), batch_size=built.batch_size, num_workers=built.num_workers, params=data)
+
+
+@dataclass(frozen=True)
+class _LoaderKeys:
+    batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
+    num_workers: int = opt(0, "DataLoader worker processes", ge=0)
+
+
+def _component_dict(data: Any, key: str) -> dict:
+    if isinstance(data, (ModelSpec, DatasetSpec)):
+        return data.__to_plain__()
+    if not isinstance(data, dict):
+        raise SpecError(f"{key}: expected a mapping with a _target_, got {data!r}")
+    data = dict(data)
+    target = data.get("_target_")
+    if not isinstance(target, str) or "." not in target:
+        raise SpecError(f"{key}._target_: {target!r} is not a dotted path to a callable; e.g. my_pkg.models.Net")
+    return data
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: Literal["classification", "language_modeling", "regression"] = opt(
+        "classification", "what the loss and metrics are (conf/task/<name>.yaml)")
+    label_smoothing: float = opt(0.0, "classification/language_modeling: label smoothing of the cross-entropy", ge=0, lt=1)
 
 
 @dataclass(frozen=True)
@@ -170,6 +216,7 @@ class RunSpec:
     overrides: tuple[str, ...] = opt((), "the command-line overrides this run was composed from")
     dataset: DatasetSpec = field(default_factory=DatasetSpec)
     model: ModelSpec = field(default_factory=ModelSpec)
+    task: TaskSpec = field(default_factory=TaskSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     precision: PrecisionSpec = field(default_factory=PrecisionSpec)
@@ -192,13 +239,13 @@ class RunSpec:
             _check_accum_shorthand(accum, cfg, overrides)
             cfg["accumulation"] = {**(cfg.get("accumulation") or {}), "steps": accum}
         cfg["overrides"] = list(overrides)
-        spec = _build(cls, cfg, "")
+        spec = _build(cls, _with_components(cfg), "")
         spec.validate()
         return spec
 
     @classmethod
     def from_yaml(cls, text: str) -> "RunSpec":
-        spec = _build(cls, yaml.safe_load(text) or {}, "")
+        spec = _build(cls, _with_components(yaml.safe_load(text) or {}), "")
         spec.validate()
         return spec
 
@@ -242,18 +289,17 @@ class RunSpec:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
-        if self.dataset.val_fraction + self.dataset.test_fraction >= 1:
+        if _fraction(self, "val") + _fraction(self, "test") >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
         _check_metric_names(self)
 
 
 # --- config-group options and metric names: each rule once, used by the CLI and the spec ---------
 
-# the groups whose chosen option is the spec's `<group>.name`
-OPTION_GROUPS = ("dataset", "model", "optimizer", "scheduler", "precision", "parallelism", "tracking")
-# datasets that ship a test split of their own (runner/data: from_train_test); the others carve
-# theirs by dataset.test_fraction
-OFFICIAL_TEST_SPLIT = frozenset({"mnist", "fashion_mnist", "cifar10"})
+# the groups whose chosen option is the spec's `<group>.name`; model and dataset are components named by
+# `_target_` (their options may also come from a user's hydra.searchpath: Hydra checks those)
+OPTION_GROUPS = ("task", "optimizer", "scheduler", "precision", "parallelism", "tracking")
+COMPONENT_GROUPS = ("model", "dataset")
 
 
 def check_option(group: str, value: Any, key: str | None = None) -> None:
@@ -272,13 +318,34 @@ def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
     return f"did you mean {close[0]}? " if close else ""
 
 
+def _fraction(spec: RunSpec, split: str) -> float:
+    value = spec.dataset.get(f"{split}_fraction", 0.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def split_metrics(spec: RunSpec, split: str) -> set[str]:
+    """The metrics the task reports for a split (classification may add top5: known once the data is)."""
+    per_task = {"classification": ("loss", "acc", "top5"), "language_modeling": ("loss", "ppl"),
+                "regression": ("loss", "mae")}
+    return {f"{split}/{name}" for name in per_task[spec.task.name]}
+
+
+def has_split(spec: RunSpec, split: str) -> bool:
+    """Whether the dataset will hold a `split` split, as far as its arguments tell before it is built: a
+    builder that carves it takes `<split>_fraction`; one without that key brings its own (official test
+    sets, folders). The engine checks again once the data is built."""
+    if f"{split}_fraction" in spec.dataset.params:
+        return _fraction(spec, split) > 0
+    return True
+
+
 def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
     """(metrics evaluated during training, metrics evaluated only at the end): val/* and test/*."""
-    data, trainer = spec.dataset, spec.trainer
+    trainer = spec.trainer
     during: set[str] = set()
-    if data.val_fraction > 0 and (trainer.eval_every_epoch or trainer.eval_every_n_steps > 0):
-        during = {"val/loss", "val/acc"}
-    at_end = {"test/loss", "test/acc"} if data.test_fraction > 0 or data.name in OFFICIAL_TEST_SPLIT else set()
+    if has_split(spec, "val") and (trainer.eval_every_epoch or trainer.eval_every_n_steps > 0):
+        during = split_metrics(spec, "val")
+    at_end = split_metrics(spec, "test") if has_split(spec, "test") else set()
     return during, at_end
 
 
@@ -286,6 +353,8 @@ def produced_metrics(spec: RunSpec) -> set[str]:
     """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
     included only for trainer.device=cuda: with device=auto it depends on the machine."""
     names = {"train/loss", "lr", "grad_norm", "epoch", "throughput/samples_per_s", "objective"}
+    if spec.task.name == "language_modeling":
+        names.add("throughput/tokens_per_s")
     if spec.precision.name == "fp16":
         names.add("fp16/skipped_steps")
     if spec.trainer.device == "cuda":
@@ -303,7 +372,7 @@ def _check_metric_names(spec: RunSpec) -> None:
         _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
     # The objective is checked against what the splits hold, not against the evaluation schedule:
     # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.
-    splits = at_end | ({"val/loss", "val/acc"} if spec.dataset.val_fraction > 0 else set())
+    splits = at_end | (split_metrics(spec, "val") if has_split(spec, "val") else set())
     _check_metric("objective.metric", spec.objective.metric, splits, set(), spec, None)
 
 
@@ -314,7 +383,7 @@ def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], s
     if value in end_only:
         raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
     split = value.split("/")[0]
-    if value in {"val/loss", "val/acc", "test/loss", "test/acc"} or not allowed:
+    if value in split_metrics(spec, "val") | split_metrics(spec, "test") or not allowed:
         fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
         raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")
     raise SpecError(f"{key}: {value!r} is not a metric this run evaluates; {did_you_mean(value, allowed)}{choose}")
@@ -324,11 +393,21 @@ def _missing(spec: RunSpec, split: str, key: str, off: str | None) -> str:
     """Why the run never evaluates on `split` (val: during training), and how to change that."""
     if split == "test":
         why = "dataset.test_fraction=0 leaves no test split; set dataset.test_fraction > 0"
-    elif spec.dataset.val_fraction == 0:
+    elif not has_split(spec, "val"):
         why = "dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"
     else:
         why = "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate; set one of them"
     return why + (f", or {key}{off}" if off else "")
+
+
+def _with_components(cfg: dict) -> dict:
+    """The model and dataset nodes parsed as components (their keys belong to their _target_)."""
+    cfg = dict(cfg)
+    if "model" in cfg:
+        cfg["model"] = ModelSpec.parse(cfg["model"])
+    if "dataset" in cfg:
+        cfg["dataset"] = DatasetSpec.parse(cfg["dataset"])
+    return cfg
 
 
 def _check_accum_shorthand(accum: Any, cfg: dict, overrides: tuple[str, ...]) -> None:

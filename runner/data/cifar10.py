@@ -8,19 +8,19 @@ import numpy as np
 import torch
 
 from runner.data.splits import DataSplits, from_train_test
-from runner.spec import DatasetSpec, SpecError
+from runner.spec import SpecError
 
 FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILES = ("test_batch",)
 
 
-def build(spec: DatasetSpec) -> DataSplits:
-    folder = Path(spec.root) / FOLDER
-    if spec.download:
+def build(root: str = "datasets", download: bool = False, val_fraction: float = 0.1, split_seed: int = 0) -> DataSplits:
+    folder = Path(root) / FOLDER
+    if download:
         from torchvision import datasets  # here: torchvision costs seconds to import
 
-        datasets.CIFAR10(spec.root, train=True, download=True)  # fetches and checks the archive once
+        datasets.CIFAR10(root, train=True, download=True)  # fetches and checks the archive once
     missing = [name for name in TRAIN_FILES + TEST_FILES if not (folder / name).is_file()]
     if missing:
         raise SpecError(f"dataset.download: cifar10 not found in {folder.resolve()} (missing {', '.join(missing)}); "
@@ -28,7 +28,8 @@ def build(spec: DatasetSpec) -> DataSplits:
     # read the batches directly: torchvision's loader insists on the md5 of the official files
     x_train, y_train = _read(folder, TRAIN_FILES)
     x_test, y_test = _read(folder, TEST_FILES)
-    return from_train_test(x_train, y_train, x_test, y_test, spec, num_classes=10)
+    return from_train_test(x_train, y_train, x_test, y_test, num_classes=10, val_fraction=val_fraction,
+                           split_seed=split_seed)
 
 
 def _read(folder: Path, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:

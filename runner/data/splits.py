@@ -10,7 +10,7 @@ import torch
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, TensorDataset
 
-from runner.spec import DatasetSpec, SpecError
+from runner.spec import SpecError
 
 
 @dataclass(frozen=True)
@@ -89,19 +89,19 @@ def _tensors(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, mean: torch.Te
     return TensorDataset(part.contiguous(), y[idx].long())
 
 
-def from_tensors(x: torch.Tensor, y: torch.Tensor, spec: DatasetSpec, num_classes: int, *,
-                 standardize: bool = True) -> DataSplits:
-    """Split one pool of samples three ways by spec's fractions; standardize with train statistics only."""
-    train, val, test = split_indices(y, spec.val_fraction, spec.test_fraction, spec.split_seed)
+def from_tensors(x: torch.Tensor, y: torch.Tensor, num_classes: int, *, val_fraction: float, test_fraction: float,
+                 split_seed: int, standardize: bool = True) -> DataSplits:
+    """Split one pool of samples three ways by the fractions; standardize with train statistics only."""
+    train, val, test = split_indices(y, val_fraction, test_fraction, split_seed)
     mean, std = standardizer(x[train]) if standardize else (None, None)
     return DataSplits(*(_tensors(x, y, idx, mean, std) for idx in (train, val, test)),
                       input_shape=tuple(x.shape[1:]), num_classes=num_classes)
 
 
 def from_train_test(x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,
-                    spec: DatasetSpec, num_classes: int) -> DataSplits:
-    """Keep the official test set; carve validation from train by spec.val_fraction (test_fraction unused)."""
-    train, val, _ = split_indices(y_train, spec.val_fraction, 0.0, spec.split_seed)
+                    num_classes: int, *, val_fraction: float, split_seed: int) -> DataSplits:
+    """Keep the official test set; carve validation from train by val_fraction."""
+    train, val, _ = split_indices(y_train, val_fraction, 0.0, split_seed)
     mean, std = standardizer(x_train[train])
     every = torch.arange(len(y_test))
     return DataSplits(_tensors(x_train, y_train, train, mean, std), _tensors(x_train, y_train, val, mean, std),

@@ -4,22 +4,24 @@ from __future__ import annotations
 from torch import nn
 
 from runner.models.cnn import image_shape
-from runner.spec import ModelSpec
 
 
-def build_resnet18(spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    from torchvision.models import resnet18  # here: torchvision costs seconds to import, paid only when used
+def resnet18(input_shape: tuple[int, ...], num_classes: int, small_stem: bool = True, dropout: float = 0.0) -> nn.Module:
+    """ResNet-18; `small_stem`: a 3x3 stride-1 stem without max-pool, for 32x32 and smaller images."""
+    from torchvision import models  # here: torchvision costs seconds to import, paid only when used
 
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout: {dropout} is out of range; allowed: 0 <= dropout < 1")
     channels, _, _ = image_shape(input_shape, "resnet18")
-    model = resnet18(weights=None, num_classes=num_classes)
-    if spec.small_stem:
+    model = models.resnet18(weights=None, num_classes=num_classes)
+    if small_stem:
         # CIFAR-style: a 7x7 stride-2 stem plus max-pool would shrink 32x32 inputs to 8x8 before layer1
         model.conv1 = _stem(channels, kernel=3, stride=1)
         model.maxpool = nn.Identity()
     elif channels != 3:
         model.conv1 = _stem(channels, kernel=7, stride=2)
-    if spec.dropout > 0:
-        model.fc = nn.Sequential(nn.Dropout(spec.dropout), model.fc)
+    if dropout > 0:
+        model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
     return model
 
 
