@@ -4,6 +4,13 @@ files decoded on access (so, with num_workers > 0, decoding and augmentation run
 Items are `(image float32 (C, H, W), label int64 scalar tensor)`; torch's default collation stacks them.
 Access is by index, so a loader can start mid-epoch. See runner/data/transforms.py for where the
 randomness of the transforms comes from.
+
+Read by plain index, a sample's augmentation depends on the state of the reading process's global RNG,
+so with DataLoader workers it depends on the number of workers and, after a resume, on where the
+workers were restarted. Read by `(index, seed)` it depends on that seed alone: a loader that derives
+the seed from (run seed, epoch, index) gets the same augmented samples for any worker count, any
+number of ranks, and across a resume mid-epoch (datasets that accept such keys say so with
+`takes_sample_seeds = True`).
 """
 from __future__ import annotations
 
@@ -40,7 +47,24 @@ class AugmentedImages(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    takes_sample_seeds = True
+
+    def __getitem__(self, key: Union[int, tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(key, tuple):
+            return self._read(key)
+        index, seed = key
+        # torchvision's transforms draw from the global CPU generator and accept no generator of their own,
+        # so it is seeded for this sample and restored after; the generator itself, since torch.manual_seed
+        # also seeds every accelerator backend and costs ~60x more
+        rng = torch.default_generator
+        saved = rng.get_state()
+        rng.manual_seed(seed)
+        try:
+            return self._read(index)
+        finally:
+            rng.set_state(saved)
+
+    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[index]
         if self.decode is not None:
             image = self.decode(image)  # type: ignore[arg-type]

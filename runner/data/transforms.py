@@ -8,8 +8,10 @@ Randomness: every random transform here draws from torch's global CPU RNG, never
 of its own. In the main process (num_workers=0) that RNG is the run's, seeded from the run seed and
 saved and restored with checkpoints, so augmentation is reproducible and resumes exactly. In
 DataLoader workers torch seeds each worker's global RNG from the loader's generator (base seed +
-worker id), so the same loader seed gives the same augmented batches. Mixup/cutmix run in the main
-process on the collated batch and so also draw from the run's RNG.
+worker id), so the same loader seed gives the same augmented batches; but which sample gets which draw
+then depends on the worker count, and a resumed run restarts the workers' streams from the base seed.
+A loader that reads samples by (index, seed) keys (runner/data/images.py) removes both dependencies.
+Mixup/cutmix run in the main process on the collated batch and so draw from the run's RNG.
 """
 from __future__ import annotations
 

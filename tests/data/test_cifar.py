@@ -38,7 +38,8 @@ def _write_cifar(root: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def _normalised(images: torch.Tensor) -> torch.Tensor:
     shape = (1, 3, 1, 1) if images.dim() == 4 else (3, 1, 1)
-    return (images.float() / 255 - torch.tensor(cifar.CIFAR10_MEAN).view(shape)) / torch.tensor(cifar.CIFAR10_STD).view(shape)
+    mean, std = torch.tensor(cifar.CIFAR10_MEAN).view(shape), torch.tensor(cifar.CIFAR10_STD).view(shape)
+    return (images.float() / 255 - mean) / std
 
 
 @pytest.fixture(scope="module")

@@ -205,3 +205,37 @@ def test_same_loader_seed_same_augmented_batches_in_workers() -> None:
     # a different seed reorders and re-draws; compare sorted per-sample rows so order alone cannot pass it
     assert not torch.equal(torch.cat(runs[0]).sort().values, torch.cat(runs[2]).sort().values)
     assert np.isfinite(torch.cat(runs[0]).numpy()).all()
+
+
+def _keyed_epoch(seed: int, epoch: int, size: int, batch: int, start: int = 0) -> list[list[tuple[int, int]]]:
+    """What a loader passing sample seeds would yield: (index, seed from (run seed, epoch, index))."""
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    keys = [(i, (seed * 1_000_003 + epoch) * 2**24 + i) for i in order]
+    return [keys[b:b + batch] for b in range(start, size, batch)]
+
+
+def test_a_sample_seed_fixes_the_augmentation_and_leaves_the_global_rng_alone() -> None:
+    data = _augmented()
+    torch.manual_seed(0)
+    first = data[(3, 42)][0]
+    state = torch.get_rng_state()
+    torch.manual_seed(1)
+    assert torch.equal(data[(3, 42)][0], first) and not torch.equal(data[(3, 43)][0], first)
+    torch.manual_seed(0)
+    data[(3, 42)]
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_sample_seeds_make_batches_independent_of_workers_and_of_a_resume_mid_epoch() -> None:
+    from torch.utils.data import DataLoader
+
+    data = _augmented()
+    batches = {}
+    for workers in (0, 2):
+        loader = DataLoader(data, batch_sampler=_keyed_epoch(9, 1, len(data), 8), num_workers=workers)
+        batches[workers] = [x for x, _ in loader]
+    resumed = DataLoader(data, batch_sampler=_keyed_epoch(9, 1, len(data), 8, start=16), num_workers=2)
+    assert all(torch.equal(a, b) for a, b in zip(batches[0], batches[2]))
+    assert all(torch.equal(a, b) for a, b in zip(batches[0][2:], [x for x, _ in resumed]))
+    other_epoch = DataLoader(data, batch_sampler=_keyed_epoch(9, 2, len(data), 8), num_workers=0)
+    assert not torch.equal(torch.cat(batches[0]).sort(0).values, torch.cat([x for x, _ in other_epoch]).sort(0).values)
