@@ -28,8 +28,10 @@ class AugmentedImages(Dataset):
     """uint8 images and labels, with `transform` applied to each sample in `__getitem__`.
 
     `images` is a uint8 tensor [N, C, H, W] in memory, or N file paths that `decode` turns into uint8
-    (C, H, W) tensors.
+    (C, H, W) tensors. Readable by index or by (index, seed); see the module docstring.
     """
+
+    takes_sample_seeds = True
 
     def __init__(self, images: Union[torch.Tensor, Sequence[str]], labels: torch.Tensor, transform: Callable,
                  decode: Optional[Callable[[str], torch.Tensor]] = None):
@@ -46,8 +48,6 @@ class AugmentedImages(Dataset):
 
     def __len__(self) -> int:
         return len(self.labels)
-
-    takes_sample_seeds = True
 
     def __getitem__(self, key: Union[int, tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(key, tuple):
