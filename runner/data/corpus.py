@@ -57,13 +57,21 @@ def corpus(files: Optional[list[str]] = None, root: str = "datasets", block_size
                       val_fraction, test_fraction)
     cache = Path(root) / ".cache" / key
     try:
-        cache.mkdir(parents=True, exist_ok=True)
         meta = _read_meta(cache)
         if meta is None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
             # one process builds; another one building the same corpus waits here, then reuses it
             with FileLock(str(cache) + ".lock"):
-                meta = _read_meta(cache) or _build(cache, key, paths, max_chars, vocab_size, tokenizer,
-                                                   val_fraction, test_fraction)
+                meta = _read_meta(cache)
+                if meta is None:
+                    cache.mkdir(exist_ok=True)
+                    try:
+                        meta = _build(cache, key, paths, max_chars, vocab_size, tokenizer, val_fraction,
+                                      test_fraction)
+                    except BaseException:
+                        if not any(cache.iterdir()):
+                            cache.rmdir()  # a refused build (bad input) leaves no empty cache behind
+                        raise
     except PermissionError as err:
         raise ValueError(f"root: cannot write the token cache under {Path(root) / '.cache'} "
                          f"({err.strerror}); give a writable root") from None
@@ -200,6 +208,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 def _build(cache: Path, key: str, paths: list[Path], max_chars: Optional[int], vocab_size: int,
            tokenizer: Optional[str], val_fraction: float, test_fraction: float) -> dict:
+    for stale in cache.glob(".*.tmp"):  # left by a killed build: no other builder runs while we hold the lock
+        stale.unlink(missing_ok=True)
     total = sum(len(doc) for doc in _documents(paths, max_chars))
     if total == 0:
         raise ValueError(f"files: the {len(paths)} file(s) given hold no text")

@@ -7,6 +7,8 @@ LongTensor[]}`, truncated to `max_length`; `PadCollate` pads each batch to its l
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import json
 import re
 from pathlib import Path
@@ -18,7 +20,8 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from runner.data.splits import DataSplits, split_indices
-from runner.data.tokenize import cls_prefix, encode, load_or_train_tokenizer, pad_id_and_vocab
+from runner.data.tokenize import (atomic_write_bytes, cls_prefix, encode, load_or_train_tokenizer, pad_id_and_vocab,
+                                  texts_digest)
 
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 IMDB_MD5 = "7c2ac02c03563afcf9b574c7e56c153a"
@@ -94,7 +97,7 @@ def imdb(root: str = "datasets", max_length: int = 256, vocab_size: int = 8000, 
     return _classification(train_texts, np.array(train_labels), None, None, test_texts, np.array(test_labels),
                            num_classes=len(label_dirs), max_length=max_length, vocab_size=vocab_size,
                            tokenizer=tokenizer, val_fraction=val_fraction, test_fraction=0.0,
-                           split_seed=split_seed, cache_dir=Path(root) / ".cache" / "tokenizers")
+                           split_seed=split_seed, cache_dir=Path(root) / ".cache")
 
 
 def table(train_file: Optional[str] = None, val_file: Optional[str] = None, test_file: Optional[str] = None,
@@ -131,7 +134,7 @@ def table(train_file: Optional[str] = None, val_file: Optional[str] = None, test
                            vocab_size=vocab_size, tokenizer=tokenizer,
                            val_fraction=0.0 if val_file is not None else val_fraction,
                            test_fraction=0.0 if test_file is not None else test_fraction,
-                           split_seed=split_seed, cache_dir=Path(root) / ".cache" / "tokenizers")
+                           split_seed=split_seed, cache_dir=Path(root) / ".cache")
 
 
 def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts: Optional[list[str]],
@@ -146,12 +149,34 @@ def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts:
     train_idx, val_idx, test_idx = (i.numpy() for i in split_indices(
         torch.from_numpy(train_labels), val_fraction, test_fraction, split_seed))
     # the tokenizer sees the training split only: validation and test text stay unseen
-    tok = load_or_train_tokenizer(tokenizer, [train_texts[i] for i in train_idx], vocab_size, cache_dir)
+    try:
+        tok = load_or_train_tokenizer(tokenizer, [train_texts[i] for i in train_idx], vocab_size,
+                                      cache_dir / "tokenizers")
+    except PermissionError as err:
+        raise ValueError(f"root: cannot write the tokenizer cache under {cache_dir} ({err.strerror}); "
+                         "give a writable root") from None
     pad, vocab = pad_id_and_vocab(tok)
     prefix = cls_prefix(tok)
+    # a digest of the tokenizer's whole definition: the same texts under another tokenizer are other ids
+    tok_key = hashlib.sha256(tok.to_str().encode()).hexdigest()
 
     def tokenized(texts: list[str], labels: np.ndarray) -> TokenizedTexts:
-        return TokenizedTexts.pack([(prefix + ids)[:max_length] for ids in encode(tok, texts)], labels)
+        key = hashlib.sha256(f"{tok_key}|{prefix}|{max_length}|{texts_digest(texts)}".encode()).hexdigest()[:20]
+        path = cache_dir / "token-ids" / f"{key}.npz"
+        if path.is_file():
+            with np.load(path) as cached:
+                return TokenizedTexts(cached["ids"], cached["offsets"], labels)
+        data = TokenizedTexts.pack([(prefix + ids)[:max_length] for ids in encode(tok, texts)], labels)
+        # cached on disk because encoding is the slow part (IMDB: over a minute of CPU per run otherwise);
+        # concurrent writers produce the same bytes and each renames atomically
+        buffer = io.BytesIO()
+        np.savez(buffer, ids=data.ids, offsets=data.offsets)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, buffer.getvalue())
+        except PermissionError:
+            pass  # the ids are in memory; a read-only cache only costs the next run the encoding
+        return data
 
     pool = tokenized(train_texts, train_labels)
     train, carved_val, carved_test = (pool.subset(idx) for idx in (train_idx, val_idx, test_idx))

@@ -58,13 +58,7 @@ def load_or_train_tokenizer(tokenizer: Optional[str], texts: Iterable[str], voca
         raise ValueError(f"vocab_size: {vocab_size} is too small for a byte-level BPE; allowed: >= {MIN_VOCAB}")
     if key is None:
         texts = list(texts)
-        digest = hashlib.sha256()
-        for text in texts:
-            data = text.encode("utf-8", "surrogatepass")
-            # the length prefix keeps ["ab", "c"] and ["a", "bc"] apart
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-        key = digest.hexdigest()
+        key = texts_digest(texts)
     name = hashlib.sha256(f"{_RECIPE}|{tokenizers.__version__}|{vocab_size}|{key}".encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +151,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def texts_digest(texts: Iterable[str]) -> str:
+    """A content hash of a sequence of texts."""
+    digest = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8", "surrogatepass")
+        # the length prefix keeps ["ab", "c"] and ["a", "bc"] apart
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
 
 
 def stable_hash(*parts: object) -> str:

@@ -111,7 +111,11 @@ def test_tokenizer_is_trained_once_and_reused(tmp_path: Path, monkeypatch: pytes
     def no_training(*_a, **_k):
         raise AssertionError("retrained although the cache holds this tokenizer")
 
+    def no_encoding(*_a, **_k):
+        raise AssertionError("re-encoded although the token ids are cached")
+
     monkeypatch.setattr(tok_mod, "_train", no_training)
+    monkeypatch.setattr(text_mod, "encode", no_encoding)
     second = imdb(root=str(tmp_path), max_length=64, vocab_size=300)
     assert path.stat().st_mtime_ns == stamp
     assert all(torch.equal(first.train[i]["input_ids"], second.train[i]["input_ids"]) for i in range(len(first.train)))
