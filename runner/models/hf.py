@@ -1,0 +1,149 @@
+"""HuggingFace transformers models: sequence classification or causal LM, from a local directory or a config.
+
+`transformers` is imported only when a model is built, so runner works without it installed. Nothing is
+downloaded: a `path` must be a local directory written by `save_pretrained` (runs are offline; fetch a
+hub model once elsewhere and save it), and it is opened with `local_files_only=True`.
+
+The returned module wraps the HF model as `.model`, so parameter names read `model.<HF name>` (freeze
+patterns: `model.distilbert.embeddings.*`); runner.finetune.load_weights maps HF's own names onto it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TASKS = ("sequence_classification", "causal_lm")
+_NO_TRANSFORMERS = "model: hf needs the transformers package: pip install transformers"
+
+
+class HFModel(nn.Module):
+    """forward(input_ids, attention_mask=None, labels=None) -> the HF output: `.logits`, and `.loss` with labels.
+
+    Causal LM labels are the next tokens already (the data shifts them, see OPEN_WORLD.md), so the loss
+    is taken here on unshifted labels: HF's own causal-LM loss shifts once more and would train the
+    model to predict two tokens ahead. -100 labels do not count in either task.
+    """
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model = model
+        self.task = task
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Any:
+        if self.task == "sequence_classification":
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        # use_cache=False: training never reuses the key/value cache, building it only costs memory
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if labels is None:
+            return out
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+
+
+def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_classification",
+             path: Optional[str] = None, config: Optional[dict] = None, architecture: str = "distilbert",
+             num_classes: Optional[int] = None, vocab_size: Optional[int] = None,
+             max_length: Optional[int] = None, pad_token_id: Optional[int] = None) -> nn.Module:
+    """A HuggingFace model for `task`, loaded from `path` or randomly initialised from `config`.
+
+    Without `path`: `AutoConfig.for_model(architecture, **config)`, then the data's vocabulary size,
+    longest sequence (max_position_embeddings, at least), padding id and number of classes. With `path`:
+    the saved model, `config` overriding its settings (dropout, ...); a classification head for another
+    number of classes is re-initialised (`ignore_mismatched_sizes`). Parameters are fp32 whatever the
+    file holds: the precision option decides the compute dtype.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task: {task!r} is not allowed; allowed: {', '.join(TASKS)}")
+    for name, value in (("num_classes", num_classes), ("vocab_size", vocab_size), ("max_length", max_length)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}: {value} is not allowed; allowed: at least 1")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(_NO_TRANSFORMERS) from None
+    overrides = dict(config or {})
+    if path is None:
+        cfg = _fresh_config(transformers, architecture, overrides, vocab_size, max_length)
+    else:
+        cfg = _saved_config(transformers, path, overrides, vocab_size, max_length)
+    if pad_token_id is not None:
+        cfg.pad_token_id = pad_token_id
+    if task == "sequence_classification" and num_classes is not None:
+        cfg.num_labels = num_classes
+    auto = (transformers.AutoModelForSequenceClassification if task == "sequence_classification"
+            else transformers.AutoModelForCausalLM)
+    try:
+        if path is None:
+            model = auto.from_config(cfg)
+        else:
+            model = auto.from_pretrained(path, config=cfg, local_files_only=True, ignore_mismatched_sizes=True,
+                                         dtype=torch.float32)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise ValueError(f"task: {task} is not available for architecture {cfg.model_type!r} "
+                             f"(transformers has no {auto.__name__} for it); allowed: another task or architecture") from None
+        raise
+    return HFModel(model, task)
+
+
+def _fresh_config(transformers: Any, architecture: str, overrides: dict[str, Any], vocab_size: Optional[int],
+                  max_length: Optional[int]) -> Any:
+    if architecture not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"architecture: {architecture!r} is not a transformers model type; allowed: one of "
+                         f"transformers.CONFIG_MAPPING, e.g. distilbert, bert, roberta, gpt2, llama")
+    cfg = transformers.AutoConfig.for_model(architecture)
+    _check_keys(cfg, overrides, architecture)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size  # the data's tokenizer decides the embedding table
+        for special in ("bos_token_id", "eos_token_id"):
+            # defaults name ids of the architecture's own tokenizer (gpt2: 50256), meaningless for a smaller one
+            if special not in overrides and isinstance(getattr(cfg, special, None), int) and getattr(cfg, special) >= vocab_size:
+                setattr(cfg, special, None)
+    if max_length is not None and hasattr(cfg, "max_position_embeddings"):
+        if "max_position_embeddings" not in overrides:
+            cfg.max_position_embeddings = max_length
+        _check_positions(cfg, max_length, "config.max_position_embeddings: gives")
+    return cfg
+
+
+def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab_size: Optional[int],
+                  max_length: Optional[int]) -> Any:
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        what = "does not exist" if not directory.exists() else "holds no config.json"
+        raise ValueError(f"path: {path!r} {what}; allowed: a local directory written by save_pretrained "
+                         f"(nothing is downloaded)")
+    cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    _check_keys(cfg, overrides, cfg.model_type)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    saved_vocab = getattr(cfg, "vocab_size", None)
+    if vocab_size is not None and saved_vocab is not None and vocab_size > saved_vocab:
+        raise ValueError(f"vocab_size: the data's tokenizer has {vocab_size} tokens, the model at {path} embeds "
+                         f"{saved_vocab}; allowed: at most {saved_vocab} (use the model's own tokenizer)")
+    if max_length is not None:
+        _check_positions(cfg, max_length, f"path: the model at {path} has")
+    return cfg
+
+
+def _check_keys(cfg: Any, overrides: dict[str, Any], architecture: str) -> None:
+    # HF configs take any keyword silently, so a typo (n_layer for n_layers) would build the default shape
+    allowed = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {})) | {"num_labels"}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"config: {', '.join(map(repr, unknown))} not a setting of {architecture}; allowed: "
+                         f"{', '.join(sorted(k for k in allowed if not k.startswith('_')))}")
+
+
+def _check_positions(cfg: Any, max_length: int, prefix: str) -> None:
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < max_length:
+        raise ValueError(f"{prefix} {positions} positions, fewer than the data's longest sequence "
+                         f"({max_length} tokens); allowed: at least {max_length}")

@@ -1,0 +1,152 @@
+"""runner/models/hf.py: HuggingFace models built offline, from a config or a save_pretrained directory."""
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere: nothing may reach the network
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from hydra.utils import get_method
+
+from runner.models.hf import hf_model
+from runner.registry import CONF_DIR
+
+pytest.importorskip("transformers")
+
+TINY_DISTILBERT = {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64}
+TINY_GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2}
+DATA = {"vocab_size": 50, "max_length": 12, "pad_token_id": 0}
+
+
+def from_yaml(name: str, config: dict | None = None, **data):
+    """The model a conf/model/<name>.yaml builds, its `config` updated by `config`."""
+    kwargs = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())
+    build = get_method(kwargs.pop("_target_"))
+    kwargs["config"] = {**kwargs["config"], **(config or {})}
+    return build(**kwargs, **data)
+
+
+def tiny_classifier(num_classes: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    return from_yaml("distilbert", TINY_DISTILBERT, num_classes=num_classes, **DATA)
+
+
+def test_distilbert_yaml_is_the_real_distilbert_shape() -> None:
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = from_yaml("distilbert", num_classes=2, vocab_size=30522, max_length=512, pad_token_id=0)
+    cfg = model.model.config
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.hidden_dim, cfg.max_position_embeddings) == (768, 6, 12, 3072, 512)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 67  # distilbert-base-uncased + a 2-class head
+
+
+def test_random_init_takes_the_data_values_and_trains_with_a_padding_mask() -> None:
+    model = tiny_classifier(num_classes=3)
+    cfg = model.model.config
+    assert (cfg.vocab_size, cfg.pad_token_id, cfg.num_labels) == (50, 0, 3)
+    assert cfg.max_position_embeddings == 512  # the YAML's room for longer inputs is kept
+    assert hf_model(config=TINY_DISTILBERT, **DATA).model.config.max_position_embeddings == 12  # else the data's
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]])
+    mask = (ids != 0).long()
+    labels = torch.tensor([2, 0])
+    model.train()
+    out = model(ids, attention_mask=mask, labels=labels)
+    assert out.logits.shape == (2, 3)
+    assert torch.allclose(out.loss, F.cross_entropy(out.logits, labels))
+    out.loss.backward()
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert no_grad == [], no_grad
+
+    # the mask is honoured: extra padding leaves the (dropout-free) logits of a sequence unchanged
+    model.eval()
+    short = model(ids[1:, :3], attention_mask=mask[1:, :3]).logits
+    padded = model(ids[1:], attention_mask=mask[1:]).logits
+    assert torch.allclose(short, padded, atol=1e-5)
+    assert not torch.allclose(short, model(ids[1:]).logits, atol=1e-5)  # unmasked padding does change them
+
+
+def test_the_same_seed_gives_the_same_model() -> None:
+    a, b, c = tiny_classifier(seed=1), tiny_classifier(seed=1), tiny_classifier(seed=2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_a_saved_model_loads_from_path_with_equal_outputs(tmp_path: Path) -> None:
+    model = tiny_classifier(num_classes=3).eval()
+    model.model.save_pretrained(tmp_path / "saved")
+    loaded = hf_model(path=str(tmp_path / "saved"), num_classes=3, **DATA).eval()
+    ids = torch.randint(1, 50, (4, 12))
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_path_with_another_number_of_classes_keeps_the_backbone_and_renews_the_head(tmp_path: Path) -> None:
+    model = tiny_classifier(num_classes=3)
+    model.model.save_pretrained(tmp_path / "saved")
+    loaded = hf_model(path=str(tmp_path / "saved"), num_classes=5, **DATA)
+    assert loaded.model.classifier.weight.shape == (5, 32)
+    before = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        if not name.startswith("model.classifier."):
+            assert torch.equal(p, before[name]), name
+
+
+def test_path_config_overrides_settings(tmp_path: Path) -> None:
+    tiny_classifier().model.save_pretrained(tmp_path / "saved")
+    loaded = hf_model(path=str(tmp_path / "saved"), config={"dropout": 0.0}, num_classes=3, **DATA)
+    assert loaded.model.config.dropout == 0.0
+
+
+def test_causal_lm_logits_and_a_loss_on_labels_the_data_already_shifted() -> None:
+    torch.manual_seed(0)
+    model = hf_model(task="causal_lm", architecture="gpt2", config=TINY_GPT2, **DATA)
+    tokens = torch.randint(1, 50, (3, 13))
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[0, -4:] = -100  # padding labels do not count
+    out = model(x, labels=y)
+    assert out.logits.shape == (3, 12, 50)
+    expected = F.cross_entropy(out.logits.reshape(-1, 50), y.reshape(-1), ignore_index=-100)
+    assert torch.allclose(out.loss, expected)
+    # HF's own loss would shift the labels once more (predicting two tokens ahead)
+    assert not torch.allclose(out.loss, model.model(input_ids=x, labels=y).loss)
+    assert model.model.config.bos_token_id is None  # gpt2's 50256 is not a token of a 50-token vocabulary
+    out.loss.backward()
+    assert model.model.transformer.wte.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"config": {**TINY_DISTILBERT, "n_layer": 3}}, "config: 'n_layer' not a setting of distilbert"),
+    ({"architecture": "distilbertt"}, "architecture: 'distilbertt' is not a transformers model type"),
+    ({"task": "causal_lm"}, "task: causal_lm is not available for architecture 'distilbert'"),
+    ({"task": "regression"}, "task: 'regression' is not allowed; allowed: sequence_classification, causal_lm"),
+    ({"config": {**TINY_DISTILBERT, "max_position_embeddings": 8}},
+     "config.max_position_embeddings: gives 8 positions, fewer than the data's longest sequence (12 tokens)"),
+    ({"path": "distilbert-base-uncased"}, "path: 'distilbert-base-uncased' does not exist; allowed: a local directory"),
+    ({"num_classes": 0}, "num_classes: 0 is not allowed; allowed: at least 1"),
+])
+def test_bad_settings_fail_in_one_line_naming_the_parameter(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        hf_model(**{"config": TINY_DISTILBERT, **DATA, **kwargs})
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_saved_model_too_short_or_too_small_for_the_data_is_refused(tmp_path: Path) -> None:
+    hf_model(config=TINY_DISTILBERT, num_classes=3, **DATA).model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"^path: the model at .* has 12 positions, fewer than .* \(20 tokens\)"):
+        hf_model(path=str(tmp_path / "saved"), num_classes=3, vocab_size=50, max_length=20)
+    with pytest.raises(ValueError, match=r"^vocab_size: the data's tokenizer has 60 tokens, the model at .* embeds 50"):
+        hf_model(path=str(tmp_path / "saved"), num_classes=3, vocab_size=60, max_length=12)
+    with pytest.raises(ValueError, match=r"^path: .* holds no config.json"):
+        hf_model(path=str(tmp_path))
+
+
+def test_without_transformers_the_message_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
+    with pytest.raises(ValueError, match=r"^model: hf needs the transformers package: pip install transformers$"):
+        hf_model(config=TINY_DISTILBERT, **DATA)
