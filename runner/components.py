@@ -46,13 +46,14 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
     except (TypeError, ValueError):
         return dict(params)
     hints = _hints(fn)
+    decided = DATA_DECIDED if group == "model" else ()  # a model's sizes come from the data, a dataset's are its own
     accepted = {name: p for name, p in signature.parameters.items()
-                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in DATA_DECIDED}
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in decided}
     open_ended = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     out: dict[str, Any] = {}
     for key, value in params.items():
         if key not in accepted and not open_ended:
-            if key in DATA_DECIDED and key in signature.parameters:
+            if key in decided and key in signature.parameters:
                 raise SpecError(f"{group}.{key}: decided by the data for {target}; remove it from the config")
             if f"{group}.{key}" not in typed:
                 log.info("%s.%s dropped: %s does not take it", group, key, target)

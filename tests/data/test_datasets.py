@@ -1,17 +1,15 @@
 """runner/data: digits and synthetic splits, their sizes, disjointness and determinism."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from runner.data import build_datasets, split_indices
-from runner.spec import DatasetSpec, SpecError
+from runner.data import split_indices
+from runner.spec import SpecError
 
 
 def test_digits_splits_cover_all_samples_with_the_right_items() -> None:
-    splits = build_datasets(DatasetSpec())
+    splits = build_datasets()
     sizes = [len(splits.train), len(splits.val), len(splits.test)]
     assert sum(sizes) == 1797
     assert sizes == [1257, 270, 270]  # val and test: ceil(0.15 * 1797) each
@@ -32,27 +30,27 @@ def test_digits_splits_are_disjoint_and_match_the_indices() -> None:
     train, val, test = split_indices(labels, 0.15, 0.15, seed=0)
     together = torch.cat([train, val, test])
     assert len(set(together.tolist())) == len(together) == 1797
-    splits = build_datasets(DatasetSpec())
+    splits = build_datasets()
     for idx, part in zip((train, val, test), (splits.train, splits.val, splits.test)):
         assert torch.equal(part.tensors[1], labels[idx])
 
 
 def test_digits_split_is_stratified() -> None:
-    splits = build_datasets(DatasetSpec())
+    splits = build_datasets()
     counts = torch.bincount(splits.test.tensors[1], minlength=10)
     assert counts.min() >= 25 and counts.max() <= 29  # ~15% of ~180 per class
 
 
 def test_digits_split_depends_only_on_split_seed() -> None:
-    a, b = build_datasets(DatasetSpec()), build_datasets(DatasetSpec())
-    c = build_datasets(DatasetSpec(split_seed=1))
+    a, b = build_datasets(), build_datasets()
+    c = build_datasets(split_seed=1)
     for name in ("train", "val", "test"):
         assert torch.equal(getattr(a, name).tensors[0], getattr(b, name).tensors[0])
     assert not torch.equal(a.val.tensors[1], c.val.tensors[1])
 
 
 def test_zero_fractions_give_empty_splits() -> None:
-    splits = build_datasets(DatasetSpec(val_fraction=0.0, test_fraction=0.0))
+    splits = build_datasets(val_fraction=0.0, test_fraction=0.0)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (1797, 0, 0)
 
 
@@ -62,28 +60,34 @@ def test_fractions_leaving_no_training_data_are_refused() -> None:
 
 
 def test_synthetic_shapes_classes_and_determinism() -> None:
-    spec = DatasetSpec(name="synthetic", shape=(3, 16, 16), num_classes=5, size=400)
-    splits = build_datasets(spec)
+    spec = dict(shape=(3, 16, 16), num_classes=5, size=400)
+    splits = build_datasets("synthetic", **spec)
     assert splits.input_shape == (3, 16, 16) and splits.num_classes == 5
     assert len(splits.train) + len(splits.val) + len(splits.test) == 400
     x, y = splits.train.tensors
     assert x.shape[1:] == (3, 16, 16) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert set(y.tolist()) == set(range(5))  # a random teacher still uses every class
-    again = build_datasets(spec)
+    again = build_datasets("synthetic", **spec)
     assert torch.equal(x, again.train.tensors[0]) and torch.equal(y, again.train.tensors[1])
-    other = build_datasets(dataclasses.replace(spec, split_seed=7))
+    other = build_datasets("synthetic", **spec, split_seed=7)
     assert not torch.equal(x[:10], other.train.tensors[0][:10])
 
 
 def test_synthetic_labels_are_learnable() -> None:
     # a least-squares linear probe on the training inputs must beat chance by far on held-out data
-    splits = build_datasets(DatasetSpec(name="synthetic", shape=(8,), num_classes=4, size=2000))
+    splits = build_datasets("synthetic", shape=(8,), num_classes=4, size=2000)
     (x, y), (xt, yt) = splits.train.tensors, splits.test.tensors
     weights = torch.linalg.lstsq(x, torch.nn.functional.one_hot(y, 4).float()).solution
     accuracy = ((xt @ weights).argmax(1) == yt).float().mean().item()
     assert accuracy > 0.7
 
 
-def test_unknown_dataset_names_the_options() -> None:
-    with pytest.raises(SpecError, match="choose one of .*digits"):
-        build_datasets(DatasetSpec(name="nope"))
+def build_datasets(name: str = "digits", **kwargs):
+    """The dataset option `name` built as the engine builds it: its YAML's _target_ with these arguments."""
+    import yaml
+
+    from runner import components
+    from runner.registry import CONF_DIR
+
+    target = yaml.safe_load((CONF_DIR / "dataset" / f"{name}.yaml").read_text())["_target_"]
+    return components.load_target("dataset", target)(**kwargs)

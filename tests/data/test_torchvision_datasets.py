@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.data import build_datasets
-from runner.spec import DatasetSpec, SpecError
+from runner.spec import SpecError
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
@@ -42,7 +41,7 @@ def _write_cifar(root: Path, per_batch: int) -> None:
 @pytest.mark.parametrize("name, folder", [("mnist", "MNIST"), ("fashion_mnist", "FashionMNIST")])
 def test_mnist_family_loads_idx_files(tmp_path: Path, name: str, folder: str) -> None:
     _write_mnist(tmp_path, folder, n_train=100, n_test=30)
-    splits = build_datasets(DatasetSpec(name=name, root=str(tmp_path), val_fraction=0.2))
+    splits = build_datasets(name, root=str(tmp_path), val_fraction=0.2)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (80, 20, 30)
     assert splits.input_shape == (1, 28, 28) and splits.num_classes == 10
     x, y = splits.test[3]
@@ -51,7 +50,7 @@ def test_mnist_family_loads_idx_files(tmp_path: Path, name: str, folder: str) ->
 
 def test_cifar10_loads_pickled_batches(tmp_path: Path) -> None:
     _write_cifar(tmp_path, per_batch=20)
-    splits = build_datasets(DatasetSpec(name="cifar10", root=str(tmp_path), val_fraction=0.1))
+    splits = build_datasets("cifar10", root=str(tmp_path), val_fraction=0.1)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (90, 10, 20)
     assert splits.input_shape == (3, 32, 32)
     train_x = splits.train.tensors[0]
@@ -63,4 +62,15 @@ def test_cifar10_loads_pickled_batches(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10"])
 def test_missing_dataset_says_where_and_how_to_fetch(tmp_path: Path, name: str) -> None:
     with pytest.raises(SpecError, match=f"{tmp_path}.*dataset.download=true"):
-        build_datasets(DatasetSpec(name=name, root=str(tmp_path)))
+        build_datasets(name, root=str(tmp_path))
+
+
+def build_datasets(name: str = "digits", **kwargs):
+    """The dataset option `name` built as the engine builds it: its YAML's _target_ with these arguments."""
+    import yaml
+
+    from runner import components
+    from runner.registry import CONF_DIR
+
+    target = yaml.safe_load((CONF_DIR / "dataset" / f"{name}.yaml").read_text())["_target_"]
+    return components.load_target("dataset", target)(**kwargs)

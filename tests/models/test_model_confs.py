@@ -1,26 +1,54 @@
-"""conf/model: every option builds a valid ModelSpec and has a builder."""
+"""conf/model and conf/dataset: every option names an importable callable whose signature takes every key
+of its YAML, none of them a size the data decides; and the spec keeps only the chosen option's keys."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
-from runner.models import BUILDERS
-from runner.registry import CONF_DIR, options
-from runner.spec import ModelSpec, _build
+from runner import components
+from runner.registry import CONF_DIR
+from runner.spec import SpecError
+from tests.conftest import compose_spec
 
-FILES = sorted((CONF_DIR / "model").glob("*.yaml"))
+FILES = sorted((CONF_DIR / "model").glob("*.yaml")) + sorted((CONF_DIR / "dataset").glob("*.yaml"))
+LOADER_KEYS = {"batch_size", "num_workers"}
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
-def test_model_yaml_is_a_valid_spec_named_after_its_file(path: Path) -> None:
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_each_option_names_a_callable_that_takes_its_keys(path: Path) -> None:
     text = path.read_text()
-    assert text.startswith("# "), "first line says what the option is"
-    spec = _build(ModelSpec, yaml.safe_load(text), "model.")
-    assert spec.name == path.stem
+    assert text.startswith("# "), "the first line says what the option is"
+    data = yaml.safe_load(text)
+    group = path.parent.name
+    fn = components.load_target(group, data.pop("_target_"))
+    params = inspect.signature(fn).parameters
+    keys = set(data) - (LOADER_KEYS if group == "dataset" else set())
+    assert not keys & set(components.DATA_DECIDED) or group == "dataset"
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    assert open_ended or keys <= set(params), keys - set(params)
+    resolved = components.resolve(group, fn.__module__ + "." + fn.__name__, {k: data[k] for k in keys})
+    assert set(keys) <= set(resolved)
 
 
-def test_every_model_option_has_a_builder_and_back() -> None:
-    assert options("model") == sorted(BUILDERS)
-    assert ModelSpec().name in BUILDERS
+def test_a_run_spec_holds_only_the_chosen_components_keys(tmp_path: Path) -> None:
+    spec = compose_spec(["model=resnet18", "dataset=synthetic"], tmp_path)
+    flat = spec.flat()
+    assert "model.small_stem" in flat and "model.hidden" not in flat and "model.channels" not in flat
+    assert "dataset.shape" in flat and not [k for k in flat if k.startswith("scheduler.cycle_mult")] == []
+    digits = compose_spec([], tmp_path).flat()
+    assert "dataset.shape" not in digits and "model.hidden" in digits
+
+
+def test_a_users_target_on_the_command_line_is_checked_against_its_signature(tmp_path: Path) -> None:
+    spec = compose_spec(["model._target_=tests.models.user_net.WideNet", "+model.width=32"], tmp_path)
+    resolved = components.resolve("model", spec.model.target, spec.model.params,
+                                  {"model._target_", "model.width"})
+    assert resolved == {"width": 32, "depth": 2}  # mlp's keys dropped (not typed), the default filled in
+    with pytest.raises(SpecError, match=r"^model.widht: unknown key for tests.models.user_net.WideNet; did you mean width\? "
+                                        r"accepted keys: depth, width$"):
+        components.resolve("model", spec.model.target, {"widht": 3}, {"model.widht"})
+    with pytest.raises(SpecError, match=r"^model.width: 'wide' is not an integer"):
+        components.resolve("model", spec.model.target, {"width": "wide"}, {"model.width"})

@@ -1,0 +1,23 @@
+"""A user's own model, outside runner and pointed to only from YAML or the command line."""
+from __future__ import annotations
+
+from torch import nn
+
+
+class WideNet(nn.Module):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 64, depth: int = 2):
+        super().__init__()
+        if width <= 0:
+            raise ValueError(f"width: {width} is out of range; allowed: a value > 0")
+        size = 1
+        for d in input_shape:
+            size *= d
+        layers: list[nn.Module] = [nn.Flatten()]
+        for _ in range(depth):
+            layers += [nn.Linear(size, width), nn.ReLU()]
+            size = width
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(size, num_classes)
+
+    def forward(self, x):
+        return self.head(self.body(x))
