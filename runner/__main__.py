@@ -126,6 +126,11 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 
         check_tracking(spec.tracking)
+    # last, as it imports the model's and dataset's modules (torch): their keys against their signatures
+    from runner import components
+    from runner.resume import typed_keys
+
+    components.resolved_spec(spec, typed_keys(spec.overrides))
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not _under_torchrun():
         check_writable(dir_key, run_dir)

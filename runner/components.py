@@ -109,6 +109,9 @@ def _call(group: str, fn: Callable, kwargs: dict[str, Any]) -> Any:
             raise
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecError(f"{group}.{first}") from None
+    except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecError(f"{group}: building {getattr(fn, '__name__', fn)} failed ({first[:200]}); check its sizes") from None
 
 
 def _hints(fn: Callable) -> dict[str, Any]:
