@@ -40,6 +40,10 @@ def test_the_wheel_holds_every_module_and_config_and_no_top_level_conf(wheel: Pa
     assert {n.split("/")[2] for n in configs if n.count("/") > 2} == groups
     modules = {p.relative_to(REPO).as_posix() for d in ("runner", "hydra_plugins") for p in (REPO / d).rglob("*.py")
                if "__pycache__" not in p.parts}
+    # the built-in components: top-level models/ and data/ installed as runner.models and runner.data
+    modules |= {f"runner/{p.relative_to(REPO).as_posix()}" for d in ("models", "data") for p in (REPO / d).rglob("*.py")
+                if "__pycache__" not in p.parts}
+    assert {m for m in modules if m.startswith(("runner/models/", "runner/data/"))}
     assert modules - names == set()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"runner", "hydra_plugins"}
