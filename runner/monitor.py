@@ -71,6 +71,7 @@ class Monitor:
         self.spec, self.tracker = spec, tracker
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
+        self.unit = "tokens" if spec.task.name == "language_modeling" else "samples"  # what the loss averages over
         self.log_every = spec.trainer.log_every_n_steps
         self.best: dict[str, float] = {}
         self.best_step: dict[str, int] = {}
@@ -104,7 +105,7 @@ class Monitor:
         self.samples_seen += count
         now = time.perf_counter()
         metrics = {"train/loss": loss.item() / max(count, 1), "lr": lr,
-                   "throughput/samples_per_s": count / max(now - self._t_last, 1e-9),
+                   f"throughput/{self.unit}_per_s": count / max(now - self._t_last, 1e-9),
                    "epoch": step / self.steps_per_epoch}
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm.item()
@@ -114,7 +115,7 @@ class Monitor:
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self._losses, self._samples, self._t_last = [], [], time.perf_counter()
         self._record(metrics, step)
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['throughput/samples_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **{f"{self.unit}_s": f"{metrics[f'throughput/{self.unit}_per_s']:.0f}"})
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         self.last_eval_step = step

@@ -352,9 +352,8 @@ def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
 def produced_metrics(spec: RunSpec) -> set[str]:
     """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
     included only for trainer.device=cuda: with device=auto it depends on the machine."""
-    names = {"train/loss", "lr", "grad_norm", "epoch", "throughput/samples_per_s", "objective"}
-    if spec.task.name == "language_modeling":
-        names.add("throughput/tokens_per_s")
+    unit = "tokens" if spec.task.name == "language_modeling" else "samples"
+    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit}_per_s", "objective"}
     if spec.precision.name == "fp16":
         names.add("fp16/skipped_steps")
     if spec.trainer.device == "cuda":
