@@ -29,7 +29,7 @@ def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> N
 
 def test_imdb_distilbert_fine_tunes_on_reviews_in_the_imdb_layout(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    write_imdb(tmp_path / "data" / "aclImdb", n_train=24, n_test=8)
+    write_imdb(tmp_path / "data", n_train=24, n_test=8)
     tiny = ["model.config.dim=32", "model.config.n_layers=1", "model.config.n_heads=2", "model.config.hidden_dim=64"]
     proc = run_cli(["experiment=imdb_distilbert", f"dataset.root={tmp_path / 'data'}", "dataset.max_length=64",
                     "dataset.vocab_size=300", "dataset.batch_size=8", *tiny, "trainer.max_epochs=1", "tracking=none"],
