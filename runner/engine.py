@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner import checkpoint, components, parallel, tasks
+from runner import checkpoint, components, finetune, parallel, tasks
 from runner.loader import make_loader, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
@@ -87,12 +87,19 @@ class Engine:
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
-        self.module = self.precision.prepare_model(components.build_model(spec, data).to(self.device))
+        self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
         self.pass_labels = tasks.accepts_labels(self.module)
-        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype)
+        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
+                                   # parameters unfrozen mid-run must still be reduced across ranks
+                                   find_unused=spec.model.unfreeze_after_epochs is not None)
         if spec.trainer.compile:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
+        self.unfreezer = None
+        if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
+            # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
+            self.unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
+                                            spec.model.unfreeze_after_epochs)
         self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         self.progress = Progress()
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
@@ -103,6 +110,19 @@ class Engine:
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
             self._load_state(resume_state)
+
+    def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
+        """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
+        module = components.build_model(spec, data)
+        if spec.model.weights:
+            report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
+            if self.env.is_main:
+                log.info("%s", report.describe())
+        if spec.model.freeze and spec.model.unfreeze_after_epochs is None:
+            frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
+            if self.env.is_main:
+                log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
+        return module
 
     def _check_watched_metrics(self) -> None:
         """Now that the data is built: a watched metric that this run never produces stops it here
@@ -161,6 +181,11 @@ class Engine:
         while (p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs)
                and not self.monitor.should_stop):
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
+            if self.unfreezer is not None:
+                unfrozen = self.unfreezer.on_epoch_start(p.epoch)
+                if unfrozen and self.env.is_main:
+                    log.info("epoch %d: unfroze %d parameter tensors (%s)", p.epoch, len(unfrozen),
+                             ", ".join(self.spec.model.freeze))
             for micro_batches in optimizer_steps(self.train_loader, self.accum):
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
@@ -290,6 +315,7 @@ class Engine:
             "progress": vars(self.progress).copy(),
             "monitor": self.monitor.state_dict(),
             "finished": self.finished,
+            "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
             "final": self.final,
             "mlflow_run_id": self.tracker.run_id or "",
         }
@@ -316,6 +342,8 @@ class Engine:
         rng = state["rng"]
         checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])
         self.progress = Progress(**state["progress"])
+        if self.unfreezer is not None and state.get("unfreezer"):
+            self.unfreezer.load_state_dict(state["unfreezer"])
         self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
         # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
         self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.monitor.should_stop)
@@ -329,6 +357,17 @@ class Engine:
                 self.resumed_from["runner.resumed_from_run"] = source_run
         log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
                  self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _finetune_call(key: str, fn, *args):
+    """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
+    not weights) becomes one line naming the key."""
+    try:
+        return fn(*args)
+    except SpecError:
+        raise
+    except ValueError as e:
+        raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
 def _inside(path: Path, directory: Path) -> bool:

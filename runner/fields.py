@@ -62,6 +62,10 @@ def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
         if value not in args:
             raise SpecError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, args))}")
         return value
+    if origin is dict:  # dict[str, float]: e.g. lr multipliers by parameter-name pattern
+        if not isinstance(value, dict):
+            raise SpecError(f"{key}: {value!r} is not a mapping; expected one like {{'backbone.*': 0.1}}")
+        return {str(k): _convert(args[1], v, f"{key}.{k}", meta) for k, v in value.items()}
     if origin is tuple:
         fixed = args[-1] is not Ellipsis  # tuple[float, float]: exactly that many items
         if not isinstance(value, (list, tuple)):

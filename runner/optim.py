@@ -34,36 +34,45 @@ KERNELS: dict[str, tuple[str, ...]] = {
 def build_optimizer(spec: OptimizerSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by `spec.name` over the trainable parameters of `model` (already on `device`)."""
     fallback = muon_fallback_params(model) if spec.name == "muon" else set()
-    groups = param_groups(model, spec.weight_decay, spec.decay_norm_and_bias, fallback)
+    try:
+        groups = param_groups(model, spec.weight_decay, spec.decay_norm_and_bias, fallback, spec.lr, spec.lr_multipliers)
+    except ValueError as e:
+        raise SpecError(f"optimizer.lr_multipliers: {e}") from None
     if not groups:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
     return _BUILDERS[spec.name](groups, spec, kernel_kwargs(spec.name, spec.impl, device))
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_norm_and_bias: bool = False,
-                 fallback: set[int] | frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+                 fallback: set[int] | frozenset[int] = frozenset(), lr: float = 0.0,
+                 lr_multipliers: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Trainable parameters split into a decay and a no-decay group (each also split by `fallback`, ids).
 
     Decaying biases and norm gains only pulls them towards 0 (a norm gain of 0 silences its channel),
     so 1-D parameters, and whatever the model lists in `no_weight_decay()` (timm: pos_embed,
     cls_token), go to the weight_decay=0 group. Empty groups are dropped.
     """
+    from runner.finetune import lr_multiplier_groups
+
     skip = set(getattr(model, "no_weight_decay", lambda: ())())
-    buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        decay = decay_norm_and_bias or (p.ndim > 1 and name not in skip)
-        buckets.setdefault((decay, id(p) in fallback), []).append(p)
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    parts = lr_multiplier_groups(trainable, lr_multipliers) if lr_multipliers else [(1.0, trainable)]
     groups = []
-    # The same group order for every model: decay before no-decay, then the fallback groups.
-    for decay, use_fallback in ((True, False), (False, False), (True, True), (False, True)):
-        if (decay, use_fallback) in buckets:
-            group: dict[str, Any] = {"params": buckets[(decay, use_fallback)],
-                                     "weight_decay": weight_decay if decay else 0.0}
-            if use_fallback:
-                group["use_fallback"] = True
-            groups.append(group)
+    for multiplier, members in parts:
+        buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+        for name, p in members:
+            decay = decay_norm_and_bias or (p.ndim > 1 and name not in skip)
+            buckets.setdefault((decay, id(p) in fallback), []).append(p)
+        # The same group order for every model: decay before no-decay, then the fallback groups.
+        for decay, use_fallback in ((True, False), (False, False), (True, True), (False, True)):
+            if (decay, use_fallback) in buckets:
+                group: dict[str, Any] = {"params": buckets[(decay, use_fallback)],
+                                         "weight_decay": weight_decay if decay else 0.0}
+                if use_fallback:
+                    group["use_fallback"] = True
+                if lr_multipliers:
+                    group["lr"], group["lr_multiplier"] = lr * multiplier, multiplier
+                groups.append(group)
     return groups
 
 

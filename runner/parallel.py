@@ -52,7 +52,7 @@ def init_process_group(device_type: str, timeout_s: float = 600) -> DistEnv:
 
 
 def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.device,
-         param_dtype: torch.dtype | None) -> nn.Module:
+         param_dtype: torch.dtype | None, find_unused: bool = False) -> nn.Module:
     """DDP replicates the model; FSDP2 shards each block's parameters, then the root's."""
     if spec.name == "single" or not env.distributed:
         return module
@@ -60,7 +60,7 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask

@@ -51,7 +51,8 @@ class Schedule:
     @property
     def lr(self) -> float:
         """The current lr of parameter group 0."""
-        return float(self.scheduler.optimizer.param_groups[0]["lr"])
+        group = self.scheduler.optimizer.param_groups[0]  # the base lr, whatever group 0's multiplier
+        return float(group["lr"]) / group.get("lr_multiplier", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "scheduler": self.scheduler.state_dict()}
@@ -107,7 +108,8 @@ def _floor(spec: SchedulerSpec, peaks: list[float]) -> float:
     # torch's cosine schedulers take one absolute eta_min for all groups, so a ratio needs one peak
     # (build_optimizer gives every group the same lr).
     if spec.min_lr_ratio and len(set(peaks)) > 1:
-        raise ValueError(f"scheduler.min_lr_ratio with {spec.name} needs one peak lr for all groups, got {peaks}")
+        raise SpecError(f"scheduler.min_lr_ratio: {spec.name} with a floor needs one peak lr for all parameter groups "
+                        f"(got {sorted(set(peaks))} from optimizer.lr_multipliers); use scheduler.min_lr_ratio=0")
     return spec.min_lr_ratio * peaks[0]
 
 

@@ -33,17 +33,27 @@ class ModelSpec:
 
     target: str = "runner.models.mlp.MLP"
     params: dict = field(default_factory=dict)
+    # runner's own keys (fine-tuning), never passed to the callable
+    weights: Optional[str] = opt(None, "start from these weights only: a .safetensors file, a runner checkpoint or a "
+                                       "state dict; a head whose shape differs is re-initialised")
+    freeze: tuple[str, ...] = opt((), "globs of parameter names to freeze, e.g. ['backbone.*']")
+    unfreeze_after_epochs: Optional[int] = opt(None, "unfreeze `freeze` at the start of this epoch (gradual "
+                                                     "unfreezing); null: frozen for the whole run", ge=0)
 
     def with_params(self, params: dict) -> "ModelSpec":
         return dataclasses.replace(self, params=dict(params))
 
     def __to_plain__(self) -> dict:
-        return {"_target_": self.target, **self.params}
+        own = {"weights": self.weights, "freeze": list(self.freeze), "unfreeze_after_epochs": self.unfreeze_after_epochs}
+        return {"_target_": self.target, **self.params, **{k: v for k, v in own.items() if v not in (None, [])}}
 
     @classmethod
     def parse(cls, data: Any, key: str = "model") -> "ModelSpec":
         data = _component_dict(data, key)
-        return cls(target=data.pop("_target_"), params=data)
+        own = {k: data.pop(k) for k in ("weights", "freeze", "unfreeze_after_epochs") if k in data}
+        built = _build(_FinetuneKeys, own, f"{key}.")
+        return cls(target=data.pop("_target_"), params=data, weights=built.weights, freeze=built.freeze,
+                   unfreeze_after_epochs=built.unfreeze_after_epochs)
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,13 @@ class DatasetSpec:
         loader = {k: data.pop(k) for k in ("batch_size", "num_workers") if k in data}
         built = _build(_LoaderKeys, loader, f"{key}.")
         return cls(target=data.pop("_target_"), batch_size=built.batch_size, num_workers=built.num_workers, params=data)
+
+
+@dataclass(frozen=True)
+class _FinetuneKeys:
+    weights: Optional[str] = opt(None, "weights file")
+    freeze: tuple[str, ...] = opt((), "globs of parameter names to freeze")
+    unfreeze_after_epochs: Optional[int] = opt(None, "epoch to unfreeze at", ge=0)
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,8 @@ class OptimizerSpec:
     betas: tuple[float, float] = opt((0.9, 0.999), "adam/adamw/lamb betas", ge=0, lt=1)
     eps: float = opt(1e-8, "numerical-stability epsilon", gt=0)
     alpha: float = opt(0.99, "rmsprop smoothing constant", gt=0, lt=1)
+    lr_multipliers: Optional[dict[str, float]] = opt(None, "lr x multiplier for parameters whose name matches a glob, first match "
+                                              "wins, e.g. {'backbone.*': 0.1} (discriminative learning rates)", ge=0)
     # which kernels each optimizer offers on which device is runner/optim.py's to say (it needs torch)
     impl: Literal["auto", "fused", "foreach", "for_loop"] = opt(
         "auto", "kernel: auto (fused on CUDA where supported, else foreach), fused, foreach, for_loop")

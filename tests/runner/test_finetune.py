@@ -286,3 +286,61 @@ def test_bad_lr_multipliers_are_named(multipliers: dict, message: str) -> None:
 def test_load_report_lists_many_names_briefly() -> None:
     report = LoadReport(path="w.pt", loaded=["a"], missing=[f"m{i}" for i in range(10)])
     assert report.describe() == "loaded 1 tensors from w.pt\nmissing: m0, m1, m2, m3, m4, m5 and 4 more"
+
+
+# --- through the engine: the keys a run spec gives (model.weights, model.freeze, optimizer.lr_multipliers) -----
+
+def _engine(overrides: list[str], run_dir):
+    from runner.engine import Engine
+    from tests.conftest import compose_spec
+
+    return Engine(compose_spec(["trainer.progress_bar=off", "model.hidden=[32]", *overrides], run_dir))
+
+
+def test_a_run_starts_from_another_runs_weights_with_its_head_reinitialised(tmp_path) -> None:
+    source = _engine(["trainer.max_steps=5", "trainer.eval_every_epoch=false"], tmp_path / "source")
+    source.fit()
+    ckpt = tmp_path / "source" / "checkpoints" / "last.pt"
+    # synthetic 8x8 inputs with 4 classes: the body fits, the 10-class head does not
+    target = _engine(["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.num_classes=4", "dataset.size=400",
+                      f"model.weights={ckpt}"], tmp_path / "target")
+    assert torch.equal(target.module[1].weight, source.module[1].weight)
+    assert target.module[3].weight.shape == (4, 32)  # the head: fresh, the size of this task
+
+
+def test_frozen_parameters_stay_and_unfreeze_at_the_epoch_asked_exactly_on_resume(tmp_path) -> None:
+    common = ["trainer.max_epochs=3", "model.freeze=[1.*]", "model.unfreeze_after_epochs=1",
+              "trainer.checkpoint_every_n_steps=5", "trainer.keep_checkpoints=20", "trainer.eval_every_epoch=false"]
+    full = _engine(common, tmp_path / "full")
+    start = full.module[1].weight.detach().clone()
+    full.train_step = _recording(full, start)
+    full.fit()
+    assert full.frozen_steps == full.steps_per_epoch  # untouched through epoch 0, trained from epoch 1 on
+    assert not torch.equal(full.module[1].weight, start)
+    resumed = _engine([*common, f"trainer.resume={tmp_path / 'full' / 'checkpoints' / 'step-00000010.pt'}"],
+                      tmp_path / "resumed")  # step 10: before the unfreeze (20 steps per epoch)
+    resumed.fit()
+    for a, b in zip(full.module.parameters(), resumed.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def _recording(engine, start):
+    step = engine.train_step
+    engine.frozen_steps = 0
+
+    def record(batches):
+        out = step(batches)
+        engine.frozen_steps += torch.equal(engine.module[1].weight, start)
+        return out
+
+    return record
+
+
+def test_lr_multipliers_scale_the_matching_groups_and_the_logged_lr_stays_the_base(tmp_path) -> None:
+    engine = _engine(["optimizer=adamw", "optimizer.lr=0.01", "optimizer.lr_multipliers={1.*: 0.1}"], tmp_path / "run")
+    lrs = sorted({round(g["lr"], 6) for g in engine.optimizer.param_groups})
+    assert lrs == [0.001, 0.01] and engine.schedule.lr == pytest.approx(0.01)
+    from runner.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"^model.freeze: .*nothing\*"):
+        _engine(["model.freeze=[nothing*]"], tmp_path / "bad")
