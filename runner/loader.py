@@ -22,9 +22,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, defaul
 class EpochBatches(Sampler[list[int]]):
     """One rank's micro-batches (lists of indices) of one epoch."""
 
-    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1):
+    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1,
+                 keyed: bool = False):
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
         self.rank, self.world = rank, world
+        # a dataset whose items are random (augmentation) gets (index, seed) keys: an item's randomness then
+        # depends on (run seed, epoch, index) alone, not on which worker reads it or whether the run resumed
+        self.keyed = keyed
         self.epoch, self.start = 0, 0
 
     @property
@@ -44,7 +48,11 @@ class EpochBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
         for begin in range(self.start, self.size, self.global_batch):
-            yield order[begin:begin + self.global_batch][self.rank::self.world]
+            part = order[begin:begin + self.global_batch][self.rank::self.world]
+            yield [(i, self._sample_seed(i)) for i in part] if self.keyed else part
+
+    def _sample_seed(self, index: int) -> int:
+        return ((self.seed * 1_000_003 + self.epoch) * 2**32 + index) % 2**63
 
     def __len__(self) -> int:
         return math.ceil(max(self.size - self.start, 0) / self.global_batch)
@@ -93,7 +101,8 @@ class Collate:
 
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
                 pin_memory: bool, rank: int = 0, world: int = 1, collate: Callable | None = None) -> DataLoader:
-    batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world)
+    batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world,
+                           keyed=bool(getattr(dataset, "takes_sample_seeds", False)))
     if isinstance(dataset, TensorDataset) and collate is None:
         dataset, collate = BatchedTensors(dataset), _already_batched
     elif len(dataset):

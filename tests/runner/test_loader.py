@@ -28,3 +28,26 @@ def test_order_depends_on_seed_and_epoch_and_a_start_skips_exactly_that_many_sam
     a.set_epoch(3)
     assert list(a) != full
     assert [i for batch in EpochBatches(10, 4, seed=0, shuffle=False) for i in batch] == list(range(10))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_augmented_batches_resume_mid_epoch_exactly_with_or_without_workers(workers: int) -> None:
+    """Random augmentation keyed by (seed, epoch, index): a loader started mid-epoch (a resume) gives the
+    same augmented batches as the uninterrupted epoch, whichever worker reads them."""
+    import torch
+
+    from runner.data.images import AugmentedImages
+    from runner.data.transforms import image_transforms
+    from runner.loader import make_loader
+
+    images = torch.randint(0, 256, (40, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    data = AugmentedImages(images, torch.arange(40) % 4, image_transforms(True, (3, 16, 16), crop_padding=4, hflip=True))
+
+    def epoch(start: int) -> list:
+        loader = make_loader(data, 8, seed=5, shuffle=True, num_workers=workers, pin_memory=False)
+        loader.batch_sampler.set_epoch(1, start=start)
+        return [x for x, _ in loader]
+
+    full, resumed = epoch(0), epoch(16)
+    assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(full[2:], resumed))
+    assert not torch.equal(full[0], data[0][0].unsqueeze(0).expand_as(full[0]))  # really augmented
