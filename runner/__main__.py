@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import registry
-from runner.spec import OPTION_GROUPS, RunSpec, SpecError, check_option, did_you_mean
+from runner.spec import COMPONENT_GROUPS, OPTION_GROUPS, RunSpec, SpecError, check_option, did_you_mean
 
 CONFIG_NAME = "config"
 
@@ -166,7 +166,9 @@ def _parse(lines: list[str]) -> list[Any]:
 
 def _check_groups(overrides: list[Any]) -> None:
     """`precision=fp17`: the option check RunSpec.validate uses, before Hydra's multi-line error."""
-    groups = set(registry.groups())
+    # model and dataset options may also come from a user's hydra.searchpath: Hydra looks there, and its
+    # "could not find" becomes one line in preflight's compose
+    groups = set(registry.groups()) - set(COMPONENT_GROUPS)
     for o in overrides:
         if o.key_or_group not in groups or o.is_delete() or o.is_interval_sweep():
             continue
