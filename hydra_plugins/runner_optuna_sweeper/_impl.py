@@ -220,7 +220,7 @@ class OptunaSweeperImpl(Sweeper):
         if overlap:
             raise ValueError(f"parameters both fixed and searched: {sorted(overlap)}")
         overrides = [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
-        if self._is_runner():  # runner's jobs find their trial in the storage
+        if isinstance(self.config.get("trial"), DictConfig):  # runner's jobs find their trial in the storage
             overrides += [f"trial.storage={_quote(self.storage_url)}", f"trial.study_name={_quote(self.study.study_name)}",
                           f"trial.number={trial.number}"]
         return overrides

@@ -104,8 +104,8 @@ def test_the_study_config_reads_its_direction_from_the_objective() -> None:
     assert cfg.direction == "minimize" and cfg.study_name == "digits_optuna" and cfg.params.optimizer == "choice(sgd)"
 
 
-def test_storage_defaults_to_a_journal_file_under_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_storage_urls_are_absolute_so_every_job_opens_the_same_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert storage_url(None) == str(tmp_path / "outputs" / "optuna.journal")
+    assert storage_url("study.journal") == str(tmp_path / "study.journal")
     assert storage_url("sqlite:///s.db") == f"sqlite:///{tmp_path}/s.db"
     assert storage_url("postgresql://u:p@db/optuna") == "postgresql://u:p@db/optuna"

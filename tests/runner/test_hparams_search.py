@@ -115,6 +115,7 @@ def test_a_study_without_a_direction_takes_the_objectives(tmp_path: Path, direct
     assert load(journal, name).direction.name == direction.upper()
 
 
+@pytest.mark.slow
 def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = run_cli(["-m", "optimizer=sgd,adamw", "precision=fp32,bf16", "trainer.max_epochs=1", f"tracking.uri={uri}"],
