@@ -74,16 +74,23 @@ hydra:
 '''
 
 
-def timed_sweep(cmd: list[str], cwd: Path, sweep_dir: Path) -> tuple[float, float]:
-    """(wall seconds, seconds from the start to the first job's start). A job's start is when Hydra
-    writes its .hydra/config.yaml, before the task function runs."""
+def timed_sweep(cmd: list[str], cwd: Path, sweep_dir: Path) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, seconds from the start to the first job's start). A job's start is
+    when Hydra writes its .hydra/config.yaml, before the task function runs. CPU seconds count the
+    sweep process and the processes it waited for (with n_jobs > 1 not its trials): less sensitive
+    than wall time to other work on a shared machine."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     proc = subprocess.run([*cmd, f"hydra.sweep.dir={sweep_dir}"], cwd=cwd, capture_output=True, text=True)
     wall = time.time() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"bench-hpo: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     first = min(p.stat().st_mtime for p in sweep_dir.glob("*/.hydra/config.yaml"))
-    return wall, first - started
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu, first - started
 
 
 def overhead(repeat: int) -> None:
@@ -99,12 +106,13 @@ def overhead(repeat: int) -> None:
         for i in range(repeat):
             run = Path(tmp) / f"run{i}"
             run.mkdir()
-            wall, _ = timed_sweep(toy, run, run / "toy1")
+            wall, cpu, _ = timed_sweep(toy, run, run / "toy1")
             rows.setdefault("toy sweep, 20 trials, n_jobs=1: wall s", []).append(wall)
-            wall, first = timed_sweep([*toy, "hydra.sweeper.n_jobs=2"], run, run / "toy2")
+            rows.setdefault("toy sweep, 20 trials, n_jobs=1: CPU s", []).append(cpu)
+            wall, _, first = timed_sweep([*toy, "hydra.sweeper.n_jobs=2"], run, run / "toy2")
             rows.setdefault("toy sweep, 20 trials, n_jobs=2: wall s", []).append(wall)
             rows.setdefault("toy sweep, n_jobs=2: first trial after s", []).append(first)
-            _, first = timed_sweep(digits, run, run / "digits2")
+            _, _, first = timed_sweep(digits, run, run / "digits2")
             rows.setdefault("digits study, n_jobs=2: first trial after s", []).append(first)
             print(f"bench-hpo: round {i + 1} of {repeat} done", flush=True)
     print()
