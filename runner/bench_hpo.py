@@ -99,7 +99,8 @@ def after_last_trial(cwd: Path, sweep_dir: Path, ended: float) -> float:
     study is in the sweep dir; sweepers before `storage: null` meant that kept it in outputs/.)"""
     journal = sweep_dir / "optuna.journal"
     storage = open_storage(str(journal if journal.exists() else cwd / "outputs" / "optuna.journal"))
-    done = [t.datetime_complete.timestamp() for s in optuna.get_all_studies(storage) for t in s.get_trials(deepcopy=False)
+    done = [t.datetime_complete.timestamp() for name in optuna.get_all_study_names(storage)
+            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
             if t.datetime_complete is not None]
     return ended - max(done)
 
