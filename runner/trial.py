@@ -8,7 +8,10 @@ trial raises `optuna.TrialPruned`, which the engine ends as a FINISHED MLflow ru
 and the sweeper tells as PRUNED.
 
 The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
-the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it.
+the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it. The job
+writes its run directory into the trial's system attributes (`RUN_DIR_ATTR`): the run directory's
+`mlflow_run_id` file then names the trial's MLflow run, so a sweep can end the run of a trial whose
+process was killed, whichever process or machine ran it.
 """
 from __future__ import annotations
 
@@ -29,15 +32,13 @@ log = logging.getLogger(__name__)
 PARENT_RUN_ENV = "RUNNER_PARENT_RUN_ID"      # MLflow parent run of the sweep this job belongs to
 PRUNER_ATTR = "runner.pruner"                 # study user attr: the pruner's config (a _target_ dict)
 PARENT_RUN_ATTR = "runner.mlflow_parent_run"  # study user attr: the sweep's MLflow parent run id
-DEFAULT_STORAGE = "outputs/optuna.journal"
+RUN_DIR_ATTR = "runner.run_dir"               # trial system attr: the job's run directory
 _RDB_SCHEMES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql", "cockroachdb")
 
 
-def storage_url(storage: str | None) -> str:
-    """The storage as a string every process can open: None is the local journal file under
-    outputs/ (safe for several writers), a relative path or sqlite file becomes absolute."""
-    if storage is None or str(storage).strip() in ("", "null", "None"):
-        storage = DEFAULT_STORAGE
+def storage_url(storage: str | Path) -> str:
+    """The storage as a string every process can open: a relative journal path or sqlite file
+    becomes absolute. (The sweeper resolves `storage: null` to a journal in the sweep directory.)"""
     storage = str(storage)
     if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////") and ":memory:" not in storage:
         return "sqlite:///" + str(Path(storage[len("sqlite:///"):]).resolve())
@@ -105,6 +106,7 @@ def open_trial(spec: "RunSpec") -> TrialReporter | None:
     t = spec.trial
     if t.number is None or t.study_name is None:
         return None
+    _check_storage(spec)
     distributed, rank = _rank()
     metric = spec.objective.metric
     if rank != 0:
@@ -121,6 +123,7 @@ def open_trial(spec: "RunSpec") -> TrialReporter | None:
         log.warning("trial %d of study %r is %s, not RUNNING: this run will not report to it",
                     t.number, t.study_name, state.name)
         return TrialReporter(None, metric, False, distributed)
+    storage.set_trial_system_attr(trial_id, RUN_DIR_ATTR, str(Path(spec.run_dir).resolve()))
     pruner = study.user_attrs.get(PRUNER_ATTR)
     study.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
     return TrialReporter(optuna.trial.Trial(study, trial_id), metric, len(study.directions) > 1, distributed)
@@ -141,7 +144,16 @@ def parent_run_id(spec: "RunSpec") -> str | None:
     t = spec.trial
     if t.number is None or t.study_name is None or spec.tracking.name == "none":
         return None
+    _check_storage(spec)
     import optuna
 
     study = optuna.load_study(study_name=t.study_name, storage=open_storage(storage_url(t.storage)))
     return study.user_attrs.get(PARENT_RUN_ATTR)
+
+
+def _check_storage(spec: "RunSpec") -> None:
+    if spec.trial.storage is None:
+        from runner.spec import SpecError
+
+        raise SpecError(f"trial.storage: null, but trial.study_name={spec.trial.study_name!r} and trial.number="
+                        f"{spec.trial.number} are set; name the study's Optuna storage too (the sweeper sets all three)")

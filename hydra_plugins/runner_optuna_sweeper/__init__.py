@@ -1,7 +1,7 @@
 """runner's Optuna sweeper for Hydra: `python -m runner -m hparams_search=digits_optuna`.
 
 hydra-optuna-sweeper's config on current Optuna, plus pruning fed by the engine, parallel trial
-slots that refill as each trial ends, studies shared by several sweep processes and resumed by
-rerunning, failed and killed trials recorded rather than fatal, and an MLflow parent run per sweep.
-See config.py for the config, _impl.py for the study loop.
+slots that refill as each trial ends, studies resumed or shared by naming their storage, failed and
+killed trials recorded rather than fatal, and an MLflow parent run per sweep. See config.py for the
+config, _impl.py for the study loop, _study.py for which study a sweep runs.
 """

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import optuna
 from optuna.storages import BaseStorage
@@ -76,8 +76,10 @@ def heartbeat(storage: BaseStorage, trial_id: int, interval: int | None) -> Iter
         thread.join()
 
 
-def fail_stale_trials(study: optuna.Study, storage: BaseStorage, mine: set[int], grace: float, max_retry: int) -> None:
-    """FAIL (and retry) every running trial of another sweep that stopped beating `grace` seconds ago."""
+def fail_stale_trials(study: optuna.Study, storage: BaseStorage, mine: set[int], grace: float, max_retry: int,
+                      on_failed: Callable[[FrozenTrial], None]) -> None:
+    """FAIL (and retry) every running trial of another sweep that stopped beating `grace` seconds
+    ago; `on_failed` gets each (the report ends its MLflow run KILLED)."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         last = max(t.system_attrs.get(HEARTBEAT, 0.0), t.datetime_start.timestamp())  # a retry inherits old beats
         if t.number in mine or time.time() - last <= grace:
@@ -86,6 +88,8 @@ def fail_stale_trials(study: optuna.Study, storage: BaseStorage, mine: set[int],
             if storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
                 log.warning(f"trial {t.number} stopped beating {time.time() - last:.0f} s ago (its sweep was "
                             f"killed): FAIL{', retried' if max_retry else ''}")
-                retry(study, storage.get_trial(t._trial_id), max_retry)
+                failed = storage.get_trial(t._trial_id)
+                on_failed(failed)
+                retry(study, failed, max_retry)
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # another sweep process got there first

@@ -10,14 +10,28 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 
-def build_sampler(cfg: DictConfig, grid: Optional[dict[str, list]] = None, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
-    """The sampler from its config; null fields take Optuna's defaults. A resumed or shared study
-    offsets the seed by the trials already there, so it does not replay the first draws."""
+REMOVED_SAMPLERS = {  # hydra-optuna-sweeper offered them; the installed Optuna no longer has them
+    "optuna.samplers.MOTPESampler": "Optuna 4 removed MOTPESampler: use hydra/sweeper/sampler=tpe (TPESampler "
+                                    "handles several objectives) or hydra/sweeper/sampler=nsgaii",
+}
+
+
+def check_sampler(cfg: DictConfig) -> None:
+    target = str(OmegaConf.select(cfg, "_target_", default=""))
+    if target in REMOVED_SAMPLERS:
+        from runner.spec import SpecError
+
+        raise SpecError(f"hydra/sweeper/sampler: {REMOVED_SAMPLERS[target]}")
+
+
+def build_sampler(cfg: DictConfig, grid: Optional[dict[str, list]] = None, seed: Optional[int] = None) -> optuna.samplers.BaseSampler:
+    """The sampler from its config; null fields take Optuna's defaults. `seed` replaces the
+    configured one (see _study.seed_for: sweep processes sharing a study seed differently)."""
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if v is not None}
     cls = get_class(kwargs.pop("_target_"))
     kwargs.pop("_partial_", None)
-    if "seed" in kwargs:
-        kwargs["seed"] += seed_offset
+    if seed is not None:
+        kwargs["seed"] = seed
     if grid is not None:
         kwargs["search_space"] = grid
     kwargs = {k: instantiate(v) if isinstance(v, dict) and "_target_" in v else v for k, v in kwargs.items()}

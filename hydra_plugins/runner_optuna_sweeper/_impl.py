@@ -1,13 +1,17 @@
 """The study loop: ask a trial whenever a slot is free, launch its job, tell the outcome.
 
 - Slots refill as soon as any trial ends: no batch barrier (hydra-optuna-sweeper waits for a batch).
-- n_trials counts every trial of the study, so a rerun resumes and several sweep processes sharing
-  a storage and study run n_trials together. A retry replaces the trial it retries; a trial asked
-  past the budget by a racing process is marked `runner.surplus`, failed at once and not counted.
-- A trial that raises, diverges or returns NaN is FAIL and the sweep goes on, until more than
-  max_failure_rate x n_trials have failed. A pruned job raises optuna.TrialPruned: PRUNED.
+- n_trials counts every trial of the study, so a resumed study stops at n_trials in total and several
+  sweep processes sharing a storage and study run n_trials together. A retry replaces the trial it
+  retries; a trial asked past the budget by a racing process is marked `runner.surplus`, failed at
+  once and not counted.
+- A trial that raises, diverges or returns NaN is FAIL: the console gets one line, its job log the
+  traceback. The sweep goes on until more than max_failure_rate x n_trials have failed (0.0, the
+  default: the first failure stops it), and exits non-zero when every trial it ran failed. A pruned
+  job raises optuna.TrialPruned: PRUNED.
 - Heartbeats: the sweep writes each running trial's heartbeat into the storage; a trial whose sweep
   died stops beating and the next sweep on the study fails it (and retries it, max_retry).
+Which study, and the sampler's seed: _study.py. What is left behind: _study_report.py.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import optuna
@@ -29,15 +34,20 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
-from runner.trial import PARENT_RUN_ATTR, PRUNER_ATTR, open_storage, storage_url
+from runner.trial import PARENT_RUN_ATTR, PRUNER_ATTR
 
 from . import _bookkeeping as books
 from . import _slots
-from ._builders import build_pruner, build_sampler, pruner_config
+from ._builders import build_pruner, build_sampler, check_sampler, pruner_config
 from ._search_space import distribution_from_config, grid_values, parse_params, suggest
+from ._study import open_study, seed_for
 from ._study_report import StudyReport
 
 log = logging.getLogger(__name__)
+
+
+class SweepFailed(RuntimeError):
+    """The sweep stopped on failed trials (one line; each trial's traceback is in its job log)."""
 
 
 @dataclass
@@ -65,7 +75,8 @@ class OptunaSweeperImpl(Sweeper):
             get_method(settings.custom_search_space) if settings.custom_search_space else None)
         self.mine: set[int] = set()  # trial numbers this process is running
         self.first_beat: dict[int, float] = {}  # other sweeps' running trials: their heartbeat when first seen
-        self.last_error: Optional[BaseException] = None
+        self.last_error: Optional[str] = None  # "trial N: <one line>" of the last failed trial
+        self.ran: dict[int, TrialState] = {}  # trials this process ran, and how they ended
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -77,28 +88,33 @@ class OptunaSweeperImpl(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        check_sampler(self.s.sampler)
         self.space, self.fixed = self._search_space(arguments)
         self.directions = self._directions()
-        self.storage_url = storage_url(self.s.storage)
-        self.storage = open_storage(self.storage_url)
         pruner_cfg = pruner_config(self.s.pruner, self.config)
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
-        self.study = optuna.create_study(study_name=self.s.study_name, storage=self.storage, directions=self.directions,
-                                         pruner=build_pruner(pruner_cfg), load_if_exists=True)
-        self.study.set_user_attr(PRUNER_ATTR, pruner_cfg)
-        existing = len(self.study.get_trials(deepcopy=False))
-        self.study.sampler = build_sampler(self.s.sampler, grid, seed_offset=existing)
-        self.n_trials = min(self.s.n_trials, math.prod(len(v) for v in grid.values())) if grid else self.s.n_trials
         self.n_jobs = self._slot_count()
         self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
-        log.info(f"Study name: {self.study.study_name}  ({existing} trials already, {self.n_trials} in total)")
-        log.info(f"Storage: {self.storage_url}")
-        log.info(f"Sampler: {type(self.study.sampler).__name__}  Pruner: {pruner_cfg['_target_'].split('.')[-1]}")
-        log.info(f"Directions: {self.directions}  Slots: {self.n_jobs}")
-        if self.spawn:
+        if self.spawn:  # the fork server's imports overlap the study's and MLflow's setup
+            _slots.set_preload(self._preload())
             _slots.warm_up()
-        report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg)
-        report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        opened = open_study(self.s.storage, self.s.study_name, sweep_dir, self.directions, self.space,
+                            build_pruner(pruner_cfg))
+        self.study, self.storage_url = opened.study, opened.storage_url
+        self.storage = opened.storage
+        self.study.set_user_attr(PRUNER_ATTR, pruner_cfg)
+        seed, seed_note = seed_for(OmegaConf.select(self.s.sampler, "seed", default=None), opened.created)
+        self.study.sampler = build_sampler(self.s.sampler, grid, seed)
+        existing = len(self.study.get_trials(deepcopy=False))
+        self.n_trials = min(self.s.n_trials, math.prod(len(v) for v in grid.values())) if grid else self.s.n_trials
+        log.info(f"Study name: {self.study.study_name}  ({'new' if opened.created else f'resumed, {existing} trials already'}"
+                 f", {self.n_trials} in total)")
+        log.info(f"Storage: {self.storage_url}")
+        log.info(f"Sampler: {type(self.study.sampler).__name__} ({seed_note})  Pruner: {pruner_cfg['_target_'].split('.')[-1]}")
+        log.info(f"Directions: {self.directions}  Slots: {self.n_jobs}")
+        self.report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg, seed)
+        self.report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
         status = "FAILED"
         try:
             self._run()
@@ -107,7 +123,7 @@ class OptunaSweeperImpl(Sweeper):
             status = "KILLED"
             raise
         finally:
-            report.finish(status, self.n_trials)
+            self.report.finish(status)
 
     def _run(self) -> None:
         free = list(range(self.n_jobs))
@@ -117,7 +133,8 @@ class OptunaSweeperImpl(Sweeper):
             while True:
                 if self.s.heartbeat_interval:
                     books.fail_stale_trials(self.study, self.storage, self.mine,
-                                            self.s.grace_period or 2 * self.s.heartbeat_interval, self.s.max_retry)
+                                            self.s.grace_period or 2 * self.s.heartbeat_interval, self.s.max_retry,
+                                            on_failed=lambda t: self.report.trial_done(t, killed=True))
                 stop = self._too_many_failures()
                 while free and not stop and (trial := self._next_trial()) is not None:
                     slot = free.pop(0)
@@ -143,8 +160,11 @@ class OptunaSweeperImpl(Sweeper):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         if self._too_many_failures():
-            raise RuntimeError(f"{self._failed()} of the study's trials failed, more than max_failure_rate="
-                               f"{self.s.max_failure_rate} x n_trials={self.n_trials}; last error: {self.last_error!r}")
+            raise SweepFailed(f"{self._failed()} of this sweep's trials failed, more than max_failure_rate="
+                              f"{self.s.max_failure_rate} x n_trials={self.n_trials} allows (raise "
+                              f"hydra.sweeper.max_failure_rate to go on past failures); last: {self.last_error}")
+        if self.ran and all(state == TrialState.FAIL for state in self.ran.values()):
+            raise SweepFailed(f"all {len(self.ran)} trials this sweep ran failed; last: {self.last_error}")
 
     def _next_trial(self) -> Optional[optuna.Trial]:
         trials = self.study.get_trials(deepcopy=False)
@@ -174,12 +194,17 @@ class OptunaSweeperImpl(Sweeper):
             raise
         except (Exception, SystemExit) as e:  # noqa: BLE001 - a failed trial must not end the sweep
             killed = isinstance(e, _slots.JobDied) and e.killed
-            self.last_error = e
-            log.warning(f"trial {trial.number} failed: {type(e).__name__}: {e}")
+            where = f" (traceback in {e.job_log})" if getattr(e, "job_log", None) else ""
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            self.last_error = f"trial {trial.number}: {type(e).__name__}: {first_line}{where}"
+            log.warning(f"{self.last_error.replace(':', ' failed:', 1)}")
         finally:
             self._tell(trial, state, values)
+            self.ran[trial.number] = state
+            frozen = self.storage.get_trial(trial._trial_id)
+            self.report.trial_done(frozen, killed=killed)
             if killed:
-                books.retry(self.study, self.storage.get_trial(trial._trial_id), self.s.max_retry)
+                books.retry(self.study, frozen, self.s.max_retry)
             self.mine.discard(trial.number)
 
     # --- trials --------------------------------------------------------------------------------
@@ -232,7 +257,11 @@ class OptunaSweeperImpl(Sweeper):
         return False
 
     def _failed(self) -> int:
-        return sum(1 for t in books.counted(self.study.get_trials(deepcopy=False)) if t.state == TrialState.FAIL)
+        """Failed trials this process ran (as hydra-optuna-sweeper counts the failures of its own
+        jobs): a resumed study's old failures, or trials of a killed sweep failed here as stale,
+        do not stop a new sweep; a trial replaced by its retry does not count."""
+        trials = books.counted(self.study.get_trials(deepcopy=False))
+        return sum(1 for t in trials if t.state == TrialState.FAIL and t.number in self.ran)
 
     def _too_many_failures(self) -> bool:
         return self._failed() > self.s.max_failure_rate * self.n_trials
@@ -250,15 +279,30 @@ class OptunaSweeperImpl(Sweeper):
             space = {**old, **space}
         return space, fixed
 
+    def _is_runner(self) -> bool:
+        """Whether the task is runner's own (its jobs take trial.* overrides and report to the trial)."""
+        return isinstance(self.config.get("trial"), DictConfig) and isinstance(self.config.get("objective"), DictConfig)
+
     def _directions(self) -> list[str]:
-        d = self.s.direction  # unset: the run's objective.direction (runner), else Optuna's minimize
+        d = self.s.direction  # unset: runner's jobs say it in objective.direction; other apps minimize, as there
         if d is None:
-            d = OmegaConf.select(self.config, "objective.direction", default="minimize")
+            d = OmegaConf.select(self.config, "objective.direction", default=None) if self._is_runner() else None
+            d = d or "minimize"
         directions = list(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else [d]
         return [str(x.name if hasattr(x, "name") else x) for x in directions]
 
     def _is_grid(self) -> bool:
         return str(OmegaConf.select(self.s.sampler, "_target_", default="")).endswith("GridSampler")
+
+    def _preload(self) -> list[str]:
+        """What jobs import, for the fork server to import once: the app's own script, and for
+        runner's jobs the engine, Optuna, and MLflow when they track."""
+        modules = ["__main__"]
+        if self._is_runner():
+            modules += ["runner.launch", "runner.trial", "optuna"]
+            if OmegaConf.select(self.config, "tracking.name", default=None) == "mlflow":
+                modules += ["mlflow.tracking", "mlflow.entities"]
+        return modules
 
     def _slot_count(self) -> int:
         if self.s.n_jobs > 0:

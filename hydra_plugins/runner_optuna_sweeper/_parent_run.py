@@ -60,11 +60,6 @@ class ParentRun:
         os.environ[PARENT_RUN_ENV] = self.run_id
         return self.run_id
 
-    def children(self) -> list:
-        experiment = self.client.get_run(self.run_id).info.experiment_id
-        return self.client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{self.run_id}'",
-                                       max_results=50000)
-
     def log_artifact(self, path: Path) -> None:
         if path.exists():
             self.client.log_artifact(self.run_id, str(path))

@@ -2,8 +2,10 @@
 
     choice(a, b, c)                 CategoricalDistribution
     range(start, stop, step)        IntDistribution, or FloatDistribution with a step when any bound
-                                    or the step is a float; the stop is excluded, as in Hydra
-    shuffle(range(...))             CategoricalDistribution of the range's values
+                                    or the step is a float; the stop is INCLUDED when the steps reach
+                                    it (as hydra-optuna-sweeper reads it; Hydra's basic sweeper leaves
+                                    it out): range(1, 3) is {1, 2, 3}
+    shuffle(range(...))             CategoricalDistribution of the same values as range(...)
     interval(low, high)             FloatDistribution;   int(interval(...)): IntDistribution
     tag(log, interval(...))         the same on a log scale
     anything else                   a fixed value passed to every trial unchanged
@@ -28,22 +30,39 @@ def distribution_from_override(override: Override) -> BaseDistribution | str:
     if not override.is_sweep_override():
         return override.get_value_element_as_str()
     value = override.value()
-    if isinstance(value, ChoiceSweep) or (isinstance(value, RangeSweep) and value.shuffle):
+    if isinstance(value, ChoiceSweep):
         return CategoricalDistribution(_encoded_values(override))
     if isinstance(value, RangeSweep):
-        values = list(override.sweep_iterator())  # Hydra's own expansion: the stop is excluded
-        if not values:
-            raise ValueError(f"{override.input_line}: the range is empty")
-        low, high, step = min(values), max(values), abs(value.step)
-        if any(isinstance(v, float) for v in (value.start, value.stop, value.step)):
-            return FloatDistribution(float(low), float(high), step=float(step))
-        return IntDistribution(int(low), int(high), step=int(step))
+        low, high, step = _inclusive_range(override.input_line, value)
+        if value.shuffle:  # a shuffled order means nothing to a sampler: a choice over the same values
+            return CategoricalDistribution([low + i * step for i in range(int(round((high - low) / step)) + 1)])
+        if isinstance(step, float):
+            return FloatDistribution(low, high, step=step)
+        return IntDistribution(low, high, step=step)
     if isinstance(value, IntervalSweep):
         log = "log" in value.tags
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log)
         return FloatDistribution(float(value.start), float(value.end), log=log)
     raise ValueError(f"{override.input_line}: this kind of sweep is not supported by the Optuna sweeper")
+
+
+def _inclusive_range(text: str, r: RangeSweep) -> tuple[Any, Any, Any]:
+    """(low, high, step) of the values start, start + step, ... up to and including stop. Hydra's own
+    expansion stops before `stop`; hydra-optuna-sweeper hands start and stop to Optuna as the bounds,
+    so the stop is a possible value there, and users' configs rely on it."""
+    start, stop, step = r.start, r.stop, r.step
+    if step == 0:
+        raise ValueError(f"{text}: the step of a range cannot be 0")
+    if (stop - start) / step < 0:
+        raise ValueError(f"{text}: the range is empty (a step of {step} never goes from {start} to {stop})")
+    is_float = any(isinstance(v, float) for v in (start, stop, step))
+    n = int((stop - start) / step + 1e-9)  # whole steps that fit; the tolerance keeps 5.5 in range(-5.5, 5.5, 0.5)
+    last = start + n * step
+    low, high = min(start, last), max(start, last)
+    if is_float:  # rounded: -5.5 + 22 * 0.5 must read 5.5, not 5.500000000000001
+        return round(float(low), 12), round(float(high), 12), float(abs(step))
+    return int(low), int(high), int(abs(step))
 
 
 def _encoded_values(override: Override) -> list[Any]:
@@ -91,7 +110,8 @@ def grid_values(name: str, distribution: BaseDistribution) -> list[Any]:
         return list(distribution.choices)
     if isinstance(distribution, (IntDistribution, FloatDistribution)) and distribution.step is not None and not distribution.log:
         n = int(round((distribution.high - distribution.low) / distribution.step)) + 1
-        return [distribution.low + i * distribution.step for i in range(n)]
+        values = [distribution.low + i * distribution.step for i in range(n)]
+        return [round(v, 12) for v in values] if isinstance(distribution, FloatDistribution) else values
     raise ValueError(f"hydra.sweeper.params.{name}: the grid sampler needs discrete values "
                      f"(choice or range), not {type(distribution).__name__}")
 

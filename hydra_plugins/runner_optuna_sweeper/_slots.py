@@ -2,29 +2,41 @@
 
 With one slot the job goes through `launcher.launch` in this thread, like any Hydra sweep. With
 several slots and Hydra's basic launcher, each job runs `launcher.launch` in a process of its own
-(as hydra-joblib-launcher does), forked from a fork server that imported torch and the engine once:
-Hydra's job setup (the HydraConfig singleton, logging, the working directory) is process-global and
-cannot run twice at once in one process, and a process per trial isolates memory, CUDA state and
-crashes. Other launchers (submitit, joblib, ray) already run jobs elsewhere; each slot thread calls
-their `launch` with its one job. Each slot's process gets its share of the machine: its own GPU
-when there are several (CUDA_VISIBLE_DEVICES), cores / slots CPU threads.
+(as hydra-joblib-launcher does), forked from a fork server: Hydra's job setup (the HydraConfig
+singleton, logging, the working directory) is process-global and cannot run twice at once in one
+process, and a process per trial isolates memory, CUDA state and crashes. Other launchers (submitit,
+joblib, ray) already run jobs elsewhere; each slot thread calls their `launch` with its one job.
+
+Start-up cost: the fork server imports once what every job needs (the app's module, and for
+runner's own jobs the engine, Optuna and MLflow), so a trial starts as a fork, not as a fresh
+interpreter; it imports nothing the task does not use (a toy app's jobs never import torch).
+Each slot's process gets its share of the machine: its own GPU when there are several
+(CUDA_VISIBLE_DEVICES), cores / slots CPU threads.
+
+Trials die with their sweep: see _forkserver_guard and `die_with_parent`.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
+import time
+import traceback
+from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 
-# imported once by the fork server (torch, the engine, MLflow): a trial starts without re-importing
-# them; a module that is not installed is skipped
-_PRELOAD = ["runner.launch", "runner.trial", "optuna", "mlflow.tracking", "matplotlib"]
+SWEEP_PID_ENV = "RUNNER_SWEEP_PID"
+_GUARD = "hydra_plugins.runner_optuna_sweeper._forkserver_guard"
+_KILL_AFTER_S = 10.0  # an interrupted trial's grace to end its MLflow run KILLED before it is killed
 _live: set[multiprocessing.process.BaseProcess] = set()
+_preload: list[str] = []
 
 
 class JobDied(RuntimeError):
@@ -43,7 +55,7 @@ def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, sl
     import cloudpickle
 
     env = {**os.environ, **slot_env(slot, slots)}  # the sweep's environment now (the MLflow parent run id) + the slot's share
-    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env))
+    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env, os.getpid()))
     receiver, sender = _context().Pipe(duplex=False)
     process = _context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
     process.start()
@@ -65,10 +77,31 @@ def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, sl
 
 def _value(ret: JobReturn) -> Any:
     """The job's return value, or its exception raised here (JobReturn.return_value would also
-    print 'Error executing job' for every pruned trial)."""
+    print 'Error executing job' for every pruned trial). Runs where the job ran: a failure's
+    traceback goes into the job's own log file, and the exception carries that file's path."""
     if ret.status == JobStatus.COMPLETED:
         return ret.return_value
-    raise ret._return_value
+    error = ret._return_value
+    if type(error).__name__ != "TrialPruned":
+        try:
+            error.job_log = _log_traceback(ret, error)
+        except Exception:  # noqa: BLE001 - a log that cannot be written must not hide the job's error
+            pass
+    raise error
+
+
+def _log_traceback(ret: JobReturn, error: BaseException) -> str:
+    """Append the traceback to the job's log file (Hydra's job_logging file handler, else
+    <job dir>/<job name>.log); the sweep's console keeps one line per failed trial."""
+    job_dir = Path(str(ret.hydra_cfg.hydra.runtime.output_dir)).resolve()
+    path = job_dir / f"{ret.hydra_cfg.hydra.job.name}.log"
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == job_dir:
+            handler.flush()
+            path = Path(handler.baseFilename)
+    with open(path, "a") as f:
+        f.write("the job failed:\n" + "".join(traceback.format_exception(error)))
+    return str(path)
 
 
 def terminate_all() -> None:
@@ -91,29 +124,35 @@ def slot_env(slot: int, slots: int) -> dict[str, str]:
 
 
 def visible_gpus() -> list[str]:
+    """The GPUs jobs may use, without importing torch into the sweep (seconds, and a toy app's
+    sweep would pay them for nothing): CUDA_VISIBLE_DEVICES, else torch's count if the app already
+    imported it, else the NVIDIA driver's list of devices."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip()]
-    try:
-        import torch
+    if "torch" in sys.modules:
+        return [str(i) for i in range(sys.modules["torch"].cuda.device_count())]
+    driver = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(driver.iterdir())))] if driver.is_dir() else []
 
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
-        return []
+
+def set_preload(modules: list[str]) -> None:
+    """What the fork server imports before forking any job (see the module docstring)."""
+    _preload[:] = [_GUARD, __name__, "cloudpickle", "hydra.core.utils", *modules]
 
 
 def _context() -> Any:
-    """Jobs fork from a server process that imported the heavy modules once (not from this process,
-    whose threads and state a fork would copy), so a trial starts in well under a second."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD if "runner.spec" in sys.modules else [])  # runner's CLI, not another app
+    ctx.set_forkserver_preload(_preload or [_GUARD, __name__])
     return ctx
 
 
 def warm_up() -> None:
-    """Start the fork server now, so its imports overlap the sweep's own setup (the MLflow store)."""
+    """Start the fork server now, from the main thread (its death signal is tied to the thread that
+    starts it), so its imports overlap the sweep's own setup (the MLflow store)."""
     from multiprocessing import forkserver
 
+    os.environ[SWEEP_PID_ENV] = str(os.getpid())
     _context()
     forkserver.ensure_running()
 
@@ -121,8 +160,11 @@ def warm_up() -> None:
 def _run_in_child(payload: bytes, sender: Any) -> None:
     import cloudpickle
 
-    _exit_with_parent(os.getppid())
-    launcher, overrides, idx, singleton_state, env = cloudpickle.loads(payload)
+    launcher, overrides, idx, singleton_state, env, sweep_pid = cloudpickle.loads(payload)
+    # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: the engine
+    # ends its MLflow run KILLED. Not SIGINT itself: a sweep started in the background ignores it.
+    signal.signal(signal.SIGTERM, _interrupt)
+    die_with_parent(signal.SIGTERM, os.getppid(), sweep_pid)
     os.environ.clear()
     os.environ.update(env)  # before CUDA initializes: CUDA_VISIBLE_DEVICES picks this slot's GPU
     if "torch" in sys.modules:  # the fork server imported torch: its thread count is set, not read from env
@@ -144,14 +186,47 @@ def _run_in_child(payload: bytes, sender: Any) -> None:
     sender.close()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A sweep killed with SIGKILL cannot stop its jobs: its fork server exits, and each job, seeing
-    its parent gone, stops itself; the trial, no longer heartbeating, is failed (and retried) by the
-    next sweep on the study."""
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(137)
-            threading.Event().wait(1.0)
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}: the sweep is gone")
 
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+def die_with_parent(sig: int, parent_pid: int, sweep_pid: int | None = None) -> None:
+    """End this process when its parent (or the sweep) dies, even by SIGKILL.
+
+    Linux delivers `sig` the moment the parent dies (PR_SET_PDEATHSIG; a trial gets SIGTERM, which
+    it turns into KeyboardInterrupt). Elsewhere, and in case the signal is caught and ignored, a
+    thread watches both processes and, once one is gone, signals this process and kills it
+    _KILL_AFTER_S later."""
+    signalled = False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            signalled = ctypes.CDLL(None, use_errno=True).prctl(1, int(sig)) == 0  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the line above: no signal will come
+        os.kill(os.getpid(), sig)
+    if signalled and sig == signal.SIGKILL and sweep_pid is None:
+        return  # the kernel's SIGKILL cannot be caught: nothing to watch for
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:  # a killed process nobody has reaped yet still answers signal 0
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
+            return False
+
+    def watch() -> None:
+        while os.getppid() == parent_pid and not (sweep_pid and gone(sweep_pid)):
+            time.sleep(0.5)
+        os.kill(os.getpid(), sig)
+        time.sleep(_KILL_AFTER_S)
+        os._exit(137)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()

@@ -16,7 +16,9 @@ from omegaconf import MISSING
 @dataclass
 class SamplerConfig:
     _target_: str = MISSING
-    seed: Optional[int] = None  # with resumed or shared studies each sweep process offsets it by the trials already there
+    # the sweep process that creates the study uses this seed; one that resumes or joins a study adds a
+    # random per-process number to it, so processes sharing a study propose different trials
+    seed: Optional[int] = None
 
 
 @dataclass
@@ -65,6 +67,20 @@ class NSGAIISamplerConfig(SamplerConfig):
     crossover_prob: Optional[float] = None
     swapping_prob: Optional[float] = None
     constraints_func: Optional[Any] = None
+
+
+@dataclass
+class MOTPESamplerConfig(SamplerConfig):
+    """hydra-optuna-sweeper's `motpe`: Optuna 4 removed MOTPESampler; choosing it stops the sweep with
+    one line saying what to use instead (its old keys are accepted so that line is what users see)."""
+
+    _target_: str = "optuna.samplers.MOTPESampler"
+    consider_prior: Optional[bool] = None
+    prior_weight: Optional[float] = None
+    consider_magic_clip: Optional[bool] = None
+    consider_endpoints: Optional[bool] = None
+    n_startup_trials: Optional[int] = None
+    n_ehvi_candidates: Optional[int] = None
 
 
 @dataclass
@@ -146,18 +162,20 @@ class OptunaSweeperConf:
     _recursive_: bool = False  # the sweeper builds sampler and pruner itself (and sends the pruner's config to jobs)
     defaults: List[Any] = field(default_factory=lambda: [{"sampler": "tpe"}, {"pruner": "none"}])
 
-    sampler: SamplerConfig = MISSING  # hydra/sweeper/sampler: tpe, random, cmaes, nsgaii, grid, gp, qmc
+    sampler: SamplerConfig = MISSING  # hydra/sweeper/sampler: tpe, random, cmaes, nsgaii, grid, gp, qmc (motpe: gone)
     pruner: PrunerConfig = MISSING    # hydra/sweeper/pruner: none, median, percentile, successive_halving, hyperband
     direction: Any = None             # minimize | maximize, or a list for several objectives; null: the
-                                      # run's objective.direction (runner), else minimize
-    # Optuna storage: null is the journal file outputs/optuna.journal (safe for parallel slots and
-    # several sweep processes on one machine); a file path is a journal file; an RDB URL
-    # (postgresql://user:pass@host/db for many machines; sqlite:///x.db for one writer); redis://.
+                                      # run's objective.direction (runner's jobs), else minimize
+    # Optuna storage. null: a new study for this sweep, in the journal file <sweep dir>/optuna.journal
+    # (name that file here to resume the study). A named storage resumes (or joins) study_name: a
+    # file path is a journal file (safe for parallel slots and several sweep processes on one
+    # machine); an RDB URL (postgresql://user:pass@host/db for many machines; sqlite:///x.db for
+    # one writer); redis://.
     storage: Optional[str] = None
     study_name: Optional[str] = None  # name it to resume or share a study; null: a fresh random name
     n_trials: int = 20                # trials of the study in total, across resumed and shared sweeps
     n_jobs: int = 1                   # trials running at once; -1: one per GPU (else per CPU core)
-    max_failure_rate: float = 0.5     # stop once more than this share of n_trials has FAILED
+    max_failure_rate: float = 0.0     # stop once more than this share of n_trials has FAILED (0: at the first)
     params: Optional[Dict[str, Any]] = None  # key -> override grammar: choice, range, interval, tag(log, ...), int(...)
     search_space: Optional[Dict[str, Any]] = None  # hydra-optuna-sweeper 1.1's form, deprecated: use params
     custom_search_space: Optional[str] = None  # dotpath to fn(cfg: DictConfig, trial: optuna.Trial) -> None
@@ -168,7 +186,7 @@ class OptunaSweeperConf:
 
 _SAMPLERS = {"tpe": TPESamplerConfig, "random": RandomSamplerConfig, "cmaes": CmaEsSamplerConfig,
              "nsgaii": NSGAIISamplerConfig, "grid": GridSamplerConfig, "gp": GPSamplerConfig,
-             "qmc": QMCSamplerConfig}
+             "qmc": QMCSamplerConfig, "motpe": MOTPESamplerConfig}
 _PRUNERS = {"none": NopPrunerConfig, "median": MedianPrunerConfig, "percentile": PercentilePrunerConfig,
             "successive_halving": SuccessiveHalvingPrunerConfig, "hyperband": HyperbandPrunerConfig}
 

@@ -1,5 +1,6 @@
 """The Hydra Sweeper plugin class. Hydra imports this module on every start to find plugins, so the
 study loop (optuna, mlflow) is imported only when a sweep actually runs."""
+import sys
 from typing import Any, List, Optional
 
 from hydra.plugins.sweeper import Sweeper
@@ -24,4 +25,17 @@ class OptunaSweeper(Sweeper):
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> Any:
-        return self.sweeper.sweep(arguments)
+        """A sweep that cannot start (a bad config, a study that cannot be resumed as asked) exits 2,
+        one that stops on failed trials exits 1: one line each, as runner's CLI reports errors."""
+        from runner.spec import SpecError
+
+        from ._impl import SweepFailed
+
+        try:
+            return self.sweeper.sweep(arguments)
+        except SpecError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except SweepFailed as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)

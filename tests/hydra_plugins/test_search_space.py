@@ -22,10 +22,13 @@ def space(override: str):
 @pytest.mark.parametrize("override, expected", [
     ("x=choice(sgd, adam)", CategoricalDistribution(["sgd", "adam"])),
     ("x=choice(-5 ,0 ,5)", CategoricalDistribution([-5, 0, 5])),
-    ("x=range(1, 4)", IntDistribution(1, 3)),                      # Hydra's range excludes its stop
-    ("x=range(0, 10, step=3)", IntDistribution(0, 9, step=3)),
-    ("x=range(5, 0, -1)", IntDistribution(1, 5)),
-    ("x=range(-5.5, 5.5, step=0.5)", FloatDistribution(-5.5, 5.0, step=0.5)),
+    ("x=range(1, 3)", IntDistribution(1, 3)),                      # the stop is included, as hydra-optuna-sweeper reads it
+    ("x=range(4)", IntDistribution(0, 4)),
+    ("x=range(0, 10, step=3)", IntDistribution(0, 9, step=3)),     # 10 is not on the steps: 9 is the last value
+    ("x=range(5, 0, -1)", IntDistribution(0, 5)),
+    ("x=range(5, 0, -2)", IntDistribution(1, 5, step=2)),          # 5, 3, 1
+    ("x=range(-5.5, 5.5, step=0.5)", FloatDistribution(-5.5, 5.5, step=0.5)),
+    ("x=range(0, 1, step=0.1)", FloatDistribution(0.0, 1.0, step=0.1)),
     ("x=interval(0, 1)", FloatDistribution(0.0, 1.0)),
     ("x=int(interval(1, 10))", IntDistribution(1, 10)),
     ("x=tag(log, interval(1e-4, 1e-1))", FloatDistribution(1e-4, 1e-1, log=True)),
@@ -36,14 +39,26 @@ def test_overrides_become_distributions(override: str, expected: object) -> None
     assert space(override) == expected
 
 
+def test_range_values_reach_the_stop_with_every_sampler() -> None:
+    """range(1, 3) offers 3: a sampler over it draws 1, 2 and 3, and so does the grid."""
+    d = space("x=range(1, 3)")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = {study.ask({"x": d}).params["x"] for _ in range(60)}
+    assert drawn == {1, 2, 3}
+    floats = space("x=range(-5.5, 5.5, step=0.5)")
+    assert grid_values("x", floats)[-1] == 5.5 and len(grid_values("x", floats)) == 23
+    with pytest.raises(ValueError, match="the range is empty"):
+        space("x=range(3, 1)")
+
+
 def test_shuffled_range_is_a_choice_and_later_overrides_win() -> None:
-    assert sorted(space("x=shuffle(range(1, 4))").choices) == [1, 2, 3]
+    assert sorted(space("x=shuffle(range(1, 4))").choices) == [1, 2, 3, 4]
     found, fixed = parse_params(["lr=interval(0, 1)", "bs=choice(1, 2)", "lr=0.1"])
     assert found == {"bs": CategoricalDistribution([1, 2])} and fixed == {"lr": "0.1"}
 
 
 def test_grid_values_include_both_ends_of_the_distribution() -> None:
-    assert grid_values("x", space("x=range(-1, 1, step=0.5)")) == [-1.0, -0.5, 0.0, 0.5]
+    assert grid_values("x", space("x=range(-1, 1, step=0.5)")) == [-1.0, -0.5, 0.0, 0.5, 1.0]
     assert grid_values("x", space("x=range(0, 10, step=3)")) == [0, 3, 6, 9]
     with pytest.raises(ValueError, match="grid sampler needs discrete values"):
         grid_values("x", space("x=interval(0, 1)"))
@@ -89,8 +104,8 @@ def test_the_study_config_reads_its_direction_from_the_objective() -> None:
     assert cfg.direction == "minimize" and cfg.study_name == "digits_optuna" and cfg.params.optimizer == "choice(sgd)"
 
 
-def test_storage_defaults_to_a_journal_file_under_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_storage_urls_are_absolute_so_every_job_opens_the_same_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert storage_url(None) == str(tmp_path / "outputs" / "optuna.journal")
+    assert storage_url("study.journal") == str(tmp_path / "study.journal")
     assert storage_url("sqlite:///s.db") == f"sqlite:///{tmp_path}/s.db"
     assert storage_url("postgresql://u:p@db/optuna") == "postgresql://u:p@db/optuna"

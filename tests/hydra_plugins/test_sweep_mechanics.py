@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -95,22 +97,89 @@ def test_slots_refill_as_trials_end_and_a_killed_job_is_retried(app: Path) -> No
     assert len(pids) == 4  # a process per job
 
 
-def test_failed_and_nan_trials_fail_and_the_sweep_goes_on(app: Path) -> None:
+def test_failed_and_nan_trials_fail_and_the_sweep_goes_on_up_to_max_failure_rate(app: Path) -> None:
     args = ["hydra/sweeper/sampler=grid", "x=choice(1, fail, nanvalue)"]
     sweep(app, *args, "hydra.sweeper.max_failure_rate=0.7")
     assert sorted(states(app)) == ["COMPLETE", "FAIL", "FAIL"]
-    proc = sweep(app, *args, "hydra.sweeper.study_name=strict", "hydra.sweeper.max_failure_rate=0", check=False)
-    assert proc.returncode != 0 and "max_failure_rate=0" in proc.stderr
+    # the default, as in hydra-optuna-sweeper, is 0.0: the first failure stops the sweep, non-zero
+    proc = sweep(app, *args, "hydra.sweeper.study_name=strict", check=False)
+    assert proc.returncode == 1 and "max_failure_rate=0.0" in proc.stderr
     assert states(app, "strict").count("FAIL") == 1
 
 
-def test_rerunning_resumes_the_study_up_to_n_trials_in_total(app: Path) -> None:
-    sweep(app, "hydra.sweeper.n_trials=2")
-    sweep(app, "hydra.sweeper.n_trials=2")
+def test_a_failed_trial_is_one_console_line_and_its_traceback_is_in_its_job_log(app: Path) -> None:
+    proc = sweep(app, "hydra.sweeper.n_trials=1", "x=fail", check=False)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in console
+    (failed,) = [line for line in console.splitlines() if "trial 0 failed" in line]
+    assert "RuntimeError: this trial fails" in failed
+    (job_log,) = app.glob("multirun/*/*/0/app.log")
+    assert failed.endswith(f"(traceback in {job_log})")
+    text = job_log.read_text()
+    assert "Traceback (most recent call last)" in text and 'raise RuntimeError("this trial fails")' in text
+
+
+def test_a_sweep_in_which_every_trial_failed_exits_non_zero(app: Path) -> None:
+    proc = sweep(app, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=1.0",
+                 "x=fail", check=False)
+    assert states(app) == ["FAIL", "FAIL"]
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: all 2 trials this sweep ran failed")
+    (job_log,) = app.glob("multirun/*/*/1/app.log")  # in a slot process too, the traceback reaches the job log
+    assert "RuntimeError: this trial fails" in job_log.read_text()
+
+
+def test_a_named_storage_resumes_the_study_up_to_n_trials_in_total(app: Path) -> None:
+    sweep(app, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=3", "x=interval(0.0, 100.0)")
+    sweep(app, "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=3", "x=interval(0.0, 100.0)")
     assert states(app) == ["COMPLETE"] * 2
-    sweep(app, "hydra.sweeper.n_trials=3")
-    assert states(app) == ["COMPLETE"] * 3
-    assert len({t.params["x"] for t in trials(app)}) == 3  # the resumed sampler does not replay the first draws
+    sweep(app, "hydra.sweeper.n_trials=4", "hydra.sweeper.sampler.seed=3", "x=interval(0.0, 100.0)")
+    assert states(app) == ["COMPLETE"] * 4
+    assert len({t.params["x"] for t in trials(app)}) == 4  # the resumed sampler does not replay the first draws
+
+
+@pytest.mark.parametrize("change, message", [
+    (["x=interval(0.0, 100.0)"], "error: hydra.sweeper.params: the search space differs from study 'mechanics' in {storage}: "
+                             "x was int [0, 100], is now float [0, 100]; resume it with its own search space, or start "
+                             "a new study (another study_name)"),
+    (["y=choice(1, 2)"], "error: hydra.sweeper.params: the search space differs from study 'mechanics' in {storage}: "
+                         "y is new; resume it with its own search space, or start a new study (another study_name)"),
+    (["hydra.sweeper.direction=maximize"], "error: hydra.sweeper.direction: study 'mechanics' in {storage} was created "
+                                           "to minimize, this sweep asks to maximize; resume it with its own direction, "
+                                           "or start a new study (another study_name)"),
+])
+def test_a_resume_that_changes_the_search_space_or_direction_stops_with_one_line(app: Path, change: list, message: str) -> None:
+    sweep(app, "hydra.sweeper.n_trials=1")
+    proc = sweep(app, "hydra.sweeper.n_trials=2", *change, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [message.format(storage=app / "study.journal")]
+    assert states(app) == ["COMPLETE"]  # nothing ran
+
+
+def test_storage_null_runs_a_new_study_at_every_rerun(app: Path) -> None:
+    """hydra-optuna-sweeper's `storage: null` is a new (in-memory) study per sweep: rerunning a
+    command runs n_trials again, even under the same study_name."""
+    for _ in range(2):
+        sweep(app, "hydra.sweeper.storage=null", "hydra.sweeper.n_trials=2")
+    journals = sorted(app.glob("multirun/*/*/optuna.journal"))
+    assert len(journals) == 2
+    for journal in journals:
+        study = optuna.load_study(study_name="mechanics", storage=open_storage(str(journal)))
+        assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+        results = yaml.safe_load((journal.parent / "optimization_results.yaml").read_text())
+        assert results["best_value"] == min(t.value for t in study.trials) and results["storage"] == str(journal)
+    # a rerun into the same sweep directory would mix two sweeps' jobs: it stops, and says how to resume
+    fixed = ["hydra.sweeper.storage=null", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={app}/fixed"]
+    sweep(app, *fixed)
+    proc = sweep(app, *fixed, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: hydra.sweeper.storage: null starts a new study, but this sweep directory ({app}/fixed) already holds "
+        f"study 'mechanics' of an earlier sweep; to resume it set hydra.sweeper.storage={app}/fixed/optuna.journal, "
+        "else give the sweep a new hydra.sweep.dir"]
+
+
+def test_an_app_that_sets_no_direction_minimizes(app: Path) -> None:
+    sweep(app, "hydra.sweeper.n_trials=1")
+    assert optuna.load_study(study_name="mechanics", storage=open_storage(str(app / "study.journal"))).direction.name == "MINIMIZE"
 
 
 def test_two_sweep_processes_share_one_study(app: Path) -> None:
@@ -123,6 +192,92 @@ def test_two_sweep_processes_share_one_study(app: Path) -> None:
     ran = sorted(int(p.name.split("-")[0]) for p in (app / "marks").glob("*-*"))
     assert ran == [t.number for t in run]  # every trial ran exactly once
     assert len({p.name.split("-")[1] for p in (app / "marks").glob("*-*")}) == 2  # both sweeps took trials
+
+
+# Runs app.py with Study.ask held back until both sweep processes reach their first ask: both have
+# set up their samplers by then, as when two sweeps are started at the same moment.
+BARRIER = '''
+import os, runpy, sys, time
+from pathlib import Path
+import optuna
+
+ask = optuna.Study.ask
+
+
+def ask_together(self, *args, **kwargs):
+    Path(f"ready-{os.getpid()}").touch()
+    while len(list(Path(".").glob("ready-*"))) < 2:
+        time.sleep(0.05)
+    return ask(self, *args, **kwargs)
+
+
+optuna.Study.ask = ask_together
+sys.argv = ["app.py", *sys.argv[1:]]
+runpy.run_path("app.py", run_name="__main__")
+'''
+
+
+def test_sweep_processes_sharing_a_study_propose_different_trials(app: Path) -> None:
+    """Both processes configure seed 0; the one that joins the study the other created adds its own
+    random number to it."""
+    (app / "barrier.py").write_text(BARRIER)
+    cmd = [sys.executable, "barrier.py", "-m", "hydra.sweeper.n_trials=8", "hydra/sweeper/sampler=random",
+           "hydra.sweeper.sampler.seed=0", "x=interval(0.0, 1.0)", "sleep=0.2"]
+    procs = [subprocess.Popen(cmd, cwd=app, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outputs]
+    run = [t for t in trials(app) if t.state == TrialState.COMPLETE]
+    assert len(run) == 8 and len({t.params["x"] for t in run}) == 8  # no parameter set twice
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below pid, read from /proc (the sweep's fork server, its trials, their children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_trials_die_with_their_sweep_when_it_is_killed(app: Path) -> None:
+    (app / "marks").mkdir()
+    (app / "marks" / "hang").touch()
+    proc = subprocess.Popen([sys.executable, "app.py", "-m", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=4"],
+                            cwd=app, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while len(list((app / "marks").glob("*-*"))) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        trial_pids = {int(p.name.split("-")[1]) for p in (app / "marks").glob("*-*")}
+        assert len(trial_pids) == 2
+        below = descendants(proc.pid)
+        assert trial_pids <= below
+        proc.kill()  # SIGKILL, to the sweep process alone: it can clean nothing up
+        proc.wait()
+        deadline = time.time() + 8
+        while any(alive(p) for p in below) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in below if alive(p)]  # fork server and trials are gone, the hang notwithstanding
+    finally:
+        (app / "marks" / "hang").unlink()
+        for pid in descendants(proc.pid) if proc.poll() is None else ():
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_killed_sweep_leaves_a_stale_trial_that_the_next_sweep_fails_and_retries(app: Path) -> None:

@@ -1,18 +1,23 @@
-"""`python -m runner -m hparams_search=...`: trials that report, get pruned, fail and run in parallel,
-read back from the Optuna study and from MLflow (parent run, child per trial)."""
+"""`python -m runner -m hparams_search=...`: trials that report, get pruned, fail, run in parallel and
+die with their sweep, read back from the Optuna study and from MLflow (parent run, child per trial)."""
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from runner.trial import open_storage
+from runner.trial import RUN_DIR_ATTR, open_storage
 from tests.conftest import run_cli
 
 
-def study_trials(cwd: Path, name: str = "digits_optuna") -> list[optuna.trial.FrozenTrial]:
-    return optuna.load_study(study_name=name, storage=open_storage(str(cwd / "outputs" / "optuna.journal"))).trials
+def load(journal: Path, name: str = "digits_optuna") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=open_storage(str(journal)))
 
 
 def runs(uri: str) -> tuple:
@@ -24,48 +29,65 @@ def runs(uri: str) -> tuple:
     return client, parents, children
 
 
+def run_of(trial: optuna.trial.FrozenTrial) -> str:
+    """A trial's MLflow run id: its job wrote its run directory into the trial."""
+    return (Path(trial.system_attrs[RUN_DIR_ATTR]) / "mlflow_run_id").read_text().strip()
+
+
+@pytest.mark.slow
 def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    # grid order with seed 1: lr 0.05 (learns), lr 1e6 (diverges: FAIL), lr 1e-5 (behind the median: PRUNED)
-    args = ["-m", "hparams_search=digits_optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.sampler.seed=1",
-            "hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1",
+    uri, journal = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "study.journal"
+    # the order matters to the pruner, so it is fixed: enqueued trials run first, in order
+    study = optuna.create_study(study_name="digits_optuna", storage=open_storage(str(journal)), direction="maximize")
+    for lr in (0.05, 1e6, 1e-5):  # learns; diverges (FAIL); behind the first at epoch 1 (PRUNED)
+        study.enqueue_trial({"optimizer.lr": lr})
+    args = ["-m", "hparams_search=digits_optuna", f"hydra.sweeper.storage={journal}", "hydra.sweeper.n_trials=3",
+            "hydra.sweeper.max_failure_rate=0.5", "hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1",
             "optimizer=sgd", "optimizer.lr=choice(0.05, 0.00001, 1000000.0)", "optimizer.weight_decay=0",
             "scheduler=constant", "dataset.batch_size=64", "trainer.max_epochs=3", f"tracking.uri={uri}"]
     proc = run_cli(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = study_trials(tmp_path)
+    trials = load(journal).trials
     assert [(t.params["optimizer.lr"], t.state) for t in trials] == [
         (0.05, TrialState.COMPLETE), (1e6, TrialState.FAIL), (1e-5, TrialState.PRUNED)]
     assert list(trials[2].intermediate_values) == [1]  # stopped at its first evaluation
+    assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
+    assert "FloatingPointError" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "__main__.log").read_text()
     (results_file,) = tmp_path.glob("outputs/multiruns/*/*/optimization_results.yaml")
     results = yaml.safe_load(results_file.read_text())
     assert results["best_params"]["optimizer.lr"] == 0.05 and results["best_value"] == trials[0].value
+    assert results["trials"] == {"COMPLETE": 1, "PRUNED": 1, "FAIL": 1}
 
     client, (parent,), children = runs(uri)
     assert parent.info.status == "FINISHED" and parent.info.run_name == "digits_optuna"
     assert parent.data.params["search_space.optimizer.lr"] == "choice(0.05, 1e-05, 1000000.0)"
-    assert parent.data.params["sampler"] == "GridSampler(seed=1)" and parent.data.params["pruner"].startswith("MedianPruner(")
-    assert parent.data.tags["best_trial"] == "0" and parent.data.metrics["trials_pruned"] == 1
-    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"optimization_history.png", "optimization_results.yaml"} <= artifacts
+    assert parent.data.params["pruner"].startswith("MedianPruner(")
+    assert parent.data.tags["best_trial"] == "0" and parent.data.metrics["best_value"] == trials[0].value
+    assert (parent.data.metrics["trials_complete"], parent.data.metrics["trials_pruned"], parent.data.metrics["trials_fail"]) == (1, 1, 1)
+    assert [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "trial_value")] == [(0, trials[0].value)]
+    assert "optimization_results.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
+    assert {n: run_of(t) for n, t in enumerate(trials)} == {n: r.info.run_id for n, r in by_trial.items()}
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
     assert [(by_trial[n].info.status, by_trial[n].data.tags["optuna.state"]) for n in range(3)] == [
         ("FINISHED", "COMPLETE"), ("FAILED", "FAIL"), ("FINISHED", "PRUNED")]
-    assert by_trial[2].data.tags["pruned"] == "true" and by_trial[0].data.tags["optuna.best"] == "true"
+    assert by_trial[2].data.tags["pruned"] == "true"  # the engine's mark; the sweeper agrees: optuna.state PRUNED
+    assert [by_trial[n].data.tags["optuna.best"] for n in range(3)] == ["true", "false", "false"]
 
-    again = run_cli(args, cwd=tmp_path)  # the same command resumes: the grid is done, nothing new runs
+    again = run_cli(args, cwd=tmp_path)  # the same command resumes: n_trials are done, nothing new runs
     assert again.returncode == 0, again.stderr[-3000:]
-    assert len(study_trials(tmp_path)) == 3
+    assert len(load(journal).trials) == 3
     _, (parent_again,), children_again = runs(uri)
     assert parent_again.info.run_id == parent.info.run_id and len(children_again) == 3
 
 
+@pytest.mark.slow
 def test_two_parallel_slots_on_the_default_stores_lose_no_trial_and_no_metric(tmp_path: Path) -> None:
     proc = run_cli(["-m", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
                     "hydra/sweeper/pruner=none", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = {t.number: t for t in study_trials(tmp_path)}
+    (journal,) = tmp_path.glob("outputs/multiruns/*/*/optuna.journal")  # storage: null, a new study in the sweep dir
+    trials = {t.number: t for t in load(journal).trials}
     assert [t.state for t in trials.values()] == [TrialState.COMPLETE] * 4
     assert trials[1].datetime_start < trials[0].datetime_complete  # two slots ran at once
 
@@ -81,6 +103,19 @@ def test_two_parallel_slots_on_the_default_stores_lose_no_trial_and_no_metric(tm
         assert run.info.status == "FINISHED" and "test/acc" in run.data.metrics
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_a_study_without_a_direction_takes_the_objectives(tmp_path: Path, direction: str) -> None:
+    proc = run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "optimizer.lr=interval(0.01, 0.1)",
+                    "objective.metric=val/loss", f"objective.direction={direction}", "trainer.max_epochs=1",
+                    "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (journal,) = tmp_path.glob("outputs/multiruns/*/*/optuna.journal")
+    (name,) = [s.study_name for s in optuna.get_all_study_summaries(open_storage(str(journal)))]
+    assert load(journal, name).direction.name == direction.upper()
+
+
+@pytest.mark.slow
 def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = run_cli(["-m", "optimizer=sgd,adamw", "precision=fp32,bf16", "trainer.max_epochs=1", f"tracking.uri={uri}"],
@@ -91,3 +126,63 @@ def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) ->
     assert sorted(r.info.run_name for r in children) == ["adamw,bf16,max_epochs=1", "adamw,fp32,max_epochs=1",
                                                          "sgd,bf16,max_epochs=1", "sgd,fp32,max_epochs=1"]
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except OSError:
+            continue
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree(tmp_path: Path) -> None:
+    """SIGKILL of a 2-slot sweep: its trials stop (no FINISHED MLflow run appears later), and the
+    next sweep on the study fails them, their MLflow runs ended KILLED, not FINISHED."""
+    uri, journal = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "study.journal"
+    args = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_optuna", f"hydra.sweeper.storage={journal}",
+            "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.heartbeat_interval=1",
+            "hydra/sweeper/pruner=none", "trainer.max_epochs=1000", f"tracking.uri={uri}"]
+    sweep = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 240
+        while len(list(tmp_path.glob("outputs/multiruns/*/*/*/mlflow_run_id"))) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        assert len(list(tmp_path.glob("outputs/multiruns/*/*/*/mlflow_run_id"))) == 2, "the trials never started"
+        below = _descendants(sweep.pid)
+        sweep.kill()
+        sweep.wait()
+        deadline = time.time() + 30
+        while any(_alive(p) for p in below) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in below if _alive(p)], "trial processes outlived their sweep"
+    finally:
+        for pid in _descendants(sweep.pid) if sweep.poll() is None else ():
+            os.kill(pid, 9)
+    assert [t.state for t in load(journal).trials] == [TrialState.RUNNING] * 2  # the sweep told nothing
+
+    again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trials = load(journal).trials
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2  # stale: failed by the next sweep, which ran nothing new
+    client = MlflowClient(uri)
+    for t in trials:
+        run = client.get_run(run_of(t))
+        assert run.info.status == "KILLED" and run.data.tags["optuna.state"] == "FAIL"
