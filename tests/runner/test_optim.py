@@ -29,20 +29,6 @@ def tiny_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def train(optimizer: torch.optim.Optimizer, model: nn.Module, steps: int) -> list[float]:
-    """Full-batch steps on a fixed random problem; the loss before each step."""
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def round_trip(state: dict) -> dict:
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -204,7 +190,7 @@ def test_nesterov_needs_momentum():
 def test_kernels_compute_the_same_update(name):
     models = [tiny_model() for _ in range(2)]
     for impl, model in zip(("auto", "for_loop"), models):
-        train(build_optimizer(spec_of(name, impl=impl, weight_decay=0.01), model, CPU), model, 3)
+        learn(build_optimizer(spec_of(name, impl=impl, weight_decay=0.01), model, CPU), model, 3)
     for a, b in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(a, b)
 
@@ -214,11 +200,11 @@ def test_state_dict_round_trips_through_a_weights_only_load(name):
     spec = spec_of(name, weight_decay=0.01)
     model = tiny_model()
     optimizer = build_optimizer(spec, model, CPU)
-    train(optimizer, model, 3)
+    learn(optimizer, model, 3)
     resumed_model = copy.deepcopy(model)
     resumed = build_optimizer(spec, resumed_model, CPU)
     resumed.load_state_dict(round_trip(optimizer.state_dict()))
     # Resuming continues exactly as if never stopped.
-    assert train(resumed, resumed_model, 3) == train(optimizer, model, 3)
+    assert learn(resumed, resumed_model, 3) == learn(optimizer, model, 3)
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
