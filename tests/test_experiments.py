@@ -18,8 +18,10 @@ def best(stdout: str, metric: str) -> float:
 
 def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> None:
     _write_cifar(tmp_path / "data", per_batch=40)
+    # with mixup and cutmix on: soft labels through the classification loss (evaluation stays hard-labelled)
     proc = run_cli(["experiment=cifar10_resnet", f"dataset.root={tmp_path / 'data'}", "precision=fp32",
-                    "dataset.batch_size=32", "dataset.num_workers=0", "trainer.max_epochs=1", "tracking=none"], tmp_path)
+                    "dataset.batch_size=32", "dataset.num_workers=0", "dataset.mixup_alpha=0.2", "dataset.cutmix_alpha=1.0",
+                    "trainer.max_epochs=1", "tracking=none"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
     assert "label_smoothing: 0.1" in spec and "nesterov: true" in spec and "name: onecycle" in spec

@@ -60,14 +60,19 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
-def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_like_one_process(tmp_path: Path, user_path) -> None:
+def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_and_fsdp_like_one_process(tmp_path: Path, user_path) -> None:
     common = [SEARCH, *LM, "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_epochs=1", "tracking=none"]  # sgd: see above
     single = run_cli([*common, "dataset.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"], tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
     two = run_cli([*common, "dataset.batch_size=4", "parallelism=ddp", "parallelism.nproc_per_node=2",
                    f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
-    a, b = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "two"))
+    fsdp = run_cli([*common, "dataset.batch_size=4", "parallelism=fsdp", "parallelism.nproc_per_node=2", "+accum=1",
+                    f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=300)
+    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
+    a, b, c = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "two", "fsdp"))
+    for key in a:
+        torch.testing.assert_close(c[key], a[key], rtol=1e-5, atol=1e-5 * a[key].abs().max().item())
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-5 * a[key].abs().max().item())
     assert "_target_: tests.user_pkg.tokens.build" in (tmp_path / "one" / "spec.yaml").read_text()
@@ -86,3 +91,19 @@ def test_a_users_classifier_resumes_in_place_and_sweeps(tmp_path: Path, user_pat
     assert sweep.returncode == 0, sweep.stderr[-2000:]
     specs = sorted((tmp_path / "sweep").glob("*/spec.yaml"))
     assert [("width: 16" in s.read_text(), "width: 32" in s.read_text()) for s in specs] == [(True, False), (False, True)]
+
+
+def test_regression_learns_with_mse_reports_mae_and_accumulates_exactly(tmp_path: Path) -> None:
+    """num_classes doubles as the output width for the mlp; the loss is MSE per sample, so micro-batches
+    of unequal size (a ragged last one) still give the mean over the step's samples."""
+    common = ["task=regression", "dataset=linear_targets", "model.hidden=[16]", "optimizer=sgd", "optimizer.lr=0.05",
+              "trainer.max_epochs=3", "trainer.progress_bar=off"]
+    big = Engine(compose([*common, "dataset.batch_size=30"], tmp_path / "big"))
+    result = big.fit()
+    small = Engine(compose([*common, "dataset.batch_size=10", "+accum=3"], tmp_path / "small"))
+    small.fit()
+    for key, value in weights(big).items():
+        torch.testing.assert_close(weights(small)[key], value, rtol=1e-5, atol=1e-5 * value.abs().max().item())
+    history = big.monitor.history
+    assert set(result.final) == {"test/loss", "test/mae"} and history["val/loss"][-1][1] < history["val/loss"][0][1]
+    assert big.spec.objective.metric == "val/loss" and result.objective == min(v for _, v in history["val/loss"])
