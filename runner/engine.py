@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from runner import checkpoint, components, finetune, parallel, tasks
-from runner.loader import make_loader, optimizer_steps
+from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
 from runner.parallel import DistEnv
@@ -80,9 +80,10 @@ class Engine:
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
                            rank=self.env.rank, world=self.env.world, collate=data.collate)
-        self.train_loader = make_loader(data.train, spec.dataset.batch_size, shuffle=True, **loader_args)
-        self.eval_loaders = {split: make_loader(getattr(data, split), spec.dataset.batch_size, shuffle=False, **loader_args)
-                             for split in ("val", "test")}
+        self.train_loader = make_loader(on_device(data.train, self.device), spec.dataset.batch_size, shuffle=True,
+                                        **loader_args)
+        self.eval_loaders = {split: make_loader(on_device(getattr(data, split), self.device), spec.dataset.batch_size,
+                                                shuffle=False, **loader_args) for split in ("val", "test")}
         self.accum = spec.accumulation.steps
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch

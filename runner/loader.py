@@ -75,7 +75,8 @@ class BatchedTensors(Dataset):
         return tuple(t[index] for t in self.tensors)
 
     def __getitems__(self, indices: list[int]) -> tuple:
-        index = torch.as_tensor(indices, dtype=torch.long)  # may be empty: a rank's share of the last batch
+        # may be empty: a rank's share of the last batch; on the tensors' device (a GPU-resident dataset)
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.tensors[0].device)
         return tuple(t[index] for t in self.tensors)
 
 
@@ -99,8 +100,24 @@ class Collate:
         return ignored(self.collate([self.dataset[0]]))
 
 
+def on_device(dataset: Dataset, device: torch.device, budget: float = 0.25) -> Dataset:
+    """A small tensor dataset moved onto the accelerator once, when it takes at most `budget` of its
+    free memory: batches are then gathered there, with no host-to-device copy per step."""
+    if device.type != "cuda" or not isinstance(dataset, TensorDataset) or not fits(dataset, device, budget):
+        return dataset
+    return TensorDataset(*(t.to(device) for t in dataset.tensors))
+
+
+def fits(dataset: TensorDataset, device: torch.device, budget: float) -> bool:
+    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    return size <= budget * free
+
+
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
                 pin_memory: bool, rank: int = 0, world: int = 1, collate: Callable | None = None) -> DataLoader:
+    if isinstance(dataset, TensorDataset) and dataset.tensors and dataset.tensors[0].is_cuda:
+        num_workers, pin_memory = 0, False  # already on the device: gathered in this process
     batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world,
                            keyed=bool(getattr(dataset, "takes_sample_seeds", False)))
     if isinstance(dataset, TensorDataset) and collate is None:

@@ -51,3 +51,16 @@ def test_augmented_batches_resume_mid_epoch_exactly_with_or_without_workers(work
     full, resumed = epoch(0), epoch(16)
     assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(full[2:], resumed))
     assert not torch.equal(full[0], data[0][0].unsqueeze(0).expand_as(full[0]))  # really augmented
+
+
+def test_a_small_tensor_dataset_lives_on_the_gpu_only_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from runner import loader
+
+    data = TensorDataset(torch.zeros(100, 10), torch.zeros(100, dtype=torch.long))  # 4000 + 800 bytes
+    assert loader.on_device(data, torch.device("cpu")) is data  # the CPU: nothing to move
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10_000, 80_000))
+    assert not loader.fits(data, torch.device("cuda"), budget=0.25)  # 4800 > 2500
+    assert loader.fits(data, torch.device("cuda"), budget=0.5)
