@@ -52,7 +52,12 @@ class EpochBatches(Sampler[list[int]]):
             yield [(i, self._sample_seed(i)) for i in part] if self.keyed else part
 
     def _sample_seed(self, index: int) -> int:
-        return ((self.seed * 1_000_003 + self.epoch) * 2**32 + index) % 2**63
+        # splitmix64's finaliser: every input bit reaches the low 32 bits, the only ones torch's CPU
+        # generator (mt19937) seeds from
+        x = (self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + index) % 2**64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+        return (x ^ (x >> 31)) % 2**63
 
     def __len__(self) -> int:
         return math.ceil(max(self.size - self.start, 0) / self.global_batch)

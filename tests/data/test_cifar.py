@@ -99,9 +99,9 @@ def test_same_seed_same_augmented_batches_and_mixup_soft_labels(written) -> None
     root = written[0]
     splits = cifar.build(str(root), mixup_alpha=0.2)
     runs = []
-    for seed in (5, 5, 6):
-        torch.manual_seed(seed)
-        loader = make_loader(splits.train, 32, seed=0, shuffle=True, num_workers=0, pin_memory=False)
+    for seed, global_seed in ((5, 1), (5, 2), (6, 1)):
+        torch.manual_seed(global_seed)  # the run's own seed decides: items are keyed by (seed, epoch, index)
+        loader = make_loader(splits.train, 32, seed=seed, shuffle=False, num_workers=0, pin_memory=False)
         runs.append(torch.cat([x for x, _ in islice(loader, 2)]))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     x, y = next(iter(make_loader(splits.train, 8, seed=0, shuffle=True, num_workers=0, pin_memory=False)))
