@@ -10,9 +10,10 @@ tracking is off so MLflow's per-run cost does not blur the comparison (pass trac
     python -m runner.bench_hpo --overhead [--repeat 3]
 
 What the sweeper itself costs, on a task that costs nothing: the wall time of a 20-trial sweep of a
-one-line objective (n_jobs=1), and the time from the command's start to its first trial's start
-with n_jobs=2, for that toy app and for the digits study (MLflow on, one epoch per trial), the
-latter next to n_jobs=1, whose jobs run in the sweep process itself as hydra-optuna-sweeper's do.
+one-line objective (n_jobs=1 and 2), what is left after its last trial (the report), and the time
+from the command's start to the end of the first trial with n_jobs=2; and for the digits study
+(MLflow on, one epoch per trial) that time with n_jobs=2 next to n_jobs=1, whose jobs run in the
+sweep process itself as hydra-optuna-sweeper's do.
 """
 from __future__ import annotations
 
@@ -75,11 +76,10 @@ hydra:
 '''
 
 
-def timed_sweep(cmd: list[str], cwd: Path, sweep_dir: Path) -> tuple[float, float, float]:
-    """(wall seconds, CPU seconds, seconds from the start to the first job's start). A job's start is
-    when Hydra writes its .hydra/config.yaml, before the task function runs. CPU seconds count the
-    sweep process and the processes it waited for (with n_jobs > 1 not its trials): less sensitive
-    than wall time to other work on a shared machine."""
+def timed_sweep(cmd: list[str], cwd: Path, sweep_dir: Path) -> tuple[float, float, list[float]]:
+    """(wall seconds, CPU seconds, seconds from the start to each trial's end, sorted). CPU seconds
+    count the sweep process and the processes it waited for (with n_jobs > 1 not its trials): less
+    sensitive than wall time to other work on a shared machine."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -89,24 +89,26 @@ def timed_sweep(cmd: list[str], cwd: Path, sweep_dir: Path) -> tuple[float, floa
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"bench-hpo: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    first = min(p.stat().st_mtime for p in sweep_dir.glob("*/.hydra/config.yaml"))
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return wall, cpu, first - started
+    return wall, cpu, [t - started for t in trial_ends(cwd, sweep_dir)]
 
 
-def after_last_trial(cwd: Path, sweep_dir: Path, ended: float) -> float:
-    """Seconds from the last trial's end to the sweep process's end: what the report costs. (The
-    study is in the sweep dir; sweepers before `storage: null` meant that kept it in outputs/.)"""
+def trial_ends(cwd: Path, sweep_dir: Path) -> list[float]:
+    """When each trial of the sweep ended (wall-clock seconds). The study is in the sweep dir;
+    sweepers from before `storage: null` meant a new study kept it in outputs/."""
     journal = sweep_dir / "optuna.journal"
     storage = open_storage(str(journal if journal.exists() else cwd / "outputs" / "optuna.journal"))
-    done = [t.datetime_complete.timestamp() for name in optuna.get_all_study_names(storage)
-            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-            if t.datetime_complete is not None]
-    return ended - max(done)
+    return sorted(t.datetime_complete.timestamp() for name in optuna.get_all_study_names(storage)
+                  for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+                  if t.datetime_complete is not None)
 
 
 def overhead(repeat: int) -> None:
     rows: dict[str, list[float]] = {}
+
+    def row(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
     with tempfile.TemporaryDirectory(prefix="bench-hpo-overhead-") as tmp:
         app = Path(tmp) / "toy"
         app.mkdir()
@@ -114,28 +116,28 @@ def overhead(repeat: int) -> None:
         (app / "config.yaml").write_text(TOY_CONFIG)
         toy = [sys.executable, str(app / "app.py"), "-m"]
         digits = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2",
-                  "hydra.sweeper.n_jobs=2", "hydra/sweeper/pruner=none", "trainer.max_epochs=1"]
+                  "hydra/sweeper/pruner=none", "trainer.max_epochs=1"]
         for i in range(repeat):
             run = Path(tmp) / f"run{i}"
-            run.mkdir()
-            started = time.time()
-            wall, cpu, _ = timed_sweep(toy, run, run / "toy1")
-            rows.setdefault("toy sweep, 20 trials, n_jobs=1: wall s", []).append(wall)
-            rows.setdefault("toy sweep, 20 trials, n_jobs=1: CPU s", []).append(cpu)
-            rows.setdefault("toy sweep, n_jobs=1: after its last trial s", []).append(
-                after_last_trial(run, run / "toy1", started + wall))
-            wall, _, first = timed_sweep([*toy, "hydra.sweeper.n_jobs=2"], run, run / "toy2")
-            rows.setdefault("toy sweep, 20 trials, n_jobs=2: wall s", []).append(wall)
-            rows.setdefault("toy sweep, n_jobs=2: first trial after s", []).append(first)
-            _, _, first = timed_sweep(digits, run, run / "digits2")
-            rows.setdefault("digits study, n_jobs=2: first trial after s", []).append(first)
-            (run / "in-process").mkdir()
-            _, _, first = timed_sweep([*digits, "hydra.sweeper.n_jobs=1"], run / "in-process", run / "digits1")
-            rows.setdefault("digits study, n_jobs=1 (in the sweep process): first trial after s", []).append(first)
+            for name in ("toy1", "toy2", "digits2", "digits1"):
+                (run / name).mkdir(parents=True)  # each sweep its own directory: outputs/ (MLflow, old journals) apart
+            wall, cpu, ends = timed_sweep(toy, run / "toy1", run / "toy1" / "sweep")
+            row("toy sweep, 20 trials, n_jobs=1: wall s", wall)
+            row("toy sweep, 20 trials, n_jobs=1: CPU s", cpu)
+            row("toy sweep, n_jobs=1: from its last trial's end to exit s", wall - ends[-1])
+            wall, _, ends = timed_sweep([*toy, "hydra.sweeper.n_jobs=2"], run / "toy2", run / "toy2" / "sweep")
+            row("toy sweep, 20 trials, n_jobs=2: wall s", wall)
+            row("toy sweep, n_jobs=2: first trial done after s", ends[0])
+            for jobs in (2, 1):
+                _, _, ends = timed_sweep([*digits, f"hydra.sweeper.n_jobs={jobs}"], run / f"digits{jobs}",
+                                         run / f"digits{jobs}" / "sweep")
+                where = "a process per trial" if jobs > 1 else "trials in the sweep process"
+                row(f"digits, 2 trials, n_jobs={jobs} ({where}): first done after s", ends[0])
+                row(f"digits, 2 trials, n_jobs={jobs} ({where}): both done after s", ends[-1])
             print(f"bench-hpo: round {i + 1} of {repeat} done", flush=True)
     print()
     for name, values in rows.items():
-        print(f"{name:<70}" + "".join(f"{v:8.1f}" for v in values) + f"   median {sorted(values)[len(values) // 2]:.1f}")
+        print(f"{name:<80}" + "".join(f"{v:8.1f}" for v in values) + f"   median {sorted(values)[len(values) // 2]:.1f}")
 
 
 def main() -> None:

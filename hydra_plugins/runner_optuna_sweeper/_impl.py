@@ -46,6 +46,9 @@ from ._study_report import StudyReport
 log = logging.getLogger(__name__)
 
 
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
 class SweepFailed(RuntimeError):
     """The sweep stopped on failed trials (one line; each trial's traceback is in its job log)."""
 
@@ -113,6 +116,10 @@ class OptunaSweeperImpl(Sweeper):
         log.info(f"Storage: {self.storage_url}")
         log.info(f"Sampler: {type(self.study.sampler).__name__} ({seed_note})  Pruner: {pruner_cfg['_target_'].split('.')[-1]}")
         log.info(f"Directions: {self.directions}  Slots: {self.n_jobs}")
+        done = sum(t.state in _FINISHED for t in books.counted(self.study.get_trials(deepcopy=False)))
+        if done >= self.n_trials:
+            log.warning(f"the study already has {done} finished trials of n_trials={self.n_trials}: nothing left to run "
+                        "(raise hydra.sweeper.n_trials to run more, or use another study)")
         self.report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg, seed)
         self.report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
         status = "FAILED"
