@@ -78,6 +78,7 @@ def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_and_fsdp_like
     assert "_target_: tests.user_pkg.tokens.build" in (tmp_path / "one" / "spec.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_users_classifier_resumes_in_place_and_sweeps(tmp_path: Path, user_path) -> None:
     common = [SEARCH, "model=wide_net", "trainer.progress_bar=off", "tracking=none"]
     first = run_cli([*common, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",

@@ -49,7 +49,9 @@ def single_2b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return final_weights(run_dir)
 
 
-@pytest.mark.parametrize("strategy, batch, accum", [("ddp", 16, 1), ("ddp", 8, 2), ("fsdp", 16, 1), ("fsdp", 8, 2)])
+# two of the four in CI: test_two_ranks_log_and_train_like_one_process_for_any_split_size covers the rest
+@pytest.mark.parametrize("strategy, batch, accum", [("ddp", 16, 1), pytest.param("ddp", 8, 2, marks=pytest.mark.slow),
+                                                    pytest.param("fsdp", 16, 1, marks=pytest.mark.slow), ("fsdp", 8, 2)])
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path, single_2b: dict, strategy: str,
                                                            batch: int, accum: int) -> None:
     db = tmp_path / "mlflow.db"
@@ -182,7 +184,7 @@ def test_an_unreachable_rendezvous_fails_with_a_timeout_that_says_what_it_waited
 def test_fsdp_refuses_a_model_without_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runner import launch
 
-    monkeypatch.setattr("runner.models.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
+    monkeypatch.setattr("runner.components.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
     with pytest.raises(SpecError, match="parallelism: fsdp found no blocks to shard"):
         launch.check_parallel(compose_spec(["parallelism=fsdp"], tmp_path / "run"))
 
