@@ -49,8 +49,9 @@ def single_2b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return final_weights(run_dir)
 
 
-# two of the four in CI: test_two_ranks_log_and_train_like_one_process_for_any_split_size covers the rest
-@pytest.mark.parametrize("strategy, batch, accum", [("ddp", 16, 1), pytest.param("ddp", 8, 2, marks=pytest.mark.slow),
+# one of the four in CI: test_two_ranks_log_and_train_like_one_process_for_any_split_size covers the rest
+@pytest.mark.parametrize("strategy, batch, accum", [pytest.param("ddp", 16, 1, marks=pytest.mark.slow),
+                                                    pytest.param("ddp", 8, 2, marks=pytest.mark.slow),
                                                     pytest.param("fsdp", 16, 1, marks=pytest.mark.slow), ("fsdp", 8, 2)])
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path, single_2b: dict, strategy: str,
                                                            batch: int, accum: int) -> None:

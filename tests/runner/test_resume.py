@@ -120,7 +120,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]
 KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), ("after_final_checkpoint", 1)]
 
 
-@pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] in ("step", "final_eval") else pytest.mark.slow)
+@pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] == "final_eval" else pytest.mark.slow)
                                         for k in KILLS], ids=[k[0] for k in KILLS])
 def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, uninterrupted: tuple, point: str,
                                                                  nth: int) -> None:
