@@ -134,3 +134,9 @@ def to_plain(node: Any) -> Any:
     if isinstance(node, tuple):
         return [to_plain(v) for v in node]
     return node
+
+
+def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    """'did you mean X? ' for the closest candidate, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}? " if close else ""

@@ -11,14 +11,13 @@ dataclasses from plain data and checks them. Rules across fields live in `RunSpe
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import yaml
 
-from runner.fields import SpecError, build as _build, opt, to_plain as _to_plain
+from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
+from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
 
 __all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
 
@@ -308,9 +307,9 @@ class RunSpec:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
-        if _fraction(self, "val") + _fraction(self, "test") >= 1:
+        if fraction(self, "val") + fraction(self, "test") >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
-        _check_metric_names(self)
+        check_metric_names(self)
 
 
 # --- config-group options and metric names: each rule once, used by the CLI and the spec ---------
@@ -329,93 +328,6 @@ def check_option(group: str, value: Any, key: str | None = None) -> None:
     if value not in allowed:
         raise SpecError(f"{key or group}: unknown option {value!r}; {did_you_mean(str(value), allowed)}"
                         f"choose one of {', '.join(allowed)}")
-
-
-def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    """'did you mean X? ' for the closest candidate, or '' when none is close."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"did you mean {close[0]}? " if close else ""
-
-
-def _fraction(spec: RunSpec, split: str) -> float:
-    value = spec.dataset.get(f"{split}_fraction", 0.0)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def split_metrics(spec: RunSpec, split: str) -> set[str]:
-    """The metrics the task reports for a split (classification may add top5: known once the data is)."""
-    per_task = {"classification": ("loss", "acc", "top5"), "language_modeling": ("loss", "ppl"),
-                "regression": ("loss", "mae")}
-    return {f"{split}/{name}" for name in per_task[spec.task.name]}
-
-
-def has_split(spec: RunSpec, split: str) -> bool:
-    """Whether the dataset will hold a `split` split, as far as its arguments tell before it is built: a
-    builder that carves it takes `<split>_fraction`; one without that key brings its own (official test
-    sets, folders). The engine checks again once the data is built."""
-    if f"{split}_fraction" in spec.dataset.params:
-        return _fraction(spec, split) > 0
-    return True
-
-
-def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
-    """(metrics evaluated during training, metrics evaluated only at the end): val/* and test/*."""
-    trainer = spec.trainer
-    during: set[str] = set()
-    if has_split(spec, "val") and (trainer.eval_every_epoch or trainer.eval_every_n_steps > 0):
-        during = split_metrics(spec, "val")
-    at_end = split_metrics(spec, "test") if has_split(spec, "test") else set()
-    return during, at_end
-
-
-def produced_metrics(spec: RunSpec) -> set[str]:
-    """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
-    included only for trainer.device=cuda: with device=auto it depends on the machine."""
-    unit = "tokens" if spec.task.name == "language_modeling" else "samples"
-    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit}_per_s", "objective"}
-    if spec.precision.name == "fp16":
-        names.add("fp16/skipped_steps")
-    if spec.trainer.device == "cuda":
-        names.add("memory/max_allocated_gib")
-    during, at_end = evaluation_metrics(spec)
-    return names | during | at_end
-
-
-def _check_metric_names(spec: RunSpec) -> None:
-    """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
-    during, at_end = evaluation_metrics(spec)
-    if spec.trainer.early_stopping.monitor is not None:
-        _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")
-    if spec.scheduler.name == "plateau":
-        _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
-    # The objective is checked against what the splits hold, not against the evaluation schedule:
-    # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.
-    splits = at_end | (split_metrics(spec, "val") if has_split(spec, "val") else set())
-    _check_metric("objective.metric", spec.objective.metric, splits, set(), spec, None)
-
-
-def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], spec: RunSpec, off: str | None) -> None:
-    if value in allowed:
-        return
-    choose = f"choose one of {', '.join(sorted(allowed))}" if allowed else ""
-    if value in end_only:
-        raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
-    split = value.split("/")[0]
-    if value in split_metrics(spec, "val") | split_metrics(spec, "test") or not allowed:
-        fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
-        raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")
-    raise SpecError(f"{key}: {value!r} is not a metric this run evaluates; {did_you_mean(value, allowed)}{choose}")
-
-
-def _missing(spec: RunSpec, split: str, key: str, off: str | None) -> str:
-    """Why the run never evaluates on `split` (val: during training), and how to change that."""
-    if split == "test":
-        why = "dataset.test_fraction=0 leaves no test split; set dataset.test_fraction > 0"
-    elif not has_split(spec, "val"):
-        why = "dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"
-    else:
-        why = "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate; set one of them"
-    return why + (f", or {key}{off}" if off else "")
 
 
 def _with_components(cfg: dict) -> dict:

@@ -1,0 +1,39 @@
+"""The random-number streams a checkpoint saves and a resume restores (torch, Python, NumPy, CUDA),
+kept as tensors and plain values so that checkpoints load with weights_only=True."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": _python_rng(), "numpy": _numpy_rng()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(v) for v in internal.tolist()), None if gauss is None else float(gauss)))
+    keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# weights_only loading accepts tensors and plain containers, so the RNG states are stored as tensors
+
+
+def _python_rng() -> tuple:
+    version, internal, gauss = random.getstate()
+    return version, torch.tensor(internal, dtype=torch.int64), gauss
+
+
+def _numpy_rng() -> tuple:
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
