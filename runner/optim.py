@@ -11,24 +11,35 @@ import inspect
 from typing import Any, Callable, Iterable
 
 import torch
-from timm.optim import Lamb, Muon
 from torch import nn
 
 from runner.spec import OptimizerSpec, SpecError
 
 # The kernel names are OptimizerSpec.impl's to list (checked when the spec is built); which of them
 # each option offers, fastest first, is known only here; fused only where it runs (fused_kernel_runs).
-KERNELS: dict[str, tuple[str, ...]] = {
+class _Kernels(dict):
+    """Kernels per optimizer; Lamb's are looked up on first use, because importing timm (and the
+    torchvision it pulls in) costs seconds in every process that trains with a torch.optim rule."""
+
+    def __missing__(self, name: str) -> tuple[str, ...]:
+        if name != "lamb":
+            raise KeyError(name)
+        from timm.optim import Lamb
+
+        # timm 1.0.29 has no foreach kernel for Lamb (1.0.31 has); pyproject allows both.
+        self[name] = ("foreach", "for_loop") if "foreach" in inspect.signature(Lamb).parameters else ("for_loop",)
+        return self[name]
+
+
+KERNELS: dict[str, tuple[str, ...]] = _Kernels({
     "sgd": ("fused", "foreach", "for_loop"),
     "adam": ("fused", "foreach", "for_loop"),
     "adamw": ("fused", "foreach", "for_loop"),
     "adagrad": ("fused", "foreach", "for_loop"),
     "rmsprop": ("foreach", "for_loop"),
     "adafactor": ("foreach", "for_loop"),
-    # timm 1.0.29 has no foreach kernel for Lamb (1.0.31 has); pyproject allows both.
-    "lamb": ("foreach", "for_loop") if "foreach" in inspect.signature(Lamb).parameters else ("for_loop",),
     "muon": ("for_loop",),  # timm's Muon has one implementation and no switch
-}
+})
 
 
 def build_optimizer(spec: OptimizerSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -180,6 +191,8 @@ def _adafactor(groups: Groups, spec: OptimizerSpec, kernel: dict[str, bool]) -> 
 def _lamb(groups: Groups, spec: OptimizerSpec, kernel: dict[str, bool]) -> torch.optim.Optimizer:
     # timm's Lamb clips the global gradient norm to 1.0 by default (NVIDIA's convention); clipping is
     # trainer.clip_grad_norm's job here, so a logged grad norm is the one the update saw.
+    from timm.optim import Lamb
+
     return Lamb(groups, lr=spec.lr, betas=_betas(spec), eps=spec.eps, weight_decay=spec.weight_decay,
                 max_grad_norm=None, **kernel)
 
@@ -187,6 +200,8 @@ def _lamb(groups: Groups, spec: OptimizerSpec, kernel: dict[str, bool]) -> torch
 def _muon(groups: Groups, spec: OptimizerSpec, kernel: dict[str, bool]) -> torch.optim.Optimizer:
     # timm's default lr scaling (match_rms_adamw) makes Muon's update RMS match AdamW's, so one lr
     # serves both the Muon matrices and the AdamW fallback; betas and eps feed the fallback.
+    from timm.optim import Muon
+
     return Muon(groups, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov, betas=_betas(spec),
                 eps=spec.eps, weight_decay=spec.weight_decay, **kernel)
 
