@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import math
+
 import torch
 from torch.optim.lr_scheduler import (ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts, CyclicLR,
-                                      ExponentialLR, LinearLR, LRScheduler, MultiStepLR, OneCycleLR,
+                                      ExponentialLR, LambdaLR, LinearLR, LRScheduler, MultiStepLR, OneCycleLR,
                                       ReduceLROnPlateau, SequentialLR, StepLR)
 
 from runner.spec import SchedulerSpec, SpecError
@@ -104,13 +106,15 @@ def _in_sequence(optimizer: torch.optim.Optimizer, phases: list[Phase]) -> LRSch
     return SequentialLR(optimizer, [s for s, _ in phases], milestones)
 
 
-def _floor(spec: SchedulerSpec, peaks: list[float]) -> float:
-    # torch's cosine schedulers take one absolute eta_min for all groups, so a ratio needs one peak
-    # (build_optimizer gives every group the same lr).
-    if spec.min_lr_ratio and len(set(peaks)) > 1:
-        raise SpecError(f"scheduler.min_lr_ratio: {spec.name} with a floor needs one peak lr for all parameter groups "
-                        f"(got {sorted(set(peaks))} from optimizer.lr_multipliers); use scheduler.min_lr_ratio=0")
-    return spec.min_lr_ratio * peaks[0]
+def _per_group_floors(spec: SchedulerSpec, peaks: list[float]) -> bool:
+    # torch's cosine schedulers take one absolute eta_min for all groups; with lr_multipliers the groups
+    # have different peaks, and a floor of min_lr_ratio x each group's own peak needs a LambdaLR instead.
+    return bool(spec.min_lr_ratio) and len(set(peaks)) > 1
+
+
+def _cosine_factor(ratio: float, at: float, length: float) -> float:
+    """The cosine curve from 1 (at 0) down to `ratio` (at `length`), as a factor of the peak lr."""
+    return ratio + (1 - ratio) * (1 + math.cos(math.pi * min(at, length) / length)) / 2
 
 
 def _positive(key: str, value: float, steps: int, least: int = 1) -> int:
@@ -146,7 +150,10 @@ def _exponential(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: 
 
 
 def _cosine(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[float]) -> list[Phase]:
-    return [(CosineAnnealingLR(opt, T_max=total - warmup, eta_min=_floor(spec, peaks)), None)]
+    length, ratio = total - warmup, spec.min_lr_ratio
+    if _per_group_floors(spec, peaks):
+        return [(LambdaLR(opt, lambda step: _cosine_factor(ratio, step, length)), None)]
+    return [(CosineAnnealingLR(opt, T_max=length, eta_min=ratio * peaks[0]), None)]
 
 
 def _sgdr(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[float]) -> list[Phase]:
@@ -155,8 +162,14 @@ def _sgdr(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[fl
                         f">= 1 (torch's CosineAnnealingWarmRestarts multiplies cycle lengths by integers)")
     cycle = _positive("cycle_steps", spec.cycle_steps,
                       resolve_steps(spec.cycle_steps, total, "scheduler.cycle_steps"))
-    return [(CosineAnnealingWarmRestarts(opt, T_0=cycle, T_mult=int(spec.cycle_mult),
-                                         eta_min=_floor(spec, peaks)), None)]
+    mult, ratio = int(spec.cycle_mult), spec.min_lr_ratio
+    if _per_group_floors(spec, peaks):
+        def factor(step: int) -> float:  # where `step` falls in its cycle, the way torch's restarts count
+            n = step // cycle if mult == 1 else int(math.log(step / cycle * (mult - 1) + 1, mult))
+            start = cycle * n if mult == 1 else cycle * (mult ** n - 1) // (mult - 1)
+            return _cosine_factor(ratio, step - start, cycle * mult ** n)
+        return [(LambdaLR(opt, factor), None)]
+    return [(CosineAnnealingWarmRestarts(opt, T_0=cycle, T_mult=mult, eta_min=ratio * peaks[0]), None)]
 
 
 def _wsd(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[float]) -> list[Phase]:
@@ -174,7 +187,10 @@ def _onecycle(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: lis
     # cycle_momentum=False: the schedule scales the lr only; cycling would overwrite optimizer.momentum/betas
     # and fails outright for optimizers without them (adagrad, adafactor). total + 1: OneCycleLR ends at
     # step total_steps - 1, the other shapes end after all total_steps steps.
-    return [(OneCycleLR(opt, max_lr=peaks, total_steps=total + 1, pct_start=spec.pct_start,
+    # OneCycleLR divides by (pct_start x total_steps - 1), so a run of a few steps gets at least one and a
+    # half steps of ramp (else ZeroDivisionError, or a ramp that ends before step 0).
+    pct_start = max(spec.pct_start, 1.5 / (total + 1))
+    return [(OneCycleLR(opt, max_lr=peaks, total_steps=total + 1, pct_start=pct_start,
                         div_factor=1 / spec.base_lr_ratio, cycle_momentum=False), None)]
 
 

@@ -150,9 +150,42 @@ def test_the_schedule_scales_every_group():
     optimizer = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.1}], lr=1.0)
     schedule = build_scheduler(spec_of("onecycle"), optimizer, 10)
     assert [g["lr"] for g in optimizer.param_groups] == approx([0.04, 0.004])
-    with pytest.raises(ValueError, match="one peak lr"):
-        build_scheduler(spec_of("cosine", min_lr_ratio=0.1), optimizer, 10)
     assert isinstance(schedule, Schedule)
+
+
+def group_lrs(spec: SchedulerSpec, total: int) -> list[list[float]]:
+    """Per step, the lr of two groups whose peaks differ tenfold (optimizer.lr_multipliers)."""
+    p, q = (torch.nn.Parameter(torch.zeros(1)) for _ in range(2))
+    optimizer = torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.1}], lr=1.0)
+    schedule = build_scheduler(spec, optimizer, total)
+    out = [[g["lr"] for g in optimizer.param_groups]]
+    for _ in range(total):
+        optimizer.step()
+        schedule.step()
+        out.append([g["lr"] for g in optimizer.param_groups])
+    return out
+
+
+@pytest.mark.parametrize("spec", [dict(name="cosine"), dict(name="warmup_cosine", warmup=5),
+                                  dict(name="sgdr", cycle_steps=10, cycle_mult=2), dict(name="sgdr", cycle_steps=8)])
+def test_a_floor_is_a_fraction_of_each_groups_own_peak(spec):
+    """With lr_multipliers the groups peak at different lrs; each one's curve is the one-group curve scaled."""
+    spec = spec_of(spec.pop("name"), min_lr_ratio=0.1, **spec)
+    one = lrs(spec, 40)
+    both = group_lrs(spec, 40)
+    assert [a for a, _ in both] == approx(one, abs=1e-12)
+    assert [b for _, b in both] == approx([0.1 * x for x in one], abs=1e-12)
+    assert 0.01 - 1e-12 <= min(b for _, b in both) < 0.015  # the floor: 0.1 x 0.1, not 0.1 x 1.0
+    if spec.name == "cosine":
+        assert both[40] == approx([0.1, 0.01])
+
+
+@pytest.mark.parametrize("total", range(1, 8))
+def test_onecycle_runs_of_a_few_steps_ramp_and_anneal(total):
+    """torch's OneCycleLR divides by zero when pct_start x steps is one; a short run still gets its cycle."""
+    got = lrs(spec_of("onecycle", pct_start=0.25, base_lr_ratio=0.04), total)
+    assert got[0] == approx(0.04) and got[-1] == approx(0.04 / 1e4)
+    assert all(0 < x <= 1.0 for x in got[:-1]) and (total == 1 or max(got) > 0.04)
 
 
 @pytest.mark.parametrize("spec, key", [
