@@ -232,7 +232,8 @@ def _composition_error(error: Exception, config_name: str, overrides: list[str])
     cause = error.__cause__
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         # the keys the user could have meant: the config composed with the group choices alone
-        groups = [line for line in overrides if _is_group(_key_of(line))]
+        # (and the search path, where a user's options live)
+        groups = [line for line in overrides if _is_group(_key_of(line)) or _key_of(line) == "hydra.searchpath"]
         try:
             return unknown_key_message(cause.full_key, compose(config_name, overrides=groups, return_hydra_config=True))
         except (HydraException, OmegaConfBaseException):

@@ -63,6 +63,10 @@ CASES = [
     case("accum=4", "error: accum: the shorthand is added with a plus: +accum=N"),
     case("+optimizer.lrr=0.1", "error: optimizer.lrr: unknown key; did you mean optimizer.lr? allowed keys under optimizer:"),
     case("dataset.shape=[1,8,8]", "error: dataset.shape: unknown key; did you mean dataset.split_seed? keys under dataset: _target_"),
+    # a user's option from the search path: the keys of their own component
+    case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "model=wide_net",
+          "model.widht=16"], "error: model.widht: unknown key; did you mean model.width? keys under model: _target_, "
+         "depth, freeze, unfreeze_after_epochs, weights, width"),
     case("optimizer=sgd optimizer.betas=[0.9,0.99]", "error: optimizer.betas: optimizer=sgd has no betas"),
     # --- config-group options
     case("precision=fp17", "error: precision: unknown option 'fp17'; did you mean fp16? choose one of bf16, bf16_true, "
