@@ -1,0 +1,154 @@
+"""The experiment presets under ddp and fsdp (two gloo ranks on CPU) with accumulation, and resumed under ddp.
+
+Each preset runs as its CI-sized variant (tests/test_experiments.py) in fp32 with dropout off, so that two
+ranks can be compared with one process number for number:
+- gpt_small and imdb_distilbert: one process with the global batch, ddp with half of it per rank, and fsdp
+  with a quarter per rank and +accum=2 all end with the same weights and log the same train/loss, val and
+  test metrics (MLflow, read back from each run's store).
+- cifar10_resnet has BatchNorm, whose statistics are per micro-batch, so one process cannot match two ranks;
+  ddp and fsdp with the same per-rank micro-batches and +accum=2 must still agree with each other (same
+  parameters, same train/loss), augmentation included.
+- every preset resumed under ddp from a mid-run checkpoint ends bitwise equal to the uninterrupted ddp run and
+  logs the same numbers after the resume point.
+"""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner import checkpoint
+from tests.conftest import run_cli
+from tests.data.test_text import write_imdb
+from tests.data.test_torchvision_datasets import _write_cifar
+
+COMMON = ["precision=fp32", "trainer.progress_bar=off", "trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=4",
+          "trainer.keep_checkpoints=10"]
+
+# Each preset's CI-sized variant; `batch` is the global batch. `adam_lr`: AdamW divides each gradient by its
+# own running scale, so an element whose gradient is near zero turns float noise (summation order differs
+# between ranks and micro-batches) into a step of up to lr: weights then agree to 1% of one step, far below
+# what a lost or repeated micro-batch moves them (its whole step).
+PRESETS = {
+    "gpt_small": dict(batch=16, adam_lr=3e-3, args=[
+        "dataset.max_chars=60000", "dataset.block_size=32", "dataset.vocab_size=300", "model.n_embd=32",
+        "model.n_head=2", "model.n_layer=2",
+        # no biases: the attention key bias has a gradient that is zero in exact arithmetic (softmax does not
+        # see a shift shared by all keys), which AdamW turns from float noise into full-size steps
+        "model.bias=false", "trainer.max_steps=8", "trainer.eval_every_n_steps=4"]),
+    "imdb_distilbert": dict(batch=8, adam_lr=5e-5, args=[
+        "dataset.max_length=48", "dataset.vocab_size=300", "model.config.dim=32", "model.config.n_layers=2",
+        "model.config.n_heads=2", "model.config.hidden_dim=64", "model.config.dropout=0",
+        "model.config.attention_dropout=0", "model.config.seq_classif_dropout=0", "trainer.max_epochs=2"]),
+    "cifar10_resnet": dict(batch=16, adam_lr=0.0, args=["dataset.num_workers=2", "trainer.max_epochs=2"]),
+}
+# DistilBERT's key projection has a bias (see gpt_small's note): AdamW moves it by up to lr per step
+# on float noise, without any effect on the outputs
+OUTPUT_INVARIANT = ("k_lin.bias",)
+
+
+def write_data(preset: str, root: Path) -> None:
+    if preset == "imdb_distilbert":
+        write_imdb(root, n_train=24, n_test=8)
+    elif preset == "cifar10_resnet":
+        _write_cifar(root, per_batch=24)
+    # gpt_small: the offline corpus (the standard library), tokenized once into root/.cache
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    roots = {}
+    for preset in PRESETS:
+        roots[preset] = tmp_path_factory.mktemp(preset)
+        write_data(preset, roots[preset])
+    return roots
+
+
+def run(preset: str, root: Path, where: Path, name: str, *extra: str) -> Path:
+    args = [f"experiment={preset}", f"dataset.root={root}", *PRESETS[preset]["args"], *COMMON, *extra,
+            f"hydra.run.dir={where / name}", f"tracking.uri=sqlite:///{where / name}.db",
+            f"tracking.artifact_root={where / 'artifacts'}"]
+    proc = run_cli(args, where, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return where / name
+
+
+def parallel(strategy: str, per_rank: int, accum: int) -> list[str]:
+    return [f"parallelism={strategy}", "parallelism.nproc_per_node=2", f"dataset.batch_size={per_rank}",
+            f"+accum={accum}"]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    with sqlite3.connect(f"{run_dir}.db") as con:
+        rows = con.execute("select key, step, value from metrics order by key, step").fetchall()
+    out: dict[str, list[tuple[int, float]]] = {}
+    for key, step, value in rows:
+        out.setdefault(key, []).append((step, value))
+    return out
+
+
+def assert_same_weights(a: dict, b: dict, parameters_only: bool = False, rtol: float = 1e-5, adam_lr: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if parameters_only and ("running_" in key or "num_batches_tracked" in key):
+            continue
+        if key.endswith(OUTPUT_INVARIANT):
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-3, msg=key)
+            continue
+        atol = max(rtol * a[key].abs().max().item(), 0.01 * adam_lr)
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+
+
+def assert_same_history(a: dict, b: dict, keys: list[str], after: int = 0) -> None:
+    for key in keys:
+        got = [(s, v) for s, v in b[key] if s > after]
+        want = [(s, v) for s, v in a[key] if s > after]
+        assert [s for s, _ in got] == [s for s, _ in want] and want, key
+        for (_, x), (_, y) in zip(want, got):
+            assert y == pytest.approx(x, rel=1e-5, abs=1e-7), key
+
+
+def metric_keys(preset: str) -> list[str]:
+    if preset == "gpt_small":
+        return ["train/loss", "val/loss", "val/ppl", "test/loss", "lr", "objective"]
+    return ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "lr", "objective"]
+
+
+@pytest.mark.parametrize("preset", [pytest.param("gpt_small"), pytest.param("imdb_distilbert", marks=pytest.mark.slow)])
+def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process(tmp_path: Path, data_root, preset) -> None:
+    batch, root = PRESETS[preset]["batch"], data_root[preset]
+    one = run(preset, root, tmp_path, "one", f"dataset.batch_size={batch}")
+    ddp = run(preset, root, tmp_path, "ddp", *parallel("ddp", batch // 2, 1))
+    fsdp = run(preset, root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
+    for other in (ddp, fsdp):
+        assert_same_weights(weights(one), weights(other), adam_lr=PRESETS[preset]["adam_lr"])
+        assert_same_history(history(one), history(other), metric_keys(preset))
+
+
+@pytest.mark.slow
+def test_the_resnet_preset_with_batchnorm_trains_alike_under_ddp_and_fsdp_with_accumulation(tmp_path: Path,
+                                                                                             data_root) -> None:
+    """Same per-rank micro-batches, so the same BatchNorm statistics: equal parameters and train/loss.
+    (Running statistics and evaluations are rank 0's under ddp and each rank's own under fsdp.)"""
+    root, batch = data_root["cifar10_resnet"], PRESETS["cifar10_resnet"]["batch"]
+    ddp = run("cifar10_resnet", root, tmp_path, "ddp", *parallel("ddp", batch // 4, 2))
+    fsdp = run("cifar10_resnet", root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
+    assert_same_weights(weights(ddp), weights(fsdp), parameters_only=True)
+    assert_same_history(history(ddp), history(fsdp), ["train/loss", "lr"])
+
+
+@pytest.mark.parametrize("preset", [pytest.param("gpt_small", marks=pytest.mark.slow),
+                                    pytest.param("imdb_distilbert", marks=pytest.mark.slow), "cifar10_resnet"])
+def test_a_preset_resumed_under_ddp_ends_as_if_never_stopped(tmp_path: Path, data_root, preset) -> None:
+    batch, root = PRESETS[preset]["batch"], data_root[preset]
+    full = run(preset, root, tmp_path, "full", *parallel("ddp", batch // 4, 2))
+    resumed = run(preset, root, tmp_path, "resumed", *parallel("ddp", batch // 4, 2),
+                  f"trainer.resume={full / 'checkpoints' / 'step-00000004.pt'}")
+    assert_same_weights(weights(full), weights(resumed), rtol=0)
+    assert_same_history(history(full), history(resumed), [k for k in metric_keys(preset) if k != "objective"], after=4)
