@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import run_cli
 from tests.data.test_text import write_imdb
@@ -66,3 +67,33 @@ def test_gpt_small_as_documented_beats_the_unigram_entropy_within_two_minutes(tm
     seconds = float(proc.stdout.split("optimizer steps in ")[1].split()[0])
     print(f"gpt_small: {seconds:.0f} s of training, best val/loss {best(proc.stdout, 'val/loss'):.3f}")
     assert best(proc.stdout, "val/loss") < _entropy(tmp_path / "data", max_chars=5_000_000, vocab_size=4096) - 1.0
+
+
+def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_path: Path) -> None:
+    """hparams_search=gpt_small_optuna, shrunk: each trial trains the sampled shape, and the study's value of a
+    trial is that run's best val/loss as MLflow recorded it."""
+    import optuna
+    from mlflow.tracking import MlflowClient
+    from optuna.trial import TrialState
+
+    from runner.trial import RUN_DIR_ATTR, open_storage
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli(["-m", "hparams_search=gpt_small_optuna", "hydra.sweeper.n_trials=3", "model.n_embd=choice(32,64)",
+                    "model.n_head=2", "dataset.max_chars=60000", "dataset.block_size=32", "dataset.vocab_size=300",
+                    "trainer.max_steps=10", "trainer.eval_every_n_steps=5", f"dataset.root={tmp_path / 'data'}",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri={uri}", "trainer.progress_bar=off"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = optuna.load_study(study_name="gpt_small_optuna", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    client = MlflowClient(uri)
+    for trial in study.trials:
+        run_dir = Path(trial.system_attrs[RUN_DIR_ATTR])
+        spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
+        assert (spec["model"]["n_layer"], spec["model"]["n_embd"]) == (trial.params["model.n_layer"], trial.params["model.n_embd"])
+        assert spec["optimizer"]["lr"] == trial.params["optimizer.lr"] and spec["task"]["name"] == "language_modeling"
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        val = [m.value for m in client.get_metric_history(run_id, "val/loss")]
+        assert len(val) == 2 and trial.value == pytest.approx(min(val), rel=1e-9)
+    assert len({(t.params["model.n_layer"], t.params["model.n_embd"], t.params["optimizer.lr"]) for t in study.trials}) == 3

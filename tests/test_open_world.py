@@ -108,3 +108,23 @@ def test_regression_learns_with_mse_reports_mae_and_accumulates_exactly(tmp_path
     history = big.monitor.history
     assert set(result.final) == {"test/loss", "test/mae"} and history["val/loss"][-1][1] < history["val/loss"][0][1]
     assert big.spec.objective.metric == "val/loss" and result.objective == min(v for _, v in history["val/loss"])
+
+
+def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, user_path) -> None:
+    import optuna
+    import yaml
+    from optuna.trial import TrialState
+
+    from runner.trial import RUN_DIR_ATTR, open_storage
+
+    proc = run_cli(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net", "model.width=choice(8,16,24)",
+                    "hydra.sweeper.n_trials=2", "trainer.max_steps=6", "trainer.progress_bar=off", "tracking=none",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = optuna.load_study(study_name="digits_optuna", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for trial in study.trials:
+        spec = yaml.safe_load((Path(trial.system_attrs[RUN_DIR_ATTR]) / "spec.yaml").read_text())
+        assert spec["model"]["_target_"] == "tests.models.user_net.WideNet"
+        assert spec["model"]["width"] == trial.params["model.width"] in (8, 16, 24)
+        assert 0.0 <= trial.value <= 1.0  # the best val/acc of the run
