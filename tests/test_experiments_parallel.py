@@ -120,8 +120,16 @@ def metric_keys(preset: str) -> list[str]:
     return ["train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "lr", "objective"]
 
 
-@pytest.mark.parametrize("preset", [pytest.param("gpt_small"), pytest.param("imdb_distilbert", marks=pytest.mark.slow)])
-def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process(tmp_path: Path, data_root, preset) -> None:
+def resume_mid_run(preset: str, root: Path, where: Path, full: Path, *extra: str) -> None:
+    """Resumed from the uninterrupted run's step-4 checkpoint: bitwise its weights, and its numbers after step 4."""
+    resumed = run(preset, root, where, "resumed", *extra, f"trainer.resume={full / 'checkpoints' / 'step-00000004.pt'}")
+    assert_same_weights(weights(full), weights(resumed), rtol=0)
+    assert_same_history(history(full), history(resumed), [k for k in metric_keys(preset) if k != "objective"], after=4)
+
+
+@pytest.mark.parametrize("preset", ["gpt_small", pytest.param("imdb_distilbert", marks=pytest.mark.slow)])
+def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process_and_resumes(tmp_path: Path, data_root,
+                                                                                            preset) -> None:
     batch, root = PRESETS[preset]["batch"], data_root[preset]
     one = run(preset, root, tmp_path, "one", f"dataset.batch_size={batch}")
     ddp = run(preset, root, tmp_path, "ddp", *parallel("ddp", batch // 2, 1))
@@ -129,26 +137,17 @@ def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process(t
     for other in (ddp, fsdp):
         assert_same_weights(weights(one), weights(other), adam_lr=PRESETS[preset]["adam_lr"])
         assert_same_history(history(one), history(other), metric_keys(preset))
+    resume_mid_run(preset, root, tmp_path, ddp, *parallel("ddp", batch // 2, 1))
 
 
 @pytest.mark.slow
-def test_the_resnet_preset_with_batchnorm_trains_alike_under_ddp_and_fsdp_with_accumulation(tmp_path: Path,
-                                                                                             data_root) -> None:
+def test_the_resnet_preset_with_batchnorm_trains_alike_under_ddp_and_fsdp_and_resumes(tmp_path: Path, data_root) -> None:
     """Same per-rank micro-batches, so the same BatchNorm statistics: equal parameters and train/loss.
-    (Running statistics and evaluations are rank 0's under ddp and each rank's own under fsdp.)"""
+    (Running statistics and evaluations are rank 0's under ddp and each rank's own under fsdp.) The resume
+    reads augmented images in two loader workers per rank: the same crops and flips as the uninterrupted run."""
     root, batch = data_root["cifar10_resnet"], PRESETS["cifar10_resnet"]["batch"]
     ddp = run("cifar10_resnet", root, tmp_path, "ddp", *parallel("ddp", batch // 4, 2))
     fsdp = run("cifar10_resnet", root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
     assert_same_weights(weights(ddp), weights(fsdp), parameters_only=True)
     assert_same_history(history(ddp), history(fsdp), ["train/loss", "lr"])
-
-
-@pytest.mark.parametrize("preset", [pytest.param("gpt_small", marks=pytest.mark.slow),
-                                    pytest.param("imdb_distilbert", marks=pytest.mark.slow), "cifar10_resnet"])
-def test_a_preset_resumed_under_ddp_ends_as_if_never_stopped(tmp_path: Path, data_root, preset) -> None:
-    batch, root = PRESETS[preset]["batch"], data_root[preset]
-    full = run(preset, root, tmp_path, "full", *parallel("ddp", batch // 4, 2))
-    resumed = run(preset, root, tmp_path, "resumed", *parallel("ddp", batch // 4, 2),
-                  f"trainer.resume={full / 'checkpoints' / 'step-00000004.pt'}")
-    assert_same_weights(weights(full), weights(resumed), rtol=0)
-    assert_same_history(history(full), history(resumed), [k for k in metric_keys(preset) if k != "objective"], after=4)
+    resume_mid_run("cifar10_resnet", root, tmp_path, ddp, *parallel("ddp", batch // 4, 2))

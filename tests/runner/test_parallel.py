@@ -134,15 +134,22 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_s
     # round (torch's elastic agent then starts another); the run must still finish once, exactly
     cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=3", f"hydra.run.dir={tmp_path / 'cut'}",
            f"tracking.uri=sqlite:///{db}"]
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
-    deadline = time.time() + 120
-    while not target.exists() and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.02)
-    workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert target.exists() and len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    stdout, stderr = launcher.communicate(timeout=240)
+    # its own session: a failed assertion below takes the launcher and its workers along (finally)
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
+        deadline = time.time() + 300  # generous: a loaded 2-core machine runs two workers slowly
+        while not target.exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert target.exists() and len(workers) == 2, (target.exists(), workers)
+        os.kill(workers[1], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
     assert launcher.returncode == 0, stderr
     assert "resuming from the newest checkpoint" in stdout + stderr
     assert stdout.count("runner: trained 60 optimizer steps") == 1
