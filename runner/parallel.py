@@ -47,8 +47,24 @@ def init_process_group(device_type: str, timeout_s: float = 600) -> DistEnv:
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
         backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_store_of_this_attempt(env, timeout))
     return env
+
+
+def _store_of_this_attempt(env: DistEnv, timeout: datetime.timedelta) -> dict:
+    """The agent's store, with keys of this restart round only.
+
+    torch's elastic agent (c10d rendezvous) keeps one TCPStore for all rounds, and env:// adds no
+    per-round prefix (torch assumes a fresh store per round). After a restart, a rank could then read a
+    dead worker's gloo address or NCCL id left from the previous round and fail with "Connection
+    refused", costing every restart the agent had. A prefix per round keeps the rounds apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"runner/round_{attempt}", store), "rank": env.rank, "world_size": env.world}
 
 
 def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.device,

@@ -79,14 +79,14 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
     from runner.trial import RUN_DIR_ATTR, open_storage
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = run_cli(["-m", "hparams_search=gpt_small_optuna", "hydra.sweeper.n_trials=3", "model.n_embd=choice(32,64)",
+    proc = run_cli(["-m", "hparams_search=gpt_small_optuna", "hydra.sweeper.n_trials=2", "model.n_embd=choice(32,64)",
                     "model.n_head=2", "dataset.max_chars=60000", "dataset.block_size=32", "dataset.vocab_size=300",
-                    "trainer.max_steps=10", "trainer.eval_every_n_steps=5", f"dataset.root={tmp_path / 'data'}",
+                    "trainer.max_steps=6", "trainer.eval_every_n_steps=3", f"dataset.root={tmp_path / 'data'}",
                     f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri={uri}", "trainer.progress_bar=off"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     study = optuna.load_study(study_name="gpt_small_optuna", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
     assert study.direction == optuna.study.StudyDirection.MINIMIZE
-    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     client = MlflowClient(uri)
     for trial in study.trials:
         run_dir = Path(trial.system_attrs[RUN_DIR_ATTR])
@@ -96,4 +96,4 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
         run_id = (run_dir / "mlflow_run_id").read_text().strip()
         val = [m.value for m in client.get_metric_history(run_id, "val/loss")]
         assert len(val) == 2 and trial.value == pytest.approx(min(val), rel=1e-9)
-    assert len({(t.params["model.n_layer"], t.params["model.n_embd"], t.params["optimizer.lr"]) for t in study.trials}) == 3
+    assert len({(t.params["model.n_layer"], t.params["model.n_embd"], t.params["optimizer.lr"]) for t in study.trials}) == 2
