@@ -86,6 +86,11 @@ def preflight(argv: list[str]) -> None:
     args, unknown = get_args_parser().parse_known_args(argv)
     if unknown:
         fail(f"{unknown[0]}: unknown flag; see python -m runner --help")
+    modes = [flag for flag, on in (("--multirun", args.multirun), ("--cfg", args.cfg), ("--info", args.info),
+                                   ("--shell-completion", args.shell_completion), ("--run", args.run)) if on]
+    if len(modes) > 1:  # Hydra raises a ValueError (a traceback) for this
+        fail(f"{modes[0]}: cannot be combined with {modes[1]}; give one of --multirun (-m), --cfg, --info, "
+             f"--shell-completion, --run")
     if args.help or args.hydra_help or args.shell_completion or args.config_path or args.config_dir \
             or args.experimental_rerun:
         return  # Hydra's own business: nothing of the run is composed

@@ -47,6 +47,7 @@ CASES = [
     case("dataset=digits,mnist", "error: dataset: 'digits,mnist' is a sweep; add -m", sub=True),
     case("optimizer.lr=0.1,0.2", "error: optimizer.lr: '0.1,0.2' is a sweep; add -m"),
     case("--no-such-flag", "error: --no-such-flag: unknown flag"),
+    case("-m --cfg job", "error: --multirun: cannot be combined with --cfg; give one of --multirun (-m), --cfg,"),
     case("+seed=3", "error: seed: Could not append to config. An item is already at 'seed'."),
     case("~trainer.nope", "error: trainer.nope: Could not delete from config."),
     case("hydra.job.chdir=maybe", "error: hydra.job.chdir: Value 'maybe' is not a valid bool"),
