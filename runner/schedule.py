@@ -7,9 +7,8 @@ total steps when < 1. A warmup runs linearly from peak/(warmup+1) up to the peak
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import math
+from typing import Any, Callable
 
 import torch
 from torch.optim.lr_scheduler import (ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts, CyclicLR,

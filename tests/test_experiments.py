@@ -76,7 +76,8 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
     from mlflow.tracking import MlflowClient
     from optuna.trial import TrialState
 
-    from runner.trial import RUN_DIR_ATTR, open_storage
+    from runner.trial import RUN_DIR_ATTR
+    from tests.runner.test_hparams_search import load, run_of
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = run_cli(["-m", "hparams_search=gpt_small_optuna", "hydra.sweeper.n_trials=2", "model.n_embd=choice(32,64)",
@@ -84,7 +85,7 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
                     "trainer.max_steps=6", "trainer.eval_every_n_steps=3", f"dataset.root={tmp_path / 'data'}",
                     f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri={uri}", "trainer.progress_bar=off"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    study = optuna.load_study(study_name="gpt_small_optuna", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
+    study = load(tmp_path / "sweep" / "optuna.journal", "gpt_small_optuna")
     assert study.direction == optuna.study.StudyDirection.MINIMIZE
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     client = MlflowClient(uri)
@@ -93,7 +94,6 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
         spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
         assert (spec["model"]["n_layer"], spec["model"]["n_embd"]) == (trial.params["model.n_layer"], trial.params["model.n_embd"])
         assert spec["optimizer"]["lr"] == trial.params["optimizer.lr"] and spec["task"]["name"] == "language_modeling"
-        run_id = (run_dir / "mlflow_run_id").read_text().strip()
-        val = [m.value for m in client.get_metric_history(run_id, "val/loss")]
+        val = [m.value for m in client.get_metric_history(run_of(trial), "val/loss")]
         assert len(val) == 2 and trial.value == pytest.approx(min(val), rel=1e-9)
     assert len({(t.params["model.n_layer"], t.params["model.n_embd"], t.params["optimizer.lr"]) for t in study.trials}) == 2

@@ -13,16 +13,15 @@ ranks can be compared with one process number for number:
 """
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
 import torch
 
-from runner import checkpoint
 from tests.conftest import run_cli
 from tests.data.test_text import write_imdb
 from tests.data.test_torchvision_datasets import _write_cifar
+from tests.runner.test_parallel import final_weights, metric_history
 
 COMMON = ["precision=fp32", "trainer.progress_bar=off", "trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=4",
           "trainer.keep_checkpoints=10"]
@@ -80,17 +79,8 @@ def parallel(strategy: str, per_rank: int, accum: int) -> list[str]:
             f"+accum={accum}"]
 
 
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
-
-
 def history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    with sqlite3.connect(f"{run_dir}.db") as con:
-        rows = con.execute("select key, step, value from metrics order by key, step").fetchall()
-    out: dict[str, list[tuple[int, float]]] = {}
-    for key, step, value in rows:
-        out.setdefault(key, []).append((step, value))
-    return out
+    return metric_history(Path(f"{run_dir}.db"))
 
 
 def assert_same_weights(a: dict, b: dict, parameters_only: bool = False, rtol: float = 1e-5, adam_lr: float = 0.0) -> None:
@@ -123,7 +113,7 @@ def metric_keys(preset: str) -> list[str]:
 def resume_mid_run(preset: str, root: Path, where: Path, full: Path, *extra: str) -> None:
     """Resumed from the uninterrupted run's step-4 checkpoint: bitwise its weights, and its numbers after step 4."""
     resumed = run(preset, root, where, "resumed", *extra, f"trainer.resume={full / 'checkpoints' / 'step-00000004.pt'}")
-    assert_same_weights(weights(full), weights(resumed), rtol=0)
+    assert_same_weights(final_weights(full), final_weights(resumed), rtol=0)
     assert_same_history(history(full), history(resumed), [k for k in metric_keys(preset) if k != "objective"], after=4)
 
 
@@ -135,7 +125,7 @@ def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process_a
     ddp = run(preset, root, tmp_path, "ddp", *parallel("ddp", batch // 2, 1))
     fsdp = run(preset, root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
     for other in (ddp, fsdp):
-        assert_same_weights(weights(one), weights(other), adam_lr=PRESETS[preset]["adam_lr"])
+        assert_same_weights(final_weights(one), final_weights(other), adam_lr=PRESETS[preset]["adam_lr"])
         assert_same_history(history(one), history(other), metric_keys(preset))
     resume_mid_run(preset, root, tmp_path, fsdp, *parallel("fsdp", batch // 4, 2))
 
@@ -148,6 +138,6 @@ def test_the_resnet_preset_with_batchnorm_trains_alike_under_ddp_and_fsdp_and_re
     root, batch = data_root["cifar10_resnet"], PRESETS["cifar10_resnet"]["batch"]
     ddp = run("cifar10_resnet", root, tmp_path, "ddp", *parallel("ddp", batch // 4, 2))
     fsdp = run("cifar10_resnet", root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
-    assert_same_weights(weights(ddp), weights(fsdp), parameters_only=True)
+    assert_same_weights(final_weights(ddp), final_weights(fsdp), parameters_only=True)
     assert_same_history(history(ddp), history(fsdp), ["train/loss", "lr"])
     resume_mid_run("cifar10_resnet", root, tmp_path, ddp, *parallel("ddp", batch // 4, 2))

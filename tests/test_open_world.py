@@ -111,17 +111,17 @@ def test_regression_learns_with_mse_reports_mae_and_accumulates_exactly(tmp_path
 
 
 def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, user_path) -> None:
-    import optuna
     import yaml
     from optuna.trial import TrialState
 
-    from runner.trial import RUN_DIR_ATTR, open_storage
+    from runner.trial import RUN_DIR_ATTR
+    from tests.runner.test_hparams_search import load
 
     proc = run_cli(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net", "model.width=choice(8,16,24)",
                     "hydra.sweeper.n_trials=2", "trainer.max_steps=6", "trainer.progress_bar=off", "tracking=none",
                     f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    study = optuna.load_study(study_name="digits_optuna", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
+    study = load(tmp_path / "sweep" / "optuna.journal")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     for trial in study.trials:
         spec = yaml.safe_load((Path(trial.system_attrs[RUN_DIR_ATTR]) / "spec.yaml").read_text())

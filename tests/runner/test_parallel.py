@@ -243,7 +243,7 @@ def test_fsdp_mixed_precision_trains_a_model_with_batchnorm(tmp_path: Path, prec
     assert float(proc.stdout.split("best val/acc: ")[1].split()[0]) > 0.7
 
 
-def _history(db: Path) -> dict[str, list[tuple[int, float]]]:
+def metric_history(db: Path) -> dict[str, list[tuple[int, float]]]:
     with sqlite3.connect(db) as con:
         rows = con.execute("select key, step, value from metrics order by key, step").fetchall()
     out: dict[str, list[tuple[int, float]]] = {}
@@ -278,7 +278,7 @@ def test_two_ranks_log_and_train_like_one_process_for_any_split_size(tmp_path: P
                     f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "single"))
-    one, two = _history(tmp_path / "single.db"), _history(tmp_path / "two.db")
+    one, two = metric_history(tmp_path / "single.db"), metric_history(tmp_path / "two.db")
     for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "lr", "objective"):
         assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
         for (_, a), (_, b) in zip(one[key], two[key]):
