@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from runner import components, registry
+from runner.preflight import preflight
+from runner.resume import typed_keys
+from tests.conftest import REPO, compose_spec, run_cli
 
 
 def mlflow_runs(db: Path) -> list[tuple]:
@@ -19,6 +22,19 @@ def mlflow_runs(db: Path) -> list[tuple]:
 
 
 # The bad-input matrix is tests/runner/test_bad_input.py.
+
+
+def preflight_ok(args: list[str]) -> None:
+    """Preflight as the CLI runs it, in this process: a refusal (exit 2) fails the test with its line."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        preflight(args)
+    except SystemExit as e:
+        pytest.fail(f"preflight refused {args} (exit {e.code})")
+    finally:
+        GlobalHydra.instance().clear()
 
 
 @pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job"], ["--help"], ["optimizer.lrr=1"]],
@@ -51,3 +67,49 @@ def test_the_readme_command_works_as_typed_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
     assert "steps: 4" in spec and "name: bf16" in spec and "name: adamw" in spec
+
+
+# --- composition: every option with the keys a user types most ---------------------------------------
+
+
+@pytest.mark.parametrize("dataset", registry.options("dataset"))
+def test_every_dataset_option_takes_the_loader_keys(tmp_path: Path, dataset: str) -> None:
+    """batch_size and num_workers are runner's keys: an option's YAML need not list them."""
+    overrides = [f"dataset={dataset}", "dataset.batch_size=5", "dataset.num_workers=3"]
+    preflight_ok([*overrides, "--cfg", "job"])  # the override is accepted (nothing of the data is read)
+    spec = components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))
+    assert (spec.dataset.batch_size, spec.dataset.num_workers) == (5, 3)
+    assert not {"batch_size", "num_workers"} & set(spec.dataset.params)  # the builder never sees them
+
+
+# the tasks each built-in model is made for, each with a dataset of that kind
+MODEL_TASKS = [(model, task, dataset) for model in ("mlp", "cnn", "resnet18", "timm", "torchvision", "vit")
+               for task, dataset in (("classification", "synthetic"), ("regression", "synthetic"))]
+MODEL_TASKS += [("gpt", "language_modeling", "text_lm"), ("hf", "classification", "imdb"),
+                ("hf", "language_modeling", "text_lm"), ("distilbert", "classification", "imdb")]
+
+
+def test_every_model_option_composes_with_every_task_it_supports(tmp_path: Path) -> None:
+    assert {m for m, _, _ in MODEL_TASKS} == set(registry.options("model"))  # a new model option joins the list
+    for model, task, dataset in MODEL_TASKS:
+        overrides = [f"model={model}", f"task={task}", f"dataset={dataset}", "dataset.batch_size=4"]
+        if model == "hf" and task == "language_modeling":
+            overrides.append("model.task=causal_lm")
+        spec = components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))
+        assert spec.task.name == task and spec.dataset.batch_size == 4, overrides
+
+
+USER_CONF = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
+
+
+def test_options_of_every_group_come_from_the_users_search_path(tmp_path: Path) -> None:
+    """tests/user_pkg/conf: a preset naming the user's own optimizer and model options, and the user's
+    scheduler and precision options; each is the built-in it extends, with the user's values on top."""
+    user = [USER_CONF, "experiment=my_preset", "scheduler=my_cosine", "precision=my_bf16", "trainer.device=cpu"]
+    preflight_ok([*user, "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"])
+    spec = compose_spec(user, tmp_path / "run")
+    same = compose_spec([USER_CONF, "model=wide_net", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=cosine",
+                         "precision=bf16", "seed=3", "trainer.max_steps=7", "trainer.device=cpu"], tmp_path / "run")
+    assert spec.optimizer.lr == 0.05 and spec.seed == 3 and spec.trainer.max_steps == 7
+    for group in ("model", "optimizer", "scheduler", "precision", "trainer"):
+        assert getattr(spec, group) == getattr(same, group), group
