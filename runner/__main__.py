@@ -50,9 +50,9 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
 
 
 def cli() -> None:
-    preflight(sys.argv[1:])
+    run_dir = preflight(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
-        sys.argv += shared_run_dir_overrides()
+        sys.argv += shared_run_dir_overrides(run_dir)
     try:
         main()
     except KeyboardInterrupt:

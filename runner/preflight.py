@@ -39,8 +39,9 @@ def resolved(cfg: DictConfig) -> dict:
     return out
 
 
-def preflight(argv: list[str]) -> None:
-    """Check the command line as Hydra will read it; `fail` at the first mistake."""
+def preflight(argv: list[str]) -> str | None:
+    """Check the command line as Hydra will read it; `fail` at the first mistake. Returns the run
+    directory of a single run as Hydra will name it (`${now:...}` resolved here), None otherwise."""
     from hydra._internal.utils import get_args_parser  # hydra.main's own parser: flags as Hydra reads them
 
     args, unknown = get_args_parser().parse_known_args(argv)
@@ -53,14 +54,14 @@ def preflight(argv: list[str]) -> None:
              f"--shell-completion, --run")
     if args.help or args.hydra_help or args.shell_completion or args.config_path or args.config_dir \
             or args.experimental_rerun:
-        return  # Hydra's own business: nothing of the run is composed
+        return None  # Hydra's own business: nothing of the run is composed
     try:
-        _check_command_line(args)
+        return _check_command_line(args)
     except SpecError as e:
         fail(str(e))
 
 
-def _check_command_line(args: Any) -> None:
+def _check_command_line(args: Any) -> str | None:
     overrides = _parse(args.overrides)
     _check_groups(overrides)
     if not args.multirun:
@@ -71,7 +72,7 @@ def _check_command_line(args: Any) -> None:
     for variant in variants:
         cfg = _compose(args.config_name or CONFIG_NAME, variant)
         if args.cfg or args.info:
-            return  # printing the config: the values are the user's to inspect, not to run
+            return None  # printing the config: the values are the user's to inspect, not to run
         run_dir = str(_select(cfg, dir_key))
         container = resolved(cfg)
         container["run_dir"] = run_dir
@@ -79,6 +80,7 @@ def _check_command_line(args: Any) -> None:
         first = first or (spec, run_dir)
     if first is not None:  # every job's values are good: now what they name outside themselves
         _check_surroundings(first[0], dir_key, first[1])
+    return None if args.multirun or first is None else first[1]
 
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:

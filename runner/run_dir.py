@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 from runner.fields import SpecError
@@ -58,9 +59,10 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def shared_run_dir_overrides() -> list[str]:
+def shared_run_dir_overrides(run_dir: str | None) -> list[str]:
     """Under torchrun every rank runs this command and Hydra would give each its own run directory;
-    rank 0 names one and all ranks use it (only rank 0 writes Hydra's files and logs)."""
+    rank 0's (the user's hydra.run.dir, or the default with rank 0's time) is the one all ranks use, and
+    only rank 0 writes Hydra's files and logs."""
     import datetime
 
     import torch
@@ -69,8 +71,15 @@ def shared_run_dir_overrides() -> list[str]:
 
     env = init_process_group("cuda" if torch.cuda.is_available() else "cpu")
     now = datetime.datetime.now()
-    run_dir = broadcast_object(f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}")
-    extra = [f"hydra.run.dir={run_dir}"]
+    shared = broadcast_object(run_dir or f"outputs/runs/{now:%Y-%m-%d}/{now:%H-%M-%S-%f}")
+    extra = [f"hydra.run.dir={_override_value(shared)}"]
     if env.rank != 0:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     return extra
+
+
+def _override_value(text: str) -> str:
+    """A path as one override value: quoted where Hydra's grammar would read it otherwise (a comma: a sweep)."""
+    if re.fullmatch(r"[\w./:-]+", text):
+        return text
+    return "'" + text.replace("'", "\\'") + "'"  # Hydra keeps other backslashes in a quoted value as they are
