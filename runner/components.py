@@ -37,9 +37,16 @@ def load_target(group: str, target: str) -> Callable:
 def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = frozenset()) -> dict[str, Any]:
     """`params` checked against the target's signature and completed with its defaults.
 
-    Keys that came from an option's YAML (not typed on the command line) and that the target does not
-    take are dropped with a note: `model._target_=pkg.Net` replaces the default option's callable, whose
-    own keys mean nothing to pkg.Net. A typed key the target does not take is an error."""
+    A `_target_` typed on the command line starts from its own signature's defaults: of the option's YAML
+    (written for the option's callable) only the keys typed with it are applied. Otherwise keys that came
+    from the YAML and that the target does not take are dropped with a note. A typed key the target does
+    not take is an error. A mapping with its own `_target_` among the arguments is a component too
+    (Hydra's instantiate convention): its keys are checked the same way, and it is built before the call."""
+    if f"{group}._target_" in typed:
+        dropped = sorted(k for k in params if f"{group}.{k}" not in typed and not k.startswith("_"))
+        if dropped:
+            log.info("%s._target_=%s: the option's own keys (%s) are not used", group, target, ", ".join(dropped))
+        params = {k: v for k, v in params.items() if k not in dropped}
     fn = load_target(group, target)
     try:
         signature = inspect.signature(fn)
@@ -52,6 +59,9 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
     open_ended = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
     out: dict[str, Any] = {}
     for key, value in params.items():
+        if key.startswith("_") and key.endswith("_"):  # instantiate's own keys: _partial_, _args_, _convert_
+            out[key] = value
+            continue
         if key not in accepted and not open_ended:
             if key in decided and key in signature.parameters:
                 raise SpecError(f"{group}.{key}: decided by the data for {target}; remove it from the config")
@@ -60,13 +70,29 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
                 continue
             raise SpecError(f"{group}.{key}: unknown key for {target}; {did_you_mean(key, accepted)}"
                             f"accepted keys: {', '.join(sorted(accepted)) or '(none)'}")
-        out[key] = _convert_param(hints.get(key), value, f"{group}.{key}")
+        out[key] = _nested(value, f"{group}.{key}", typed)
+        if out[key] is value:  # not a component: its annotation says what it may be
+            out[key] = _convert_param(hints.get(key), value, f"{group}.{key}")
+    if params.get("_partial_") is True:
+        return out  # the rest of the arguments come at call time
     for name, p in accepted.items():
         if name not in out:
             if p.default is p.empty:
                 raise SpecError(f"{group}.{name}: {target} needs a value for it; add +{group}.{name}=...")
             out[name] = _plain(p.default)
     return out
+
+
+def _nested(value: Any, key: str, typed: set[str]) -> Any:
+    """A nested component (a mapping with a `_target_`, or a list of them) resolved; anything else as it is."""
+    if isinstance(value, dict) and isinstance(value.get("_target_"), str):
+        rest = {k: v for k, v in value.items() if k != "_target_"}
+        if key in typed:  # the whole mapping was typed: so was each of its keys
+            typed = {*typed, *(f"{key}.{k}" for k in value)}
+        return {"_target_": value["_target_"], **resolve(key, value["_target_"], rest, typed)}
+    if isinstance(value, list) and any(isinstance(v, dict) and "_target_" in v for v in value):
+        return [_nested(v, f"{key}[{i}]", typed) for i, v in enumerate(value)]
+    return value
 
 
 def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
@@ -102,6 +128,7 @@ def build_model(spec: RunSpec, data: Any) -> Any:
 
 
 def _call(group: str, fn: Callable, kwargs: dict[str, Any]) -> Any:
+    kwargs = {k: _instantiated(v, f"{group}.{k}") for k, v in kwargs.items()}
     try:
         return fn(**{k: list(v) if isinstance(v, tuple) and k != "input_shape" else v for k, v in kwargs.items()})
     except (ValueError, TypeError) as e:  # a component's one-line complaint about its own arguments
@@ -112,6 +139,25 @@ def _call(group: str, fn: Callable, kwargs: dict[str, Any]) -> Any:
     except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SpecError(f"{group}: building {getattr(fn, '__name__', fn)} failed ({first[:200]}); check its sizes") from None
+
+
+def _instantiated(value: Any, key: str) -> Any:
+    """Nested components built as hydra.utils.instantiate builds them (recursively, `_partial_` and `_args_`
+    included), with plain containers rather than OmegaConf's."""
+    if isinstance(value, dict) and "_target_" in value:
+        from hydra.utils import instantiate
+
+        try:
+            return instantiate({"_convert_": "all", **value})
+        except Exception as e:  # instantiate wraps the callable's own error: that one is the user's
+            cause = e.__cause__ or e
+            first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+            raise SpecError(f"{key}: building {value['_target_']} failed ({first[:200]})") from None
+    if isinstance(value, dict):
+        return {k: _instantiated(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_instantiated(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    return value
 
 
 def _hints(fn: Callable) -> dict[str, Any]:

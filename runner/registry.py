@@ -1,7 +1,10 @@
-"""The options of each config group, read from conf/: a reader who knows the config tree knows the code tree."""
+"""The options of each config group, read from conf/ and from a user's `hydra.searchpath`: a reader who
+knows the config tree knows the code tree."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from typing import Iterable
 
 _PACKAGE = Path(__file__).resolve().parent
 # An installed wheel carries conf/ inside the package as runner/conf (pyproject.toml maps it there, so a
@@ -11,10 +14,32 @@ _PACKAGE = Path(__file__).resolve().parent
 CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf" / "config.yaml").is_file() else _PACKAGE.parent / "conf"
 
 
-def groups() -> list[str]:
-    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+def search_dirs(searchpath: Iterable[str] = ()) -> list[Path]:
+    """conf/, then the folders of `hydra.searchpath` entries as Hydra reads them: `file://<dir>` (or a
+    bare directory) and `pkg://<package>`. An entry that names nothing readable adds nothing."""
+    dirs = [CONF_DIR]
+    for entry in searchpath:
+        scheme, sep, where = str(entry).partition("://")
+        if not sep:
+            scheme, where = "file", str(entry)
+        if scheme == "file":
+            dirs.append(Path(where))
+        elif scheme == "pkg":
+            try:
+                spec = importlib.util.find_spec(where.replace("/", "."))
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None:
+                dirs += [Path(p) for p in spec.submodule_search_locations or []]
+    return [d for d in dirs if d.is_dir()]
 
 
-def options(group: str) -> list[str]:
-    """Option names of a config group, e.g. options('precision') -> ['bf16', 'bf16_true', ...]."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def groups(searchpath: Iterable[str] = ()) -> list[str]:
+    """Config groups (folders), Hydra's own excepted."""
+    return sorted({p.name for d in search_dirs(searchpath) for p in d.iterdir() if p.is_dir() and p.name != "hydra"})
+
+
+def options(group: str, searchpath: Iterable[str] = ()) -> list[str]:
+    """Option names of a config group, e.g. options('precision') -> ['bf16', 'bf16_true', ...]; with a
+    search path, the user's own options of that group as well."""
+    return sorted({p.stem for d in search_dirs(searchpath) for p in (d / group).glob("*.yaml")})

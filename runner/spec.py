@@ -320,11 +320,11 @@ OPTION_GROUPS = ("task", "optimizer", "scheduler", "precision", "parallelism", "
 COMPONENT_GROUPS = ("model", "dataset")
 
 
-def check_option(group: str, value: Any, key: str | None = None) -> None:
-    """Refuse an option of a config group that has no conf/<group>/<value>.yaml."""
+def check_option(group: str, value: Any, key: str | None = None, searchpath: tuple[str, ...] = ()) -> None:
+    """Refuse an option of a config group that has no <group>/<value>.yaml in conf/ or on the search path."""
     from runner import registry  # late: the registry lists conf/, which only this check needs
 
-    allowed = registry.options(group)
+    allowed = registry.options(group, searchpath)
     if value not in allowed:
         raise SpecError(f"{key or group}: unknown option {value!r}; {did_you_mean(str(value), allowed)}"
                         f"choose one of {', '.join(allowed)}")

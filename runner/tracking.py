@@ -10,7 +10,9 @@ Store checks and the store lock live in runner.mlflow_store.
 """
 from __future__ import annotations
 
+import json
 import logging
+import re
 import socket
 import subprocess
 import time
@@ -27,7 +29,7 @@ _FLUSH_EVERY_S = 5.0
 _FLUSH_AT = 500  # metric values; MLflow takes at most 1000 per batch
 
 __all__ = ["Tracker", "NullTracker", "MlflowTracker", "build_tracker", "check_tracking", "end_left_running",
-           "experiment_id", "open_client", "run_exists", "run_name_from"]
+           "experiment_id", "open_client", "params_of", "run_exists", "run_name_from"]
 
 
 class Tracker(Protocol):
@@ -107,7 +109,7 @@ class MlflowTracker:
                 self.run_file.write_text(self.run_id)
             from mlflow.entities import Param
 
-            params = [Param(k, _param_value(v)) for k, v in spec.flat().items() if k != "overrides"]
+            params = [Param(k, v) for k, v in params_of(spec).items()]
             for i in range(0, len(params), 100):  # MLflow's limit per batch
                 self.client.log_batch(self.run_id, params=params[i:i + 100])
             self.client.log_text(self.run_id, spec.to_yaml(), "spec.yaml")
@@ -229,12 +231,20 @@ def end_left_running(spec: RunSpec, status: str) -> None:
         client.set_terminated(run_id, status=status)
 
 
+# overrides that change where a run logs, shows progress, resumes from or reads its files with, not what it trains
+_NOT_IN_NAME = ("hydra", "trial", "tracking", "trainer.progress_bar", "trainer.resume", "trainer.log_every_n_steps",
+                "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints", "dataset.num_workers", "dataset.download",
+                "parallelism.rdzv_endpoint", "parallelism.rdzv_timeout", "parallelism.node_rank",
+                "parallelism.max_restarts")
+
+
 def run_name_from(overrides: tuple[str, ...]) -> str:
-    """A readable name from the overrides: 'optimizer=adamw precision=bf16 +accum=4' -> 'adamw,bf16,accum=4'."""
+    """A readable name from the overrides that change what is trained:
+    'optimizer=adamw precision=bf16 +accum=4 tracking.uri=...' -> 'adamw,bf16,accum=4'."""
     parts = []
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith(("hydra.", "trial.")) or key in ("trainer.resume", "tracking.uri"):
+        if any(key == k or key.startswith((f"{k}.", f"{k}/")) for k in _NOT_IN_NAME):
             continue
         value = _short_number(value)
         parts.append(value if "." not in key and key not in ("seed", "accum") else f"{key.split('.')[-1]}={value}")
@@ -249,8 +259,31 @@ def _short_number(value: str) -> str:
         return value
 
 
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def params_of(spec: RunSpec) -> dict[str, str]:
+    """MLflow params: the spec flattened to dotted keys, each a valid MLflow key whatever a user's keys hold.
+
+    A mapping is flattened only where every key is a plain name; one whose keys are not (a glob such as
+    `backbone.*`, which MLflow refuses in a key; a dotted key, whose flat name could collide with a nested
+    one's) is one param holding the mapping as JSON: readable, and json.loads gives it back."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node and all(isinstance(k, str) and _PLAIN_KEY.match(k) for k in node):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            out[prefix[:-1]] = _param_value(node)
+
+    walk({k: v for k, v in spec.to_dict().items() if k != "overrides"}, "")  # overrides: a tag
+    return out
+
+
 def _param_value(value: Any) -> str:
-    return str(value)[:6000]
+    text = json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
+    return text[:6000]  # MLflow's limit
 
 
 def _git_commit() -> str:

@@ -208,6 +208,17 @@ CASES = [
     case("tracking.uri=sqlite:////proc/runner-test/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=sqlite:///{readonly}/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=http://127.0.0.1:1", "error: tracking.uri: ", RUN),
+    # --- cli (issue 13): options of every group from the user's search path, and their unknown names
+    case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "optimizer=my_sdg"],
+         "error: optimizer: unknown option 'my_sdg'; did you mean my_sgd? choose one of adafactor, adagrad, adam, adamw, "
+         "lamb, muon, my_sgd, "),
+    case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "experiment=my_prest"],
+         "error: experiment: unknown option 'my_prest'; did you mean my_preset?"),
+    # --- cli (issue 13): a component nested in a user's model arguments has its keys checked
+    case(["model._target_=tests.user_pkg.blocks.ActNet", "+model.activation={_target_: torch.nn.LeakyReLU, negative_slop: 0.2}"],
+         "error: model.activation.negative_slop: unknown key for torch.nn.LeakyReLU; did you mean negative_slope? "
+         "accepted keys: inplace, negative_slope"),
+    case(["model._target_=tests.user_pkg.blocks.Tower", "model.hidden=[8]"], "error: model.hidden: [8] is not an integer"),
 ]
 
 

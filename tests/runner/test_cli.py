@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from runner import components, registry
+from runner.preflight import preflight
+from runner.resume import typed_keys
+from runner.spec import SpecError
+from tests.conftest import REPO, compose_spec, run_cli
 
 
 def mlflow_runs(db: Path) -> list[tuple]:
@@ -19,6 +23,19 @@ def mlflow_runs(db: Path) -> list[tuple]:
 
 
 # The bad-input matrix is tests/runner/test_bad_input.py.
+
+
+def preflight_ok(args: list[str]) -> None:
+    """Preflight as the CLI runs it, in this process: a refusal (exit 2) fails the test with its line."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        preflight(args)
+    except SystemExit as e:
+        pytest.fail(f"preflight refused {args} (exit {e.code})")
+    finally:
+        GlobalHydra.instance().clear()
 
 
 @pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job"], ["--help"], ["optimizer.lrr=1"]],
@@ -51,3 +68,140 @@ def test_the_readme_command_works_as_typed_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
     assert "steps: 4" in spec and "name: bf16" in spec and "name: adamw" in spec
+
+
+# --- composition: every option with the keys a user types most ---------------------------------------
+
+
+@pytest.mark.parametrize("dataset", registry.options("dataset"))
+def test_every_dataset_option_takes_the_loader_keys(tmp_path: Path, dataset: str) -> None:
+    """batch_size and num_workers are runner's keys: an option's YAML need not list them."""
+    overrides = [f"dataset={dataset}", "dataset.batch_size=5", "dataset.num_workers=3"]
+    preflight_ok([*overrides, "--cfg", "job"])  # the override is accepted (nothing of the data is read)
+    spec = components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))
+    assert (spec.dataset.batch_size, spec.dataset.num_workers) == (5, 3)
+    assert not {"batch_size", "num_workers"} & set(spec.dataset.params)  # the builder never sees them
+
+
+# the tasks each built-in model is made for, each with a dataset of that kind
+MODEL_TASKS = [(model, task, dataset) for model in ("mlp", "cnn", "resnet18", "timm", "torchvision", "vit")
+               for task, dataset in (("classification", "synthetic"), ("regression", "synthetic"))]
+MODEL_TASKS += [("gpt", "language_modeling", "text_lm"), ("hf", "classification", "imdb"),
+                ("hf", "language_modeling", "text_lm"), ("distilbert", "classification", "imdb")]
+
+
+def test_every_model_option_composes_with_every_task_it_supports(tmp_path: Path) -> None:
+    assert {m for m, _, _ in MODEL_TASKS} == set(registry.options("model"))  # a new model option joins the list
+    for model, task, dataset in MODEL_TASKS:
+        overrides = [f"model={model}", f"task={task}", f"dataset={dataset}", "dataset.batch_size=4"]
+        if model == "hf" and task == "language_modeling":
+            overrides.append("model.task=causal_lm")
+        spec = components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))
+        assert spec.task.name == task and spec.dataset.batch_size == 4, overrides
+
+
+USER_CONF = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
+
+
+def test_options_of_every_group_come_from_the_users_search_path(tmp_path: Path) -> None:
+    """tests/user_pkg/conf: a preset naming the user's own optimizer and model options, and the user's
+    scheduler and precision options; each is the built-in it extends, with the user's values on top."""
+    user = [USER_CONF, "experiment=my_preset", "scheduler=my_cosine", "precision=my_bf16", "trainer.device=cpu"]
+    preflight_ok([*user, "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"])
+    spec = compose_spec(user, tmp_path / "run")
+    same = compose_spec([USER_CONF, "model=wide_net", "optimizer=sgd", "optimizer.lr=0.05", "scheduler=cosine",
+                         "precision=bf16", "seed=3", "trainer.max_steps=7", "trainer.device=cpu"], tmp_path / "run")
+    assert spec.optimizer.lr == 0.05 and spec.seed == 3 and spec.trainer.max_steps == 7
+    for group in ("model", "optimizer", "scheduler", "precision", "trainer"):
+        assert getattr(spec, group) == getattr(same, group), group
+
+
+# --- a _target_ typed on the command line, and components nested in a component's arguments ------------
+
+ACT_NET = ["model._target_=tests.user_pkg.blocks.ActNet", "+model.activation={_target_: torch.nn.LeakyReLU, negative_slope: 0.2}"]
+
+
+def resolved(overrides: list[str], tmp_path: Path):
+    return components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))
+
+
+def test_a_target_typed_on_the_command_line_starts_from_its_own_signature(tmp_path: Path) -> None:
+    """mlp.yaml's dropout 0.0 must not replace ActNet's own 0.5, nor its list `hidden` reach Tower's int one."""
+    spec = resolved(ACT_NET, tmp_path)
+    assert spec.model.params["dropout"] == 0.5 and spec.model.params["width"] == 16
+    assert set(spec.model.params) == {"activation", "width", "dropout"}
+    assert resolved([*ACT_NET, "model.dropout=0.1"], tmp_path).model.params["dropout"] == 0.1  # typed: applied
+    assert resolved(["model._target_=tests.user_pkg.blocks.Tower"], tmp_path).model.params == {"hidden": 32}
+    assert resolved(["model._target_=tests.user_pkg.blocks.Tower", "model.hidden=8"], tmp_path).model.params == {"hidden": 8}
+    preflight_ok(["model._target_=tests.user_pkg.blocks.Tower", "tracking=none", f"hydra.run.dir={tmp_path / 'cli'}"])
+
+
+def test_a_nested_target_in_a_models_arguments_is_built_and_its_keys_checked(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = resolved(ACT_NET, tmp_path)
+    assert spec.model.params["activation"] == {"_target_": "torch.nn.LeakyReLU", "negative_slope": 0.2, "inplace": False}
+    model = components.build_model(spec, SimpleNamespace(input_shape=(4,), num_classes=3))
+    assert isinstance(model.act, torch.nn.LeakyReLU) and model.act.negative_slope == 0.2
+    assert model(torch.ones(2, 4)).shape == (2, 3)
+    with pytest.raises(SpecError, match=r"^model.activation.negative_slop: unknown key for torch.nn.LeakyReLU; did you "
+                                        r"mean negative_slope\? accepted keys: inplace, negative_slope$"):
+        resolved([ACT_NET[0], "+model.activation={_target_: torch.nn.LeakyReLU, negative_slop: 0.2}"], tmp_path)
+    with pytest.raises(SpecError, match=r"^model.activation.negative_slope: 'steep' is not a number"):
+        resolved([ACT_NET[0], "+model.activation={_target_: torch.nn.LeakyReLU, negative_slope: steep}"], tmp_path)
+
+
+# --- torchrun: every rank in the run directory the user named ------------------------------------------
+
+
+def test_under_torchrun_every_rank_is_given_the_run_directory_preflight_resolved(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast case (one rank, in this process): what `cli` hands Hydra under torchrun."""
+    import socket
+
+    import torch.distributed as dist
+
+    import runner.__main__ as entry
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"TORCHELASTIC_RUN_ID": "t", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    handed: list[list[str]] = []
+    monkeypatch.setattr(entry, "main", lambda: handed.append(list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", ["runner", "parallelism=ddp", "trainer.device=cpu", "tracking=none",
+                                      f"hydra.run.dir={tmp_path / 'mine'}"])
+    try:
+        entry.cli()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert handed[0][-1] == f"hydra.run.dir={tmp_path / 'mine'}"
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_run_goes_to_the_users_run_directory(tmp_path: Path) -> None:
+    """`torchrun -m runner hydra.run.dir=X`: ranks used to share outputs/runs/<now> whatever X was."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "my run, ddp"  # a comma and a space: one path, not a sweep
+    db = tmp_path / "mlflow.db"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "runner", "parallelism=ddp", "parallelism.nproc_per_node=2", "trainer.device=cpu",
+                           "trainer.max_steps=2", "trainer.progress_bar=off", f"tracking.uri=sqlite:///{db}",
+                           f"tracking.artifact_root={tmp_path / 'artifacts'}", f"hydra.run.dir='{run_dir}'"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "spec.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
+    assert f"run_dir: {run_dir}" in (run_dir / "spec.yaml").read_text()
+    assert not (tmp_path / "outputs").exists()  # no rank wrote anywhere else
+    run = MlflowClient(f"sqlite:///{db}").search_runs([MlflowClient(f"sqlite:///{db}").get_experiment_by_name("runner").experiment_id])
+    assert [(r.info.status, r.data.tags["run_dir"]) for r in run] == [("FINISHED", str(run_dir))]
+    artifacts = {a.path for a in MlflowClient(f"sqlite:///{db}").list_artifacts(run[0].info.run_id)}
+    assert "spec.yaml" in artifacts

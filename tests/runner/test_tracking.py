@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.mlflow_store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, check_tracking, store_lock
 from runner.spec import RunSpec, SpecError, TrackingSpec
-from runner.tracking import MlflowTracker, NullTracker, Tracker, build_tracker, end_left_running
+from runner.tracking import (MlflowTracker, NullTracker, Tracker, build_tracker, end_left_running, params_of,
+                             run_name_from)
 from tests.conftest import REPO, run_cli
 
 # A process that logs one run through the tracker, as rank 0 of a real run would.
@@ -390,3 +391,37 @@ def read_only_dir(tmp_path: Path):
         return
     with mounted_tmpfs(path, "ro,size=64k"):
         yield path
+
+
+# --- 6. params and run names (issue 13) ----------------------------------------------------------------
+
+
+def test_params_with_globs_and_dotted_keys_are_logged_and_read_back(tmp_path: Path, store: str) -> None:
+    """README's `optimizer.lr_multipliers={backbone.*: 0.1}` made every tracked run fail: a glob is no MLflow key."""
+    import json
+
+    from tests.conftest import compose_spec
+
+    multipliers = {"backbone.*": 0.1, "head.?": 2.0}
+    extra = {"x.y": 1, "x": {"y": 2}}  # flattened naively, both would be `model.extra.x.y`
+    spec = compose_spec(["optimizer.lr_multipliers={backbone.*: 0.1, head.?: 2}",
+                         "+model.extra={x.y: 1, x: {y: 2}}"], tmp_path / "run", tracking_uri=store)
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.finish("FINISHED")
+    run = MlflowClient(store).get_run(tracker.run_id)
+    params = run.data.params
+    assert run.info.status == "FINISHED"
+    assert json.loads(params["optimizer.lr_multipliers"]) == multipliers
+    assert json.loads(params["model.extra"]) == extra
+    assert params["optimizer.lr"] == str(spec.optimizer.lr) and params["model.hidden"] == "[256, 128]"
+    assert params == params_of(spec) and len(params) == len(set(params))
+
+
+def test_run_names_leave_out_overrides_that_do_not_change_what_is_trained() -> None:
+    overrides = ("optimizer=adamw", "tracking.artifact_root=/tmp/a", "tracking.uri=sqlite:///x.db", "tracking=mlflow",
+                 "hydra.run.dir=/tmp/run", "hydra/launcher=basic", "trainer.progress_bar=off", "trainer.resume=/tmp/r",
+                 "trainer.log_every_n_steps=5", "dataset.num_workers=2", "+accum=4", "optimizer.lr=0.01",
+                 "trial.number=3", "parallelism.rdzv_endpoint=h:1")
+    assert run_name_from(overrides) == "adamw,accum=4,lr=0.01"
+    assert run_name_from(("tracking.artifact_root=/tmp/a",)) == "default"
