@@ -10,8 +10,6 @@ import torch
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, TensorDataset
 
-from runner.spec import SpecError
-
 
 @dataclass(frozen=True)
 class DataSplits:
@@ -46,7 +44,7 @@ def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: floa
     # the 1e-9 keeps float noise (0.7 * 100 = 70.00000000000001) from taking one sample too many
     n_test, n_val = (math.ceil(f * len(y) - 1e-9) for f in (test_fraction, val_fraction))
     if n_test + n_val >= len(y):
-        raise SpecError(f"dataset.val_fraction: val_fraction {val_fraction:g} + test_fraction {test_fraction:g} "
+        raise ValueError(f"val_fraction: val_fraction {val_fraction:g} + test_fraction {test_fraction:g} "
                         f"leave no training samples out of {len(y)}; lower them or use more data")
     rest, test = _carve(np.arange(len(y)), y, n_test, seed)
     train, val = _carve(rest, y[rest], n_val, seed)

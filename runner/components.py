@@ -16,7 +16,7 @@ import logging
 import typing
 from typing import Any, Callable
 
-from runner.fields import SpecError, _convert
+from runner.fields import SpecError, convert
 from runner.spec import RunSpec, did_you_mean
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def _convert_param(tp: Any, value: Any, key: str) -> Any:
             raise SpecError(f"{key}: {value!r} is not a list")
         return [_convert_param(args[0] if args else None, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple or tp in (bool, int, float, str) or origin is typing.Literal:
-        return _plain(_convert(tp, value, key, None))
+        return _plain(convert(tp, value, key))
     return _plain(value)
 
 

@@ -175,7 +175,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
                         "or a torch state-dict file")
     with open(p, "rb") as f:
         head = f.read(64)
-    if head.startswith(checkpoint._MAGIC):  # runner.checkpoint has no public "is this one of mine" test yet
+    if checkpoint.is_checkpoint(head):
         return _from_checkpoint(p, path)
     if len(head) > 8 and head[8:9] == b"{":  # safetensors: an 8-byte header length, then the JSON header
         return _from_safetensors(p, path)
