@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -31,6 +31,17 @@ class DataSplits:
     max_length: Optional[int] = None
     collate: Optional[Callable] = None
     batch_transform: Optional[Callable] = None
+    tokenizer: Optional[Any] = None  # the `tokenizers.Tokenizer` that made the ids, for a model to check its own against
+
+
+@dataclass(frozen=True)
+class TokenSplits(DataSplits):
+    """DataSplits of token id sequences (`vocab_size` set). A builder annotated `-> TokenSplits` says so
+    before it runs, so a model that cannot read token ids is refused before minutes of tokenizing."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size is None:
+            raise ValueError("vocab_size: TokenSplits needs the vocabulary size of its token ids")
 
 
 def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: float,

@@ -48,14 +48,17 @@ class HFModel(nn.Module):
 def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_classification",
              path: Optional[str] = None, config: Optional[dict] = None, architecture: str = "distilbert",
              num_classes: Optional[int] = None, vocab_size: Optional[int] = None,
-             max_length: Optional[int] = None, pad_token_id: Optional[int] = None) -> nn.Module:
+             max_length: Optional[int] = None, pad_token_id: Optional[int] = None,
+             tokenizer: Optional[Any] = None) -> nn.Module:
     """A HuggingFace model for `task`, loaded from `path` or randomly initialised from `config`.
 
     Without `path`: `AutoConfig.for_model(architecture, **config)`, then the data's vocabulary size,
     longest sequence (max_position_embeddings, at least), padding id and number of classes. With `path`:
     the saved model, `config` overriding its settings (dropout, ...); a classification head for another
     number of classes is re-initialised (`ignore_mismatched_sizes`). Parameters are fp32 whatever the
-    file holds: the precision option decides the compute dtype.
+    file holds: the precision option decides the compute dtype. `tokenizer` (from the data): the
+    `tokenizers.Tokenizer` that made the ids; with `path`, it must be the saved model's own, since
+    pretrained embeddings mean nothing for the ids of another vocabulary.
     """
     if task not in TASKS:
         raise ValueError(f"task: {task!r} is not allowed; allowed: {', '.join(TASKS)}")
@@ -71,6 +74,8 @@ def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_c
         cfg = _fresh_config(transformers, architecture, overrides, vocab_size, max_length)
     else:
         cfg = _saved_config(transformers, path, overrides, vocab_size, max_length)
+        if tokenizer is not None:
+            _check_tokenizer(path, tokenizer, cfg)
     if pad_token_id is not None:
         cfg.pad_token_id = pad_token_id
     if task == "sequence_classification" and num_classes is not None:
@@ -131,6 +136,35 @@ def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab
     if max_length is not None:
         _check_positions(cfg, max_length, f"path: the model at {path} has")
     return cfg
+
+
+def _check_tokenizer(path: str, tokenizer: Any, cfg: Any) -> None:
+    """Refuse ids from a vocabulary that is not the pretrained model's (a tokenizer trained on the data)."""
+    own = _own_tokenizer(Path(path).expanduser())
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if own is not None:
+        if own.get_vocab(with_added_tokens=True) == tokenizer.get_vocab(with_added_tokens=True):
+            return
+        theirs = f"its own tokenizer has {own.get_vocab_size(with_added_tokens=True)} tokens"
+    elif size == getattr(cfg, "vocab_size", None):
+        return  # no tokenizer saved beside the model: a vocabulary of its embedding's size is all one can check
+    else:
+        theirs = f"it embeds {cfg.vocab_size} tokens and keeps no tokenizer"
+    raise ValueError(f"tokenizer: the data's token ids ({size} tokens) are not those of the pretrained model at "
+                     f"{path} ({theirs}); allowed: the model's own tokenizer, tokenizer={path}")
+
+
+def _own_tokenizer(directory: Path) -> Any:
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+    try:  # vocabulary files only: transformers builds the fast tokenizer from them
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, use_fast=True).backend_tokenizer
+    except Exception:  # no tokenizer files at all
+        return None
 
 
 def _check_keys(cfg: Any, overrides: dict[str, Any], architecture: str) -> None:
