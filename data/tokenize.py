@@ -27,6 +27,9 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 _PAD_NAMES = (PAD, "[PAD]", "<|pad|>", "<|padding|>")
 _EOS_NAMES = (EOS, "<|endoftext|>", "</s>", "<|end_of_text|>", "[SEP]")
 
+# the vocabulary files a slow (non-fast) tokenizer saves, from which transformers builds a fast one
+_VOCAB_FILES = ("vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
 # Bumped whenever the training recipe below changes, so old cache files are not reused.
 _RECIPE = "byte-bpe-1"
 
@@ -92,6 +95,9 @@ def tokenizer_file(tokenizer: str) -> Path:
 def _from_directory(path: Path, tokenizer: str) -> Tokenizer:
     if (path / "tokenizer.json").is_file():
         return load_tokenizer(str(path / "tokenizer.json"))
+    if not any((path / name).is_file() for name in _VOCAB_FILES):
+        raise ValueError(f"tokenizer: {tokenizer} holds no tokenizer (no tokenizer.json or vocabulary files); save "
+                         "the model's tokenizer there with tokenizer.save_pretrained, or give a tokenizer.json")
     try:  # vocabulary files only (vocab.txt, merges.txt, ...): transformers builds the fast tokenizer
         from transformers import AutoTokenizer
 
