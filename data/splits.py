@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ class DataSplits:
 class TokenSplits(DataSplits):
     """DataSplits of token id sequences (`vocab_size` set). A builder annotated `-> TokenSplits` says so
     before it runs, so a model that cannot read token ids is refused before minutes of tokenizing."""
+
+    gives_token_ids: ClassVar[bool] = True  # what runner reads from the return annotation
 
     def __post_init__(self) -> None:
         if self.vocab_size is None:

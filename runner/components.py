@@ -93,10 +93,10 @@ def build_data(spec: RunSpec) -> Any:
 
 
 def _declared_inputs(builder: Callable) -> str | None:
+    """"token ids" when the builder's return annotation promises them (a DataSplits subclass with
+    `gives_token_ids`, data/splits.py's TokenSplits), else None: known only once it has run."""
     returns = _hints(builder).get("return") if not inspect.isclass(builder) else None
-    # a DataSplits subclass promising token ids (data/splits.py's TokenSplits): read by its name, since
-    # runner never imports data/ (a class's own name is the declaration, like a metric's direction)
-    return "token ids" if isinstance(returns, type) and "TokenSplits" in {c.__name__ for c in returns.__mro__} else None
+    return "token ids" if getattr(returns, "gives_token_ids", False) is True else None
 
 
 def _model_reads(target: str) -> str | None:
