@@ -194,7 +194,7 @@ def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
     return f"{group}.{message}"
 
 
-_KEY = re.compile(r"[A-Za-z_]\w*(\[\d+\])?")
+_KEY = re.compile(r"[A-Za-z_][\w.]*(\[\d+\])?")  # width, config.dim, channels[1]
 
 
 def _first_line(e: BaseException) -> str:
