@@ -44,6 +44,17 @@ def build(root: str = "datasets", download: bool = False, val_fraction: float = 
     eval_tf = image_transforms(False, INPUT_SHAPE, **augment)  # type: ignore[arg-type]
     mixing = batch_mixing(10, mixup_alpha, cutmix_alpha)
 
+    x_train, y_train, x_test, y_test = load(root, download)
+    train, val, _ = split_indices(y_train, val_fraction, 0.0, split_seed)
+    return DataSplits(train=AugmentedImages(x_train[train], y_train[train], train_tf),
+                      val=_normalised(x_train[val], y_train[val], eval_tf),
+                      test=_normalised(x_test, y_test, eval_tf),
+                      input_shape=INPUT_SHAPE, num_classes=10, batch_transform=mixing)
+
+
+def load(root: str, download: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 train images and labels, then test images and labels, from <root>/cifar-10-batches-py;
+    `download` fetches the archive through torchvision when it is missing."""
     folder = Path(root) / FOLDER
     if download:
         from torchvision import datasets  # imported here: torchvision costs seconds to import
@@ -53,26 +64,33 @@ def build(root: str = "datasets", download: bool = False, val_fraction: float = 
     if missing:
         raise ValueError(f"root: CIFAR-10 not found in {folder.resolve()} (missing {', '.join(missing)}); "
                          f"set download=true to fetch it")
-    x_train, y_train = read_batches(folder, TRAIN_FILES)
-    x_test, y_test = read_batches(folder, TEST_FILES)
-    train, val, _ = split_indices(y_train, val_fraction, 0.0, split_seed)
-    return DataSplits(train=AugmentedImages(x_train[train], y_train[train], train_tf),
-                      val=_normalised(x_train[val], y_train[val], eval_tf),
-                      test=_normalised(x_test, y_test, eval_tf),
-                      input_shape=INPUT_SHAPE, num_classes=10, batch_transform=mixing)
+    # read the batches directly: torchvision's loader insists on the md5 of the official files
+    return (*read_batches(folder, TRAIN_FILES), *read_batches(folder, TEST_FILES))
 
 
 def read_batches(folder: Path, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 images [N, 3, 32, 32] and int64 labels [N] of the named pickle batches, in order."""
     images, labels = [], []
     for name in names:
-        with open(folder / name, "rb") as f:
-            # the official batches are Python 2 pickles: read as bytes, their keys are b"data", b"labels"
-            batch = pickle.load(f, encoding="bytes")
-        batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
+        batch = _read_batch(folder / name)
         images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, *INPUT_SHAPE))
         labels.append(np.asarray(batch["labels"], dtype=np.int64))
     return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
+
+
+def _read_batch(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            # the official batches are Python 2 pickles: read as bytes, their keys are b"data", b"labels"
+            batch = pickle.load(f, encoding="bytes")
+        batch = {key.decode() if isinstance(key, bytes) else key: value for key, value in batch.items()}
+        if len(batch["data"]) != len(batch["labels"]) or np.asarray(batch["data"]).size % 3072:
+            raise ValueError("images and labels do not pair up")
+    except Exception as error:  # a damaged file fails in many ways inside pickle; each is the file's fault
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"root: {path} is not a CIFAR-10 python batch ({type(error).__name__}: {reason}); "
+                         "delete the folder and set download=true to fetch it again") from None
+    return batch
 
 
 def _normalised(images: torch.Tensor, labels: torch.Tensor, eval_tf) -> TensorDataset:

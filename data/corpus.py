@@ -21,9 +21,9 @@ import torch
 from filelock import FileLock
 from torch.utils.data import Dataset
 
-from runner.data.splits import DataSplits
+from runner.data.splits import TokenSplits
 from runner.data.tokenize import (atomic_write_text, encode, eos_id, file_fingerprint, load_or_train_tokenizer,
-                                  pad_id_and_vocab, stable_hash)
+                                  load_tokenizer, pad_id_and_vocab, stable_hash, tokenizer_file)
 
 _FORMAT = "corpus-1"  # bumped when the cache layout or the way text becomes tokens changes
 _CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about this size, in parallel
@@ -33,13 +33,13 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "_
 
 def corpus(files: Optional[list[str]] = None, root: str = "datasets", block_size: int = 256,
            vocab_size: int = 4096, tokenizer: Optional[str] = None, val_fraction: float = 0.05,
-           test_fraction: float = 0.05, max_chars: Optional[int] = 5_000_000) -> DataSplits:
+           test_fraction: float = 0.05, max_chars: Optional[int] = 5_000_000) -> TokenSplits:
     """Next-token blocks of the text in `files` (paths or globs; None: the Python standard library).
 
     A sample i of a split is `{"input_ids": tokens[i*T:(i+1)*T], "labels": tokens[i*T+1:(i+1)*T+1]}`
     with T = block_size: blocks do not overlap, so an epoch reads each token once. Files are read in
     the order given (each glob sorted) up to `max_chars` characters (None: all), documents separated by
-    an end-of-text token. `tokenizer` is a tokenizer.json; None trains a byte-level BPE of `vocab_size`.
+    an end-of-text token. `tokenizer` is a tokenizer.json or a pretrained model's directory; None trains a byte-level BPE of `vocab_size`.
     """
     if block_size < 1:
         raise ValueError(f"block_size: {block_size} is out of range; allowed: >= 1")
@@ -53,7 +53,7 @@ def corpus(files: Optional[list[str]] = None, root: str = "datasets", block_size
         raise ValueError(f"max_chars: {max_chars} is out of range; allowed: >= 1, or null for all the text")
     paths = resolve_files(files)
     key = stable_hash(_FORMAT, [file_fingerprint(p) for p in paths], max_chars, vocab_size,
-                      file_fingerprint(Path(tokenizer)) if tokenizer and Path(tokenizer).is_file() else tokenizer,
+                      file_fingerprint(tokenizer_file(tokenizer)) if tokenizer and tokenizer_file(tokenizer).is_file() else tokenizer,
                       val_fraction, test_fraction)
     cache = Path(root) / ".cache" / key
     try:
@@ -82,8 +82,9 @@ def corpus(files: Optional[list[str]] = None, root: str = "datasets", block_size
     tokens = cache / "tokens.bin"
     train, val, test = (TokenBlocks(tokens, meta["dtype"], int(bounds[i]), int(bounds[i + 1] - bounds[i]), block_size)
                         for i in range(3))
-    return DataSplits(train, val, test, input_shape=(block_size,), vocab_size=meta["vocab_size"],
-                      pad_token_id=meta["pad_token_id"], max_length=block_size)
+    return TokenSplits(train, val, test, input_shape=(block_size,), vocab_size=meta["vocab_size"],
+                       pad_token_id=meta["pad_token_id"], max_length=block_size,
+                       tokenizer=load_tokenizer(str(cache / "tokenizer.json")))
 
 
 class TokenBlocks(Dataset):

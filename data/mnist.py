@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 
 from runner.data.splits import DataSplits, from_train_test
-from runner.spec import SpecError
 
 
 def _load(kind_name: str, name: str, root: str, download: bool, val_fraction: float, split_seed: int) -> DataSplits:
@@ -21,8 +20,8 @@ def _load(kind_name: str, name: str, root: str, download: bool, val_fraction: fl
     except RuntimeError as error:  # torchvision's "Dataset not found" when download is false
         if download:
             raise
-        raise SpecError(f"dataset.download: {name} not found in {raw.resolve()} (idx ubyte files); "
-                        f"set dataset.download=true to fetch it") from error
+        raise ValueError(f"download: {name} not found in {raw.resolve()} (idx ubyte files); "
+                         f"set download=true to fetch it") from error
     images = [d.data.unsqueeze(1) for d in (train, test)]  # uint8 (N, 1, 28, 28)
     labels = [torch.as_tensor(d.targets).long() for d in (train, test)]
     return from_train_test(images[0], labels[0], images[1], labels[1], num_classes=10, val_fraction=val_fraction,

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, TensorDataset
-
-from runner.spec import SpecError
 
 
 @dataclass(frozen=True)
@@ -33,6 +31,19 @@ class DataSplits:
     max_length: Optional[int] = None
     collate: Optional[Callable] = None
     batch_transform: Optional[Callable] = None
+    tokenizer: Optional[Any] = None  # the `tokenizers.Tokenizer` that made the ids, for a model to check its own against
+
+
+@dataclass(frozen=True)
+class TokenSplits(DataSplits):
+    """DataSplits of token id sequences (`vocab_size` set). A builder annotated `-> TokenSplits` says so
+    before it runs, so a model that cannot read token ids is refused before minutes of tokenizing."""
+
+    gives_token_ids: ClassVar[bool] = True  # what runner reads from the return annotation
+
+    def __post_init__(self) -> None:
+        if self.vocab_size is None:
+            raise ValueError("vocab_size: TokenSplits needs the vocabulary size of its token ids")
 
 
 def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: float,
@@ -46,7 +57,7 @@ def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: floa
     # the 1e-9 keeps float noise (0.7 * 100 = 70.00000000000001) from taking one sample too many
     n_test, n_val = (math.ceil(f * len(y) - 1e-9) for f in (test_fraction, val_fraction))
     if n_test + n_val >= len(y):
-        raise SpecError(f"dataset.val_fraction: val_fraction {val_fraction:g} + test_fraction {test_fraction:g} "
+        raise ValueError(f"val_fraction: val_fraction {val_fraction:g} + test_fraction {test_fraction:g} "
                         f"leave no training samples out of {len(y)}; lower them or use more data")
     rest, test = _carve(np.arange(len(y)), y, n_test, seed)
     train, val = _carve(rest, y[rest], n_val, seed)

@@ -19,7 +19,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from runner.data.splits import DataSplits, split_indices
+from runner.data.splits import TokenSplits, split_indices
 from runner.data.tokenize import (atomic_write_bytes, cls_prefix, encode, load_or_train_tokenizer, pad_id_and_vocab,
                                   texts_digest)
 
@@ -70,7 +70,7 @@ class PadCollate:
 
 
 def imdb(root: str = "datasets", max_length: int = 256, vocab_size: int = 8000, tokenizer: Optional[str] = None,
-         val_fraction: float = 0.1, split_seed: int = 0, download: bool = False) -> DataSplits:
+         val_fraction: float = 0.1, split_seed: int = 0, download: bool = False) -> TokenSplits:
     """IMDB reviews from `<root>/aclImdb/<split>/<label>/*.txt` (or `<root>/<split>/<label>/*.txt`).
 
     Labels are the sorted folder names of train (neg, pos); `train/unsup` is ignored. Validation is
@@ -103,7 +103,7 @@ def imdb(root: str = "datasets", max_length: int = 256, vocab_size: int = 8000, 
 def table(train_file: Optional[str] = None, val_file: Optional[str] = None, test_file: Optional[str] = None,
           text_column: str = "text", label_column: str = "label", root: str = "datasets", max_length: int = 256,
           vocab_size: int = 8000, tokenizer: Optional[str] = None, val_fraction: float = 0.1,
-          test_fraction: float = 0.0, split_seed: int = 0) -> DataSplits:
+          test_fraction: float = 0.0, split_seed: int = 0) -> TokenSplits:
     """Texts and labels from .csv, .tsv or .jsonl files (one JSON object per line).
 
     Integer labels are class ids as they are; any other labels are sorted and numbered from 0. Without
@@ -140,7 +140,7 @@ def table(train_file: Optional[str] = None, val_file: Optional[str] = None, test
 def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts: Optional[list[str]],
                     val_labels: Optional[np.ndarray], test_texts: list[str], test_labels: np.ndarray, *,
                     num_classes: int, max_length: int, vocab_size: int, tokenizer: Optional[str],
-                    val_fraction: float, test_fraction: float, split_seed: int, cache_dir: Path) -> DataSplits:
+                    val_fraction: float, test_fraction: float, split_seed: int, cache_dir: Path) -> TokenSplits:
     if max_length < 1:
         raise ValueError(f"max_length: {max_length} is out of range; allowed: >= 1")
     for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
@@ -182,8 +182,8 @@ def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts:
     train, carved_val, carved_test = (pool.subset(idx) for idx in (train_idx, val_idx, test_idx))
     val = carved_val if val_texts is None else tokenized(val_texts, val_labels)
     test = tokenized(test_texts, test_labels) if len(test_texts) else carved_test
-    return DataSplits(train, val, test, input_shape=(max_length,), num_classes=num_classes, vocab_size=vocab,
-                      pad_token_id=pad, max_length=max_length, collate=PadCollate(pad))
+    return TokenSplits(train, val, test, input_shape=(max_length,), num_classes=num_classes, vocab_size=vocab,
+                       pad_token_id=pad, max_length=max_length, collate=PadCollate(pad), tokenizer=tok)
 
 
 def _imdb_base(root: Path) -> Optional[Path]:

@@ -27,13 +27,16 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 _PAD_NAMES = (PAD, "[PAD]", "<|pad|>", "<|padding|>")
 _EOS_NAMES = (EOS, "<|endoftext|>", "</s>", "<|end_of_text|>", "[SEP]")
 
+# the vocabulary files a slow (non-fast) tokenizer saves, from which transformers builds a fast one
+_VOCAB_FILES = ("vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
 # Bumped whenever the training recipe below changes, so old cache files are not reused.
 _RECIPE = "byte-bpe-1"
 
 
 def load_or_train_tokenizer(tokenizer: Optional[str], texts: Iterable[str], vocab_size: int, cache_dir: Path,
                             *, key: Optional[str] = None) -> Tokenizer:
-    """The tokenizer at path `tokenizer` (a `tokenizer.json`), else a byte-level BPE trained on `texts`.
+    """The tokenizer at path `tokenizer` (see load_tokenizer), else a byte-level BPE trained on `texts`.
 
     Pass only the training split's texts. The trained tokenizer is cached in `cache_dir` under a hash of
     the texts and `vocab_size`; a caller that already has a content hash of the texts passes it as `key`,
@@ -42,18 +45,7 @@ def load_or_train_tokenizer(tokenizer: Optional[str], texts: Iterable[str], voca
     truncate and pad themselves.
     """
     if tokenizer is not None:
-        path = Path(tokenizer)
-        if not path.is_file():
-            raise ValueError(f"tokenizer: {tokenizer} is not a file; give the path of a tokenizer.json "
-                             "or null to train one on the training split")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as err:  # the Rust side raises a bare Exception for a malformed file
-            raise ValueError(f"tokenizer: {tokenizer} is not a readable tokenizer.json "
-                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-        tok.no_padding()
-        tok.no_truncation()
-        return tok
+        return load_tokenizer(tokenizer)
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size: {vocab_size} is too small for a byte-level BPE; allowed: >= {MIN_VOCAB}")
     if key is None:
@@ -71,6 +63,49 @@ def load_or_train_tokenizer(tokenizer: Optional[str], texts: Iterable[str], voca
             tok = _train(texts, vocab_size)
             atomic_write_text(path, tok.to_str())
     return Tokenizer.from_file(str(path))
+
+
+def load_tokenizer(tokenizer: str) -> Tokenizer:
+    """The tokenizer a `tokenizer.json` file holds, or a save_pretrained directory (a pretrained model's:
+    its tokenizer.json, or the fast tokenizer transformers makes from its vocabulary files), padding
+    and truncation switched off: the datasets truncate and pad themselves."""
+    path = Path(tokenizer)
+    if path.is_dir():
+        tok = _from_directory(path, tokenizer)
+    elif path.is_file():
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # the Rust side raises a bare Exception for a malformed file
+            raise ValueError(f"tokenizer: {tokenizer} is not a readable tokenizer.json "
+                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    else:
+        raise ValueError(f"tokenizer: {tokenizer} does not exist; give a tokenizer.json, a pretrained model's "
+                         "directory, or null to train one on the training split")
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def tokenizer_file(tokenizer: str) -> Path:
+    """The file whose content decides a given tokenizer (for cache keys): a directory's tokenizer.json."""
+    path = Path(tokenizer)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def _from_directory(path: Path, tokenizer: str) -> Tokenizer:
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(str(path / "tokenizer.json"))
+    if not any((path / name).is_file() for name in _VOCAB_FILES):
+        raise ValueError(f"tokenizer: {tokenizer} holds no tokenizer (no tokenizer.json or vocabulary files); save "
+                         "the model's tokenizer there with tokenizer.save_pretrained, or give a tokenizer.json")
+    try:  # vocabulary files only (vocab.txt, merges.txt, ...): transformers builds the fast tokenizer
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True).backend_tokenizer
+    except Exception as err:  # ImportError, OSError (no tokenizer files), or a slow-only tokenizer
+        raise ValueError(f"tokenizer: {tokenizer} holds no tokenizer (no tokenizer.json; {type(err).__name__}); "
+                         "save the model's tokenizer there with tokenizer.save_pretrained, or give a "
+                         "tokenizer.json") from None
 
 
 def _train(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 TASKS = ("sequence_classification", "causal_lm")
+# the vocabulary files a slow (non-fast) tokenizer saves, from which transformers builds a fast one
+VOCAB_FILES = ("vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 _NO_TRANSFORMERS = "model: hf needs the transformers package: pip install transformers"
 
 
@@ -48,14 +50,17 @@ class HFModel(nn.Module):
 def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_classification",
              path: Optional[str] = None, config: Optional[dict] = None, architecture: str = "distilbert",
              num_classes: Optional[int] = None, vocab_size: Optional[int] = None,
-             max_length: Optional[int] = None, pad_token_id: Optional[int] = None) -> nn.Module:
+             max_length: Optional[int] = None, pad_token_id: Optional[int] = None,
+             tokenizer: Optional[Any] = None) -> nn.Module:
     """A HuggingFace model for `task`, loaded from `path` or randomly initialised from `config`.
 
     Without `path`: `AutoConfig.for_model(architecture, **config)`, then the data's vocabulary size,
     longest sequence (max_position_embeddings, at least), padding id and number of classes. With `path`:
     the saved model, `config` overriding its settings (dropout, ...); a classification head for another
     number of classes is re-initialised (`ignore_mismatched_sizes`). Parameters are fp32 whatever the
-    file holds: the precision option decides the compute dtype.
+    file holds: the precision option decides the compute dtype. `tokenizer` (from the data): the
+    `tokenizers.Tokenizer` that made the ids; with `path`, it must be the saved model's own, since
+    pretrained embeddings mean nothing for the ids of another vocabulary.
     """
     if task not in TASKS:
         raise ValueError(f"task: {task!r} is not allowed; allowed: {', '.join(TASKS)}")
@@ -70,7 +75,7 @@ def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_c
     if path is None:
         cfg = _fresh_config(transformers, architecture, overrides, vocab_size, max_length)
     else:
-        cfg = _saved_config(transformers, path, overrides, vocab_size, max_length)
+        cfg = _saved_config(transformers, path, overrides, vocab_size, max_length, tokenizer)
     if pad_token_id is not None:
         cfg.pad_token_id = pad_token_id
     if task == "sequence_classification" and num_classes is not None:
@@ -114,7 +119,7 @@ def _fresh_config(transformers: Any, architecture: str, overrides: dict[str, Any
 
 
 def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab_size: Optional[int],
-                  max_length: Optional[int]) -> Any:
+                  max_length: Optional[int], tokenizer: Optional[Any]) -> Any:
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
         what = "does not exist" if not directory.exists() else "holds no config.json"
@@ -125,12 +130,45 @@ def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab
     for key, value in overrides.items():
         setattr(cfg, key, value)
     saved_vocab = getattr(cfg, "vocab_size", None)
+    if tokenizer is not None:
+        _check_tokenizer(path, tokenizer, saved_vocab)
     if vocab_size is not None and saved_vocab is not None and vocab_size > saved_vocab:
         raise ValueError(f"vocab_size: the data's tokenizer has {vocab_size} tokens, the model at {path} embeds "
                          f"{saved_vocab}; allowed: at most {saved_vocab} (use the model's own tokenizer)")
     if max_length is not None:
         _check_positions(cfg, max_length, f"path: the model at {path} has")
     return cfg
+
+
+def _check_tokenizer(path: str, tokenizer: Any, saved_vocab: Optional[int]) -> None:
+    """Refuse ids from a vocabulary that is not the pretrained model's (a tokenizer trained on the data)."""
+    own = _own_tokenizer(Path(path).expanduser())
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if own is not None:
+        if own.get_vocab(with_added_tokens=True) == tokenizer.get_vocab(with_added_tokens=True):
+            return
+        theirs = f"the model's own {own.get_vocab_size(with_added_tokens=True)}"
+    elif size == saved_vocab:
+        return  # no tokenizer saved beside the model: a vocabulary of its embedding's size is all one can check
+    else:
+        theirs = f"it embeds {saved_vocab} and keeps no tokenizer"
+    raise ValueError(f"tokenizer: the data's token ids are not those of the pretrained model at {path} (the data's "
+                     f"tokenizer has {size} tokens, {theirs}); allowed: the model's own tokenizer, tokenizer={path}")
+
+
+def _own_tokenizer(directory: Path) -> Any:
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+    if not any((directory / name).is_file() for name in VOCAB_FILES):
+        return None
+    try:  # vocabulary files only: transformers builds the fast tokenizer from them
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, use_fast=True).backend_tokenizer
+    except Exception:  # no tokenizer files at all
+        return None
 
 
 def _check_keys(cfg: Any, overrides: dict[str, Any], architecture: str) -> None:

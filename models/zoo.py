@@ -39,15 +39,20 @@ def torchvision_model(
     if small_stem:
         if not isinstance(model, torchvision.models.ResNet):
             raise ValueError(f"small_stem: true is for ResNets, not {name!r}; allowed: false")
-        old = model.conv1
-        model.conv1 = nn.Conv2d(channels, old.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
-        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision's ResNet
+        model.conv1 = _small_stem_conv(channels, model.conv1.out_channels)
         model.maxpool = nn.Identity()
     elif channels != 3:
         _adapt_first_conv(model, channels, name)
     if weights is not None:
         _load_weights(model, weights)
     return model
+
+
+def _small_stem_conv(channels: int, out_channels: int = 64) -> nn.Conv2d:
+    """A ResNet's CIFAR-style first conv: 3x3, stride 1, no bias, initialised as torchvision inits its convs."""
+    conv = nn.Conv2d(channels, out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+    return conv
 
 
 def timm_model(

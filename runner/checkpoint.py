@@ -90,6 +90,11 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
+def is_checkpoint(head: bytes) -> bool:
+    """Whether the first bytes of a file are those of a runner checkpoint (its format marker)."""
+    return head.startswith(_MAGIC)
+
+
 def load(path_or_run_dir: str | Path) -> dict[str, Any]:
     """The state of a checkpoint file, or of a run directory's newest good checkpoint (see load_latest_good)."""
     return _use(path_or_run_dir, _read_state)[1]

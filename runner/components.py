@@ -13,15 +13,19 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 import typing
 from typing import Any, Callable
 
-from runner.fields import SpecError, _convert
+from runner.fields import SpecError, convert
 from runner.spec import RunSpec, did_you_mean
 
 log = logging.getLogger(__name__)
 
-DATA_DECIDED = ("num_classes", "input_shape", "vocab_size", "max_length", "pad_token_id")
+DATA_DECIDED = ("num_classes", "input_shape", "vocab_size", "max_length", "pad_token_id", "tokenizer")
+# The labels each built-in task can learn from, as the first training item holds them (see label_kind).
+TASK_LABELS = {"classification": "class ids", "language_modeling": "token ids per position",
+               "regression": "real values"}
 
 
 def load_target(group: str, target: str) -> Callable:
@@ -99,12 +103,73 @@ def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
     """The spec with its model and dataset arguments checked and completed."""
     model = resolve("model", spec.model.target, spec.model.params, typed)
     data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
+    # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
+    _check_model_reads(spec, _declared_inputs(load_target("dataset", spec.dataset.target)))
     return spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
 
 
 def build_data(spec: RunSpec) -> Any:
+    """The dataset's splits, refused in one line where the model cannot read them or the task cannot
+    learn from their labels; a builder that declares token data is refused before it runs."""
     builder = load_target("dataset", spec.dataset.target)
-    return _call("dataset", builder, spec.dataset.params)
+    data = _call("dataset", builder, spec.dataset.params)
+    _check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
+    _check_task_labels(spec, data)
+    return data
+
+
+def _declared_inputs(builder: Callable) -> str | None:
+    """"token ids" when the builder's return annotation promises them (a DataSplits subclass with
+    `gives_token_ids`, data/splits.py's TokenSplits), else None: known only once it has run."""
+    returns = _hints(builder).get("return") if not inspect.isclass(builder) else None
+    return "token ids" if getattr(returns, "gives_token_ids", False) is True else None
+
+
+def _model_reads(target: str) -> str | None:
+    """What a model reads, by the data-decided sizes its signature takes: a vocabulary means token ids,
+    an input shape without one means tensors (images, features); None when it names neither."""
+    try:
+        names = inspect.signature(load_target("model", target)).parameters
+    except (TypeError, ValueError):
+        return None
+    return "token ids" if "vocab_size" in names else "tensors" if "input_shape" in names else None
+
+
+def _check_model_reads(spec: RunSpec, data_gives: str | None) -> None:
+    reads = _model_reads(spec.model.target)
+    if data_gives is not None and reads is not None and reads != data_gives:
+        what = "vocab_size" if reads == "token ids" else "input_shape"
+        raise SpecError(f"model: {spec.model.target} reads {reads} (it takes {what}), but dataset "
+                        f"{spec.dataset.target} gives {data_gives}; choose a model for {data_gives} or another dataset")
+
+
+def label_kind(data: Any) -> str | None:
+    """What the first training item's label is: class ids, token ids per position, or real values (None
+    when the split cannot be indexed or is empty)."""
+    try:
+        item = data.train[0]
+    except Exception:  # an iterable dataset, an empty split: nothing to look at before training
+        return None
+    import torch  # here: preflight imports this module before torch is needed
+
+    labels = item.get("labels") if isinstance(item, dict) else item[-1] if isinstance(item, (tuple, list)) else None
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels) if isinstance(labels, (int, float)) else None
+    if labels is None:
+        return None
+    if labels.is_floating_point():
+        return "real values"
+    return "class ids" if labels.dim() == 0 else "token ids per position"
+
+
+def _check_task_labels(spec: RunSpec, data: Any) -> None:
+    needs = TASK_LABELS.get(spec.task.name)
+    has = label_kind(data)
+    if needs is not None and has is not None and has != needs:
+        fits = [name for name, kind in TASK_LABELS.items() if kind == has]
+        hint = f"use task={fits[0]}" if fits else "use another dataset"
+        raise SpecError(f"task: {spec.task.name} learns from {needs}, but dataset {spec.dataset.target} labels its "
+                        f"samples with {has}; {hint}")
 
 
 def build_model(spec: RunSpec, data: Any) -> Any:
@@ -122,23 +187,49 @@ def build_model(spec: RunSpec, data: Any) -> Any:
     missing = [n for n, p in names.items() if p.default is p.empty and n not in kwargs
                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if missing:
+        decided = missing[0] in DATA_DECIDED  # the data's to give: a value in the config would be refused
         raise SpecError(f"model.{missing[0]}: {spec.model.target} needs it and the dataset ({spec.dataset.target}) "
-                        f"does not provide it; choose a dataset that does, or set +model.{missing[0]}=...")
-    return _call("model", fn, kwargs)
+                        f"does not provide it; choose a dataset that does" +
+                        ("" if decided else f", or set +model.{missing[0]}=..."))
+    return _call("model", fn, kwargs, dataset_keys=set(spec.dataset.params))
 
 
-def _call(group: str, fn: Callable, kwargs: dict[str, Any]) -> Any:
+def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[str] = frozenset()) -> Any:
+    """The component built; its plain complaint (ValueError, TypeError, a file it cannot find), a
+    built-in's or a user's alike, becomes the one line `<group>.<its key>: ...`."""
     kwargs = {k: _instantiated(v, f"{group}.{k}") for k, v in kwargs.items()}
     try:
         return fn(**{k: list(v) if isinstance(v, tuple) and k != "input_shape" else v for k, v in kwargs.items()})
+    except SpecError:
+        raise
     except (ValueError, TypeError) as e:  # a component's one-line complaint about its own arguments
-        if isinstance(e, SpecError):
-            raise
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecError(f"{group}.{first}") from None
+        raise SpecError(_keyed(group, _first_line(e), dataset_keys)) from None
+    except FileNotFoundError as e:
+        raise SpecError(f"{group}: {_name(fn)} could not open {e.filename} ({e.strerror})") from None
     except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecError(f"{group}: building {getattr(fn, '__name__', fn)} failed ({first[:200]}); check its sizes") from None
+        raise SpecError(f"{group}: building {_name(fn)} failed ({_first_line(e)[:200]}); check its sizes") from None
+
+
+def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
+    """`key: why` under its group; a model's complaint about what the data decided names the dataset's
+    key of that name where it has one (dataset.tokenizer, dataset.vocab_size): that is what to change."""
+    key, sep, _ = message.partition(": ")
+    if not sep or not _KEY.fullmatch(key):
+        return f"{group}: {message}"
+    if key in DATA_DECIDED and key in dataset_keys:
+        group = "dataset"
+    return f"{group}.{message}"
+
+
+_KEY = re.compile(r"[A-Za-z_][\w.]*(\[\d+\])?")  # width, config.dim, channels[1]
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", str(fn))
 
 
 def _instantiated(value: Any, key: str) -> Any:
@@ -180,7 +271,7 @@ def _convert_param(tp: Any, value: Any, key: str) -> Any:
             raise SpecError(f"{key}: {value!r} is not a list")
         return [_convert_param(args[0] if args else None, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple or tp in (bool, int, float, str) or origin is typing.Literal:
-        return _plain(_convert(tp, value, key, None))
+        return _plain(convert(tp, value, key))
     return _plain(value)
 
 

@@ -42,11 +42,12 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     values = {}
     for name, value in data.items():
         f = known[name]
-        values[name] = _convert(hints[name], value, f"{prefix}{name}", f.metadata)
+        values[name] = convert(hints[name], value, f"{prefix}{name}", f.metadata)
     return cls(**values)
 
 
-def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
+def convert(tp: Any, value: Any, key: str, meta: Any = None) -> Any:
+    """`value` checked and converted to the annotation `tp`; errors name `key` (meta: an opt() field's range)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -57,7 +58,7 @@ def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
         if value is None:
             return None
         inner = [a for a in args if a is not type(None)][0]
-        return _convert(inner, value, key, meta)
+        return convert(inner, value, key, meta)
     if origin is Literal:
         if value not in args:
             raise SpecError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, args))}")
@@ -65,7 +66,7 @@ def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
     if origin is dict:  # dict[str, float]: e.g. lr multipliers by parameter-name pattern
         if not isinstance(value, dict):
             raise SpecError(f"{key}: {value!r} is not a mapping; expected one like {{'backbone.*': 0.1}}")
-        return {str(k): _convert(args[1], v, f"{key}.{k}", meta) for k, v in value.items()}
+        return {str(k): convert(args[1], v, f"{key}.{k}", meta) for k, v in value.items()}
     if origin is tuple:
         fixed = args[-1] is not Ellipsis  # tuple[float, float]: exactly that many items
         if not isinstance(value, (list, tuple)):
@@ -73,7 +74,7 @@ def _convert(tp: Any, value: Any, key: str, meta: Any) -> Any:
             raise SpecError(f"{key}: {value!r} is not a list; expected a list like {example}")
         if fixed and len(value) != len(args):
             raise SpecError(f"{key}: {list(value)} is not allowed; give a list of {len(args)} numbers{_range_text(meta)}")
-        return tuple(_convert(args[0], v, f"{key}[{i}]", meta) for i, v in enumerate(value))
+        return tuple(convert(args[0], v, f"{key}[{i}]", meta) for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
             raise SpecError(f"{key}: {value!r} is not a boolean; use true or false")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import pickle
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,6 +23,9 @@ from runner.spec import SpecError
 # Wrappers that rename every key: DDP (module.), torch.compile (_orig_mod.), runner.models.hf (model.)
 PREFIXES = ("module.", "_orig_mod.", "model.")
 _SHOWN = 6  # names listed in a message before "and N more"
+# Of the model's values (parameters and buffers), the share a weights file must fill: a file that fits
+# less is another architecture's, and training from it would be training from scratch under its name.
+MIN_SHARE = 0.5
 
 
 @dataclass
@@ -72,6 +76,7 @@ def load_weights(model: nn.Module, path: str) -> LoadReport:
             report.reinitialised.append((key, tuple(tensor.shape), tuple(here.shape)))
         else:
             chosen[key] = tensor
+    _check_share(target, chosen, report, path)
     model.load_state_dict(chosen, strict=False)
     report.loaded = list(chosen)
     report.unexpected = [k for k in state if k not in mapping]
@@ -82,18 +87,67 @@ def load_weights(model: nn.Module, path: str) -> LoadReport:
     return report
 
 
+def _check_share(target: dict[str, torch.Tensor], chosen: dict[str, torch.Tensor], report: LoadReport,
+                 path: str) -> None:
+    unique = {id(t): t for t in target.values()}  # tied weights count once
+    total = sum(t.numel() for t in unique.values())
+    filled = sum(t.numel() for t in {id(target[k]): target[k] for k in chosen}.values())
+    if total and filled < MIN_SHARE * total:
+        raise SpecError(f"model.weights: {path} fills {filled / total:.0%} of this model's values ({filled} of {total}; "
+                        f"{len(chosen)} tensors fit, {len(report.reinitialised)} have another shape, "
+                        f"{len(target) - len(chosen) - len(report.reinitialised)} are not in the file); at least "
+                        f"{MIN_SHARE:.0%} must load: these look like the weights of another architecture")
+
+
 def freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     """Set requires_grad=False on every parameter matching one of `patterns`; return their names.
 
-    Keep frozen parameters in the optimizer (build it before freezing): torch optimizers skip a
-    parameter whose .grad is None, so a frozen one is not updated or decayed, and unfreezing later
-    needs no new optimizer.
+    Norm layers with running statistics (BatchNorm) among them stay in eval mode, whatever
+    model.train() says, so their running mean and variance stay as they are: a frozen layer computes
+    what it computed before. Keep frozen parameters in the optimizer (build it before freezing): torch
+    optimizers skip a parameter whose .grad is None, so a frozen one is not updated or decayed, and
+    unfreezing later needs no new optimizer.
     """
     names = _matching(list(model.named_parameters()), patterns, "freeze")
     params = dict(model.named_parameters())
     for name in names:
         params[name].requires_grad_(False)
+    for norm in frozen_norms(model, patterns):
+        _hold_in_eval(norm)
     return names
+
+
+def frozen_norms(model: nn.Module, patterns: list[str]) -> list[nn.Module]:
+    """The layers with running statistics that `patterns` freeze: every parameter of theirs matches (a
+    layer without affine parameters: its running_mean buffer's name matches)."""
+    out = []
+    for prefix, module in model.named_modules():
+        if not (getattr(module, "track_running_stats", False) and isinstance(getattr(module, "running_mean", None),
+                                                                             torch.Tensor)):
+            continue
+        own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters()]
+        if not own:
+            own = [f"{prefix}.running_mean" if prefix else "running_mean"]
+        if all(any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in own):
+            out.append(module)
+    return out
+
+
+def _stay_in_eval(self: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(self, False)
+
+
+def _hold_in_eval(norm: nn.Module) -> None:
+    # an instance attribute shadows nn.Module.train, so the model's own train() (and DDP's, FSDP's)
+    # leaves this layer in eval mode; deepcopy rebinds the method to the copy
+    norm.train = types.MethodType(_stay_in_eval, norm)
+    norm.train()
+
+
+def _release(norm: nn.Module, mode: bool) -> None:
+    if "train" in vars(norm):
+        del norm.train
+    norm.train(mode)
 
 
 class Unfreezer:
@@ -107,6 +161,7 @@ class Unfreezer:
         self.model = model
         self.after = unfreeze_after_epochs
         self.names = freeze(model, patterns)
+        self.norms = frozen_norms(model, patterns)
         self.unfrozen = False
 
     def on_epoch_start(self, epoch: int) -> list[str]:
@@ -129,6 +184,11 @@ class Unfreezer:
         params = dict(self.model.named_parameters())
         for name in self.names:
             params[name].requires_grad_(unfrozen)
+        for norm in self.norms:
+            if unfrozen:  # the layer follows the model's mode again, from now on
+                _release(norm, self.model.training)
+            else:
+                _hold_in_eval(norm)
         self.unfrozen = unfrozen
 
 
@@ -175,7 +235,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
                         "or a torch state-dict file")
     with open(p, "rb") as f:
         head = f.read(64)
-    if head.startswith(checkpoint._MAGIC):  # runner.checkpoint has no public "is this one of mine" test yet
+    if checkpoint.is_checkpoint(head):
         return _from_checkpoint(p, path)
     if len(head) > 8 and head[8:9] == b"{":  # safetensors: an 8-byte header length, then the JSON header
         return _from_safetensors(p, path)

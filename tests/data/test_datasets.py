@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from runner.data import split_indices
-from runner.spec import SpecError
 
 
 def test_digits_splits_cover_all_samples_with_the_right_items() -> None:
@@ -55,7 +54,7 @@ def test_zero_fractions_give_empty_splits() -> None:
 
 
 def test_fractions_leaving_no_training_data_are_refused() -> None:
-    with pytest.raises(SpecError, match="no training samples"):
+    with pytest.raises(ValueError, match="^val_fraction: .* leave no training samples"):
         split_indices(torch.tensor([0, 1, 0]), 0.5, 0.4, seed=0)
 
 

@@ -1,6 +1,8 @@
 """runner/models/hf.py: HuggingFace models built offline, from a config or a save_pretrained directory."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere: nothing may reach the network
@@ -15,6 +17,7 @@ import yaml
 from hydra.utils import get_method
 
 from runner.models.hf import hf_model
+from runner.spec import SpecError
 from runner.registry import CONF_DIR
 
 pytest.importorskip("transformers")
@@ -150,3 +153,80 @@ def test_without_transformers_the_message_says_what_to_install(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
     with pytest.raises(ValueError, match=r"^model: hf needs the transformers package: pip install transformers$"):
         hf_model(config=TINY_DISTILBERT, **DATA)
+
+
+# --- a pretrained model reads the data through its own tokenizer ------------------------------------
+
+REVIEWS = [("a good film with great acting and a fine story", 1), ("bad film with awful acting and a dull story", 0),
+           ("great story and good fun", 1), ("dull and bad and awful", 0)] * 20
+
+
+def write_reviews(path: Path) -> Path:
+    """A CSV of short labelled reviews (dataset=text_classification's train_file)."""
+    path.write_text("text,label\n" + "".join(f"{text},{label}\n" for text, label in REVIEWS))
+    return path
+
+
+def pretrained_dir(path: Path) -> Path:
+    """A tiny DistilBERT as save_pretrained writes it, beside its own WordPiece tokenizer (tokenizer.json and
+    the files tokenizer.save_pretrained writes): what a downloaded model directory holds, made offline."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator([t for t, _ in REVIEWS] + ["the movie was ok"],
+                            trainers.WordPieceTrainer(vocab_size=80, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(path)
+    torch.manual_seed(0)
+    model = hf_model(config=TINY_DISTILBERT, num_classes=2, vocab_size=tok.get_vocab_size(), max_length=64, pad_token_id=0)
+    with contextlib.redirect_stderr(io.StringIO()):  # save_pretrained's progress bar: noise in a test's stderr
+        model.model.save_pretrained(path)
+    return path
+
+
+def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from runner import components
+    from tests.conftest import compose_spec
+
+    model_dir, reviews = pretrained_dir(tmp_path / "distilbert"), write_reviews(tmp_path / "reviews.csv")
+    args = ["model=hf", f"model.path={model_dir}", "dataset=text_classification", f"dataset.train_file={reviews}",
+            f"dataset.root={tmp_path / 'datasets'}", "dataset.max_length=32"]
+    spec = components.resolved_spec(compose_spec(args, tmp_path / "run"))
+    assert spec.dataset.params["tokenizer"] == str(model_dir)  # the default follows model.path, and is logged so
+    data = components.build_data(spec)
+    own = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [data.train[i]["input_ids"].tolist() for i in range(len(data.train))]
+    assert own.encode(REVIEWS[0][0]).ids in ids  # [CLS] ... [SEP] in the model's own vocabulary
+    assert (data.vocab_size, data.pad_token_id) == (own.get_vocab_size(), own.token_to_id("[PAD]"))
+    components.build_model(spec, data)  # its own ids: accepted
+    # ids of a tokenizer trained on the reviews are not the pretrained embeddings' ids: one line, naming the key
+    trained = components.resolved_spec(compose_spec([*args, "dataset.tokenizer=null"], tmp_path / "run"))
+    with pytest.raises(SpecError) as info:
+        components.build_model(trained, components.build_data(trained))
+    assert str(info.value).startswith(f"dataset.tokenizer: the data's token ids are not those of the pretrained model "
+                                      f"at {model_dir} (the data's tokenizer has ")
+    assert str(info.value).endswith(f"allowed: the model's own tokenizer, tokenizer={model_dir}")
+    # the preset is right by default: given a pretrained DistilBERT, its reviews are read with its tokenizer
+    preset = compose_spec(["experiment=imdb_distilbert", f"model.path={model_dir}"], tmp_path / "run")
+    assert preset.dataset.params["tokenizer"] == str(model_dir)
+    assert compose_spec(["experiment=imdb_distilbert"], tmp_path / "run").dataset.params["tokenizer"] is None
+
+
+def test_a_model_directory_without_tokenizer_files_checks_the_vocabulary_size(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    hf_model(config=TINY_DISTILBERT, num_classes=3, **DATA).model.save_pretrained(tmp_path / "saved")
+    fifty = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w1"))
+    hf_model(path=str(tmp_path / "saved"), num_classes=3, tokenizer=fifty, **DATA)
+    other = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w1"))
+    with pytest.raises(ValueError, match=r"^tokenizer: the data's token ids are not those of the pretrained model at .* "
+                                         r"\(the data's tokenizer has 40 tokens, it embeds 50 and keeps no tokenizer\)"):
+        hf_model(path=str(tmp_path / "saved"), num_classes=3, tokenizer=other, **{**DATA, "vocab_size": 40})

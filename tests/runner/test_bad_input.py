@@ -219,6 +219,24 @@ CASES = [
          "error: model.activation.negative_slop: unknown key for torch.nn.LeakyReLU; did you mean negative_slope? "
          "accepted keys: inplace, negative_slope"),
     case(["model._target_=tests.user_pkg.blocks.Tower", "model.hidden=[8]"], "error: model.hidden: [8] is not an integer"),
+    # --- issue 13 (helper `data`): built-ins complain as a user's code does; mistakes refused in one line
+    case("dataset=imdb", "error: model: runner.models.mlp.MLP reads tensors (it takes input_shape), but dataset "
+         "runner.data.text.imdb gives token ids; choose a model for token ids or another dataset"),
+    case("model=gpt", "error: model: runner.models.gpt.GPT reads token ids (it takes vocab_size), but dataset "
+         "runner.data.digits.build gives tensors; choose a model for tensors or another dataset", RUN),
+    case("task=regression", "error: task: regression learns from real values, but dataset runner.data.digits.build "
+         "labels its samples with class ids; use task=classification", RUN),
+    case("experiment=cifar10_resnet task=language_modeling dataset.root={cifar}", "error: task: language_modeling "
+         "learns from token ids per position, but dataset runner.data.cifar.build labels its samples with class ids; "
+         "use task=classification", RUN),
+    case("dataset=cifar10 dataset.root={corrupt_cifar}", "error: dataset.root: {corrupt_cifar}/cifar-10-batches-py/"
+         "data_batch_2 is not a CIFAR-10 python batch (UnpicklingError: ", RUN),
+    case("model.weights={other_weights}", "error: model.weights: {other_weights} fills 0% of this model's values (0 "
+         "of 50826; 0 tensors fit, 4 have another shape, 2 are not in the file); at least 50% must load: these look "
+         "like the weights of another architecture", RUN),
+    case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
+         "dataset.max_length=32 dataset.tokenizer=null", "error: dataset.tokenizer: the data's token ids are not "
+         "those of the pretrained model at {pretrained} (the data's tokenizer has ", RUN),
 ]
 
 
@@ -230,7 +248,8 @@ class Places:
         self.mounts: list[Path] = []
 
     def fill(self, text: str) -> str:
-        for name in ("file", "readonly", "full", "foreign_ckpt", "empty_ckpt", "garbage_ckpt", "truncated_ckpt", "evil_ckpt"):
+        for name in ("file", "readonly", "full", "foreign_ckpt", "empty_ckpt", "garbage_ckpt", "truncated_ckpt", "evil_ckpt",
+                     "cifar", "corrupt_cifar", "other_weights", "pretrained", "reviews"):
             if "{" + name + "}" in text:
                 text = text.replace("{" + name + "}", str(getattr(self, name)()))
         return text.replace("{tmp}", str(self.tmp))
@@ -306,6 +325,35 @@ class Places:
 
     def evil_ckpt(self) -> Path:
         return self._save("evil.pt", _Evil(str(self.tmp / "pwned")))
+
+    def cifar(self) -> Path:
+        from tests.data.test_cifar import _write_cifar
+
+        if not (self.tmp / "cifar").exists():
+            _write_cifar(self.tmp / "cifar")
+        return self.tmp / "cifar"
+
+    def corrupt_cifar(self) -> Path:
+        root = self.cifar()
+        (root / "cifar-10-batches-py" / "data_batch_2").write_bytes(b"\x80\x02not a pickle at all")
+        return root
+
+    def other_weights(self) -> Path:
+        import torch
+
+        # the default MLP's names (64 -> 256 -> 128 -> 10) at another width: another architecture's file
+        return self._save("other.pt", {"1.weight": torch.zeros(32, 64), "1.bias": torch.zeros(32),
+                                       "3.weight": torch.zeros(16, 32), "3.bias": torch.zeros(16)})
+
+    def pretrained(self) -> Path:
+        from tests.models.test_hf import pretrained_dir
+
+        return pretrained_dir(self.tmp / "distilbert")
+
+    def reviews(self) -> Path:
+        from tests.models.test_hf import write_reviews
+
+        return write_reviews(self.tmp / "reviews.csv")
 
 
 class _Evil:

@@ -242,6 +242,73 @@ def test_unfreezer_refuses_a_state_of_other_parameters() -> None:
         Unfreezer(Net(), ["backbone.*"], -1)
 
 
+class NormNet(nn.Module):
+    """A backbone with BatchNorm (affine, and one without parameters) and a head."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.BatchNorm1d(16, affine=False))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def running_stats(model: nn.Module) -> list[torch.Tensor]:
+    return [b.detach().clone() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))]
+
+
+def test_frozen_batchnorm_keeps_its_running_statistics_until_unfrozen() -> None:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    unfreezer = Unfreezer(model, ["backbone.*"], unfreeze_after_epochs=1)
+    start = running_stats(model)
+    for epoch in range(2):
+        unfreezer.on_epoch_start(epoch)
+        model.eval()
+        model.train()  # as the engine does after each evaluation
+        train_epoch(model, opt, seed=epoch)
+        if epoch == 0:  # frozen: bitwise the statistics it started with, and the layers say eval
+            assert all(torch.equal(a, b) for a, b in zip(running_stats(model), start))
+            assert model.training and not model.backbone[1].training and not model.backbone[3].training
+    moved = running_stats(model)
+    assert all(not torch.equal(a, b) for a, b in zip(moved, start))  # unfrozen: both layers update again
+    assert model.backbone[1].training and model.backbone[3].training
+
+
+def test_a_frozen_head_norm_is_held_and_a_resumed_unfreezer_holds_it_again() -> None:
+    model = NormNet()
+    freeze(model, ["backbone.0.*", "backbone.1.*"])  # the parameterless norm (backbone.3) stays trainable
+    train_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0)
+    assert not model.backbone[1].training and model.backbone[3].training
+    assert torch.equal(model.backbone[1].running_mean, torch.zeros(16))
+    state = Unfreezer(NormNet(), ["backbone.*"], 1).state_dict()
+    resumed = NormNet()
+    unfreezer = Unfreezer(resumed, ["backbone.*"], 1)
+    unfreezer.load_state_dict({**state, "unfrozen": True})
+    resumed.train()
+    assert resumed.backbone[1].training
+    unfreezer.load_state_dict(state)
+    resumed.train()
+    assert not resumed.backbone[1].training
+
+
+def test_weights_that_fill_less_than_half_of_the_model_are_refused(tmp_path: Path) -> None:
+    target = Net(seed=2)
+    before = [p.detach().clone() for p in target.parameters()]
+    # the same names, other widths: another architecture's file (8 -> 32 -> 10 instead of 8 -> 16 -> 10)
+    other = {n: torch.zeros([32 if d == 16 else d for d in p.shape]) for n, p in target.state_dict().items()}
+    other["head.weight"], other["head.bias"] = torch.zeros(10, 16), torch.zeros(10)
+    save_file(other, tmp_path / "w.safetensors")
+    with pytest.raises(SpecError) as info:
+        load_weights(target, str(tmp_path / "w.safetensors"))
+    assert str(info.value) == (f"model.weights: {tmp_path / 'w.safetensors'} fills 28% of this model's values (170 of "
+                               "618; 2 tensors fit, 6 have another shape, 0 are not in the file); at least 50% must "
+                               "load: these look like the weights of another architecture")
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
+
+
 # --- discriminative learning rates -------------------------------------------------------------------
 
 def test_lr_groups_split_by_the_first_matching_pattern() -> None:
@@ -322,6 +389,31 @@ def test_frozen_parameters_stay_and_unfreeze_at_the_epoch_asked_exactly_on_resum
     resumed.fit()
     for a, b in zip(full.module.parameters(), resumed.module.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_frozen_batchnorm_block_of_a_run_keeps_its_statistics_and_trains_them_once_unfrozen(tmp_path) -> None:
+    # cnn: 0 conv, 1 BatchNorm, ...; epoch 0 frozen, epoch 1 trainable
+    from runner.engine import Engine
+    from tests.conftest import compose_spec
+
+    engine = Engine(compose_spec(["trainer.progress_bar=off", "model=cnn", "model.channels=[8,8]", "model.freeze=[0.*,1.*]",
+                                  "model.unfreeze_after_epochs=1", "trainer.max_epochs=2", "dataset.batch_size=512",
+                                  "trainer.eval_every_n_steps=2"], tmp_path))
+    norm = engine.module[1]
+    start = (norm.running_mean.clone(), norm.running_var.clone(), norm.weight.detach().clone())
+    step = engine.train_step
+    seen = []
+
+    def record(batches):
+        out = step(batches)
+        seen.append(all(torch.equal(a, b) for a, b in zip((norm.running_mean, norm.running_var, norm.weight), start)))
+        return out
+
+    engine.train_step = record
+    engine.fit()
+    per_epoch = engine.steps_per_epoch
+    assert seen[:per_epoch] == [True] * per_epoch  # evaluations in between: model.train() does not wake it
+    assert not any(seen[per_epoch:])
 
 
 def _recording(engine, start):
