@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner import registry
 from runner.spec import COMPONENT_GROUPS, OPTION_GROUPS, RunSpec, SpecError, check_option, did_you_mean
 
@@ -24,6 +25,7 @@ CONFIG_NAME = "config"
 
 
 @hydra.main(config_path=str(registry.CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
+@sweep_hook("runner.sweep_hook.RunnerSweepHook")  # what the Optuna sweeper adds to runner's jobs
 def main(cfg: DictConfig) -> float:
     try:
         spec = spec_from_hydra(cfg)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
+from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,13 @@ class MlflowTracker:
             self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
+            self.set_tags(owner_tags())  # this process keeps it RUNNING now
             self.run_name = self.client.get_run(resume_run_id).info.run_name
             self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)", "git_commit": _git_commit(),
-                "host": socket.gethostname(), "run_dir": spec.run_dir}
+                "host": socket.gethostname(), "run_dir": spec.run_dir, **owner_tags()}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)

@@ -47,7 +47,7 @@ def test_range_values_reach_the_stop_with_every_sampler() -> None:
     assert drawn == {1, 2, 3}
     floats = space("x=range(-5.5, 5.5, step=0.5)")
     assert grid_values("x", floats)[-1] == 5.5 and len(grid_values("x", floats)) == 23
-    with pytest.raises(ValueError, match="the range is empty"):
+    with pytest.raises(ValueError, match=r"range\(3, 1\) is empty"):
         space("x=range(3, 1)")
 
 
