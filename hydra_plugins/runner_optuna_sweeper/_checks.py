@@ -2,6 +2,7 @@
 mistake is one line naming the key, exit code 2."""
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Optional
 
 from .hook import SweepConfigError
@@ -32,15 +33,32 @@ def custom_search_space(dotpath: Optional[str]) -> Optional[Callable[..., None]]
     """hydra.sweeper.custom_search_space's function, imported now."""
     if not dotpath:
         return None
-    from hydra.utils import get_method
-
     try:
-        return get_method(dotpath)
-    except Exception as e:  # noqa: BLE001 - Hydra wraps the import error in several layers of text
-        cause = e.__cause__ or e
-        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        raise SweepConfigError(f"hydra.sweeper.custom_search_space: cannot import {dotpath!r} ({reason}); allowed: "
-                               "the dotpath of a function fn(cfg, trial), e.g. my_pkg.search.space") from None
+        fn = _locate(dotpath)
+    except (ImportError, AttributeError) as e:
+        raise SweepConfigError(f"hydra.sweeper.custom_search_space: cannot import {dotpath!r} ({e}); allowed: the "
+                               "dotpath of a function fn(cfg, trial), e.g. my_pkg.search.space") from None
+    if not callable(fn):
+        raise SweepConfigError(f"hydra.sweeper.custom_search_space: {dotpath!r} is not a function; allowed: the "
+                               "dotpath of a function fn(cfg, trial)")
+    return fn
+
+
+def _locate(dotpath: str) -> Any:
+    """The object at package.module.name (Hydra's get_method would also log its error at length)."""
+    parts = dotpath.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):
+                continue  # a shorter prefix may be the module
+            raise
+        for name in parts[i:]:
+            found = getattr(found, name)
+        return found
+    raise ModuleNotFoundError(f"No module named {parts[0]!r}")
 
 
 def _check_int(key: str, value: Any, low: int, allowed: str) -> None:

@@ -10,6 +10,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from hydra_plugins.runner_optuna_sweeper._builders import build_sampler
 from hydra_plugins.runner_optuna_sweeper._search_space import distribution_from_config, grid_values, parse_params
+from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError
 from runner.registry import CONF_DIR
 from runner.trial import storage_url
 
@@ -55,6 +56,24 @@ def test_shuffled_range_is_a_choice_and_later_overrides_win() -> None:
     assert sorted(space("x=shuffle(range(1, 4))").choices) == [1, 2, 3, 4]
     found, fixed = parse_params(["lr=interval(0, 1)", "bs=choice(1, 2)", "lr=0.1"])
     assert found == {"bs": CategoricalDistribution([1, 2])} and fixed == {"lr": "0.1"}
+
+
+@pytest.mark.parametrize("param, message", [
+    ("lr=interval(1, 0.1)", "hydra.sweeper.params.lr: interval(1, 0.1): its low 1.0 is above its high 0.1; allowed: "
+                            "interval(low, high) with low <= high"),
+    ("lr=tag(log, interval(0, 1))", "hydra.sweeper.params.lr: tag(log, interval(0, 1)): a log scale needs low > 0, got 0.0"),
+    ("lr=tag(logg, interval(0.1, 1))", "hydra.sweeper.params.lr: tag(logg, interval(0.1, 1)): unknown tag 'logg'; allowed: "
+                                       "log, as in tag(log, interval(low, high))"),
+    ("bs=tag(log, range(1, 8))", "hydra.sweeper.params.bs: tag(log, range(1, 8)): tag(log, ...) applies to an interval "
+                                 "only; allowed: tag(log, interval(low, high))"),
+    ("bs=range(5, 1)", "hydra.sweeper.params.bs: range(5, 1) is empty (a step of 1 never goes from 5 to 1); allowed: "
+                       "range(start, stop) with start <= stop, or a negative step to count down"),
+])
+def test_a_search_space_the_sampler_cannot_take_as_written_is_one_line_naming_the_key(param: str, message: str) -> None:
+    """Refused, not sampled otherwise: a misspelt log tag sampled on a linear scale before."""
+    with pytest.raises(SweepConfigError) as e:
+        parse_params([param], ["hydra.sweeper.params."])
+    assert str(e.value) == message
 
 
 def test_grid_values_include_both_ends_of_the_distribution() -> None:
