@@ -1,4 +1,6 @@
 """Hydra's override grammar -> Optuna distributions, and every sampler and pruner config builds."""
+import subprocess
+import sys
 from pathlib import Path
 
 import optuna
@@ -128,3 +130,12 @@ def test_storage_urls_are_absolute_so_every_job_opens_the_same_study(tmp_path: P
     assert storage_url("study.journal") == str(tmp_path / "study.journal")
     assert storage_url("sqlite:///s.db") == f"sqlite:///{tmp_path}/s.db"
     assert storage_url("postgresql://u:p@db/optuna") == "postgresql://u:p@db/optuna"
+
+
+def test_the_sweeper_imports_neither_runner_nor_torch() -> None:
+    """DESIGN: the sweeper is its own package; runner plugs in through the hook its task function declares."""
+    code = ("import sys; sys.modules.update(runner=None, torch=None); "
+            "import hydra_plugins.runner_optuna_sweeper._impl, hydra_plugins.runner_optuna_sweeper.optuna_sweeper; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'torch', 'mlflow') and sys.modules[m]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-3000:]
