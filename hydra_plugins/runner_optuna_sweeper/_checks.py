@@ -23,7 +23,7 @@ def check_settings(s: Any, directions: list[str]) -> None:
             raise SweepConfigError(f"hydra.sweeper.direction: {d!r} is not a direction; allowed: minimize, maximize, or a "
                                    "list of them for several objectives")
     if s.heartbeat_interval is not None:
-        _check_int("hydra.sweeper.heartbeat_interval", s.heartbeat_interval, 1, "an integer >= 1 (seconds), or null: off")
+        _check_int("hydra.sweeper.heartbeat_interval", s.heartbeat_interval, 0, "an integer >= 0 (seconds; 0 or null: off)")
     if s.grace_period is not None:
         _check_int("hydra.sweeper.grace_period", s.grace_period, 1, "an integer >= 1 (seconds), or null")
     _check_int("hydra.sweeper.max_retry", s.max_retry, 0, "an integer >= 0")
