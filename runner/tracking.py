@@ -91,8 +91,11 @@ class MlflowTracker:
             self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            self.set_tags(owner_tags())  # this process keeps it RUNNING now
-            self.run_name = self.client.get_run(resume_run_id).info.run_name
+            self.set_tags(owner_tags())  # this process keeps it RUNNING now; an earlier ending is history
+            run = self.client.get_run(resume_run_id)
+            self.run_name = run.info.run_name
+            if "runner.outcome" in run.data.tags:
+                self.client.delete_tag(resume_run_id, "runner.outcome")
             self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
