@@ -127,3 +127,33 @@ def test_runs_of_a_sweep_killed_with_sigkill_end_killed_at_the_next_start_on_the
     for r in parents + children:
         assert r.info.status == "KILLED" and r.data.tags["runner.outcome"] == "killed"
     assert [r.data.tags["runner.pid"] for r in parents] == [str(sweep.pid)]
+
+
+def test_only_runs_whose_process_is_gone_from_this_host_are_ended(tmp_path: Path) -> None:
+    """end_orphaned_runs, what every open of the store runs first: a killed owner's run ends KILLED, and
+    so does one whose pid now names another process (a pid reused); a live owner's run, another host's
+    and a run that names no owner stay RUNNING."""
+    from runner.mlflow_store import HOST_TAG, PID_TAG, STARTED_TAG, end_orphaned_runs
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("runner")
+    live, dead = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    dead.kill()
+    dead.wait()
+    host = os.uname().nodename
+    started = Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    owners = {"live": (live.pid, host, started), "dead": (dead.pid, host, ""), "reused": (live.pid, host, "1"),
+              "elsewhere": (dead.pid, "another-host", ""), "untagged": None}
+    ids = {}
+    for name, owner in owners.items():
+        tags = {PID_TAG: str(owner[0]), HOST_TAG: owner[1], STARTED_TAG: owner[2]} if owner else {}
+        ids[name] = client.create_run(experiment, run_name=name, tags=tags).info.run_id
+    try:
+        assert sorted(end_orphaned_runs(client)) == sorted([ids["dead"], ids["reused"]])
+    finally:
+        live.kill()
+        live.wait()
+    status = {name: client.get_run(run_id).info.status for name, run_id in ids.items()}
+    assert status == {"live": "RUNNING", "dead": "KILLED", "reused": "KILLED", "elsewhere": "RUNNING",
+                      "untagged": "RUNNING"}
+    assert client.get_run(ids["dead"]).data.tags["runner.outcome"] == "killed"
