@@ -81,7 +81,7 @@ def runs(app: Path) -> tuple[list, list]:
             [r for r in found if "mlflow.parentRunId" in r.data.tags])
 
 
-@pytest.mark.parametrize("sweeper", ["optuna", "basic"])
+@pytest.mark.parametrize("sweeper", ["optuna", pytest.param("basic", marks=pytest.mark.slow)])  # one lock path: CI runs one
 def test_two_multiruns_started_at_once_on_a_fresh_store_each_keep_their_parent_run(app: Path, sweeper: str) -> None:
     """Each process's first open of the store (its parent run's, its jobs') goes through the store lock:
     before, the Optuna parent run opened its own client, and a second sweep died migrating the fresh file."""
