@@ -121,10 +121,11 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def open_client(uri: str) -> Any:
+def open_client(uri: str, end_orphans: bool = True) -> Any:
     """An MlflowClient on uri. Constructing one opens the store (creating and migrating a fresh sqlite
     file), so it happens under the store's lock: several runs may start at once. The first open in a
-    process also ends the store's orphaned runs."""
+    process also ends the store's orphaned runs (end_orphans=False: a caller that ends a dead
+    process's run itself, with the status it knows)."""
     for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):  # migration steps log at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     from mlflow.tracking import MlflowClient
@@ -135,7 +136,7 @@ def open_client(uri: str) -> Any:
         except Exception as e:  # a broken or foreign file: MLflow's message, on one line
             raise SpecError(f"tracking.uri: cannot open the MLflow store {uri} ({_first_line(e)}); "
                             f"fix or move it, or use another tracking.uri") from None
-    if uri not in _cleaned:
+    if end_orphans and uri not in _cleaned:
         _cleaned.add(uri)
         end_orphaned_runs(client)
     return client

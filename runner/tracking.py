@@ -227,7 +227,7 @@ def end_left_running(spec: RunSpec, status: str) -> None:
     run_file = Path(spec.run_dir) / RUN_FILE
     if spec.tracking.name == "none" or not run_file.exists():
         return
-    client = open_client(spec.tracking.uri)
+    client = open_client(spec.tracking.uri, end_orphans=False)  # FAILED or KILLED: the launcher knows which
     run_id = run_file.read_text().strip()
     if run_exists(client, run_id) and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, status=status)
