@@ -10,6 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner import registry
 from runner.preflight import CONFIG_NAME, fail, preflight, resolved
 from runner.run_dir import shared_run_dir_overrides, under_torchrun
@@ -17,6 +18,7 @@ from runner.spec import RunSpec, SpecError
 
 
 @hydra.main(config_path=str(registry.CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
+@sweep_hook("runner.sweep_hook.RunnerSweepHook")  # what the Optuna sweeper adds to runner's jobs
 def main(cfg: DictConfig) -> float:
     try:
         spec = spec_from_hydra(cfg)

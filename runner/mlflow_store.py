@@ -4,9 +4,12 @@
 tracking input fails in one line before training: MLflow's own client retries an unreachable server
 for minutes and fails a read-only or full store with a long traceback.
 
-`open_client` serialises MLflow's first open of a sqlite store behind a file lock: MLflow migrates
-a fresh sqlite file on first open, and several processes migrating one file at once break it
-("duplicate column name", "_alembic_tmp_metrics already exists"), sometimes for good.
+`open_client` is the one way into the store, for runs, trials and parent runs alike. It serialises
+MLflow's first open of a sqlite store behind a file lock: MLflow migrates a fresh sqlite file on
+first open, and several processes migrating one file at once break it ("duplicate column name",
+"_alembic_tmp_metrics already exists"), sometimes for good. And it ends the runs whose process is
+gone (`end_orphaned_runs`): every run records its process in `owner_tags`, so a run whose process
+was killed (kill -9, a lost sweep) ends KILLED at the next start of any command on the store.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from typing import Any, Iterator
 
 from runner.spec import SpecError, TrackingSpec
 
+log = logging.getLogger(__name__)
+
 # MLflow 3's UI chooses between its model-training view (runs table) and its GenAI view (traces
 # overview) per experiment from this tag (values: the UI's ExperimentKind enum). The 3.17 UI lets a
 # global GenAI / model-training switch override it, which experiment_page's link sets.
@@ -40,6 +45,8 @@ _DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 _SERVER_SCHEMES = {"databricks", "databricks-uc", "uc"}
 _READ_ONLY = {errno.EACCES, errno.EPERM, errno.EROFS}
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+PID_TAG, HOST_TAG, STARTED_TAG = "runner.pid", "runner.host", "runner.pid_started"  # see owner_tags
+_cleaned: set[str] = set()  # stores whose orphaned runs this process has ended
 
 
 def check_tracking(tracking: TrackingSpec) -> None:
@@ -114,19 +121,81 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def open_client(uri: str) -> Any:
+def open_client(uri: str, end_orphans: bool = True) -> Any:
     """An MlflowClient on uri. Constructing one opens the store (creating and migrating a fresh sqlite
-    file), so it happens under the store's lock: several runs may start at once."""
+    file), so it happens under the store's lock: several runs may start at once. The first open in a
+    process also ends the store's orphaned runs (end_orphans=False: a caller that ends a dead
+    process's run itself, with the status it knows)."""
     for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):  # migration steps log at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     from mlflow.tracking import MlflowClient
 
     with store_lock(uri):
         try:
-            return MlflowClient(tracking_uri=uri)
+            client = MlflowClient(tracking_uri=uri)
         except Exception as e:  # a broken or foreign file: MLflow's message, on one line
             raise SpecError(f"tracking.uri: cannot open the MLflow store {uri} ({_first_line(e)}); "
                             f"fix or move it, or use another tracking.uri") from None
+    if end_orphans and uri not in _cleaned:
+        _cleaned.add(uri)
+        end_orphaned_runs(client)
+    return client
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags naming the process that keeps a run RUNNING (set when it creates or reattaches to the run)."""
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), STARTED_TAG: _started(os.getpid()) or ""}
+
+
+def end_orphaned_runs(client: Any) -> list[str]:
+    """End KILLED (tagged runner.outcome=killed) every RUNNING run of the store whose process, on this
+    host, is gone; the ids of those runs. Runs of other hosts, and runs without owner tags, are left
+    alone. Never raises: a store that cannot be searched must not stop a run from starting."""
+    from mlflow.entities import ViewType
+
+    host, ended = socket.gethostname(), []
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+        query, token = f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'", None
+        while experiments:
+            page = client.search_runs(experiments, query, ViewType.ALL, max_results=1000, page_token=token)
+            for run in page:
+                tags = run.data.tags
+                if tags.get(PID_TAG, "").isdigit() and _gone(int(tags[PID_TAG]), tags.get(STARTED_TAG) or None):
+                    client.set_tag(run.info.run_id, "runner.outcome", "killed")
+                    client.set_terminated(run.info.run_id, status="KILLED")
+                    ended.append(run.info.run_id)
+                    log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) was left RUNNING by process "
+                                f"{tags[PID_TAG]}, which is gone: ended KILLED")
+            token = page.token
+            if not token:
+                break
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"MLflow: could not look for runs left RUNNING by killed processes ({_first_line(e)})")
+    return ended
+
+
+def _started(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot, Linux): with the pid it names one process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(pid: int, started: str | None) -> bool:
+    """Whether process pid (started at `started`) has ended: no such pid, a zombie, or a pid reused."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # another user's live process
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False  # no /proc: the pid answers, so it is taken as alive
+    return fields[0] in ("Z", "X") or (started is not None and fields[19] != started)
 
 
 def open_experiment(client: Any, name: str, uri: str, artifact_root: str) -> str:

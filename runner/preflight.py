@@ -185,6 +185,9 @@ def _variants(overrides: list[Any], limit: int = 32) -> list[list[str]]:
             first.append(o.input_line)
         elif o.is_discrete_sweep() and not _is_glob(o):
             values = list(o.sweep_string_iterator())
+            if not values:  # range(5,1): nothing to run
+                raise SpecError(f"{o.get_key_element()}: {o.input_line.partition('=')[2]} has no values; allowed: "
+                                "range(start, stop) with start < stop, or a negative step to count down")
             first.append(line(o, values[0]))
             others += [(len(first) - 1, line(o, v)) for v in values[1:]]
     variants = [first]

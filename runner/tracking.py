@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
+from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,16 @@ class MlflowTracker:
             self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            self.run_name = self.client.get_run(resume_run_id).info.run_name
+            self.set_tags(owner_tags())  # this process keeps it RUNNING now; an earlier ending is history
+            run = self.client.get_run(resume_run_id)
+            self.run_name = run.info.run_name
+            if "runner.outcome" in run.data.tags:
+                self.client.delete_tag(resume_run_id, "runner.outcome")
             self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)", "git_commit": _git_commit(),
-                "host": socket.gethostname(), "run_dir": spec.run_dir}
+                "host": socket.gethostname(), "run_dir": spec.run_dir, **owner_tags()}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
@@ -225,7 +229,7 @@ def end_left_running(spec: RunSpec, status: str) -> None:
     run_file = Path(spec.run_dir) / RUN_FILE
     if spec.tracking.name == "none" or not run_file.exists():
         return
-    client = open_client(spec.tracking.uri)
+    client = open_client(spec.tracking.uri, end_orphans=False)  # FAILED or KILLED: the launcher knows which
     run_id = run_file.read_text().strip()
     if run_exists(client, run_id) and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, status=status)

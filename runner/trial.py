@@ -22,43 +22,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from optuna.storages import BaseStorage
+from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storage, storage_url  # the sweeper's protocol
 
+if TYPE_CHECKING:
     from runner.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
 PARENT_RUN_ENV = "RUNNER_PARENT_RUN_ID"      # MLflow parent run of the sweep this job belongs to
-PRUNER_ATTR = "runner.pruner"                 # study user attr: the pruner's config (a _target_ dict)
 PARENT_RUN_ATTR = "runner.mlflow_parent_run"  # study user attr: the sweep's MLflow parent run id
 RUN_DIR_ATTR = "runner.run_dir"               # trial system attr: the job's run directory
-_RDB_SCHEMES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql", "cockroachdb")
-
-
-def storage_url(storage: str | Path) -> str:
-    """The storage as a string every process can open: a relative journal path or sqlite file
-    becomes absolute. (The sweeper resolves `storage: null` to a journal in the sweep directory.)"""
-    storage = str(storage)
-    if storage.startswith("sqlite:///") and not storage.startswith("sqlite:////") and ":memory:" not in storage:
-        return "sqlite:///" + str(Path(storage[len("sqlite:///"):]).resolve())
-    if "://" in storage or storage.startswith(_RDB_SCHEMES):
-        return storage
-    return str(Path(storage).expanduser().resolve())
-
-
-def open_storage(url: str) -> "BaseStorage":
-    """An Optuna storage from `storage_url`'s string: RDB URLs, redis:// journals, else a journal file."""
-    import optuna
-    from optuna.storages import journal
-
-    if url.startswith("redis://"):
-        return journal.JournalStorage(journal.JournalRedisBackend(url))
-    if "://" in url or url.startswith(_RDB_SCHEMES):
-        return optuna.storages.RDBStorage(url)
-    path = Path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return journal.JournalStorage(journal.JournalFileBackend(str(path)))
 
 
 def is_pruned(error: BaseException) -> bool:

@@ -9,19 +9,19 @@ import optuna
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from .hook import SweepConfigError
+
 
 REMOVED_SAMPLERS = {  # hydra-optuna-sweeper offered them; the installed Optuna no longer has them
-    "optuna.samplers.MOTPESampler": "Optuna 4 removed MOTPESampler: use hydra/sweeper/sampler=tpe (TPESampler "
-                                    "handles several objectives) or hydra/sweeper/sampler=nsgaii",
+    "optuna.samplers.MOTPESampler": "motpe (MOTPESampler) was removed in Optuna 4; use hydra/sweeper/sampler=tpe "
+                                    "(TPESampler handles several objectives) or hydra/sweeper/sampler=nsgaii",
 }
 
 
 def check_sampler(cfg: DictConfig) -> None:
     target = str(OmegaConf.select(cfg, "_target_", default=""))
     if target in REMOVED_SAMPLERS:
-        from runner.spec import SpecError
-
-        raise SpecError(f"hydra/sweeper/sampler: {REMOVED_SAMPLERS[target]}")
+        raise SweepConfigError(f"hydra/sweeper/sampler: {REMOVED_SAMPLERS[target]}")
 
 
 def build_sampler(cfg: DictConfig, grid: Optional[dict[str, list]] = None, seed: Optional[int] = None) -> optuna.samplers.BaseSampler:

@@ -11,7 +11,8 @@
   job raises optuna.TrialPruned: PRUNED.
 - Heartbeats: the sweep writes each running trial's heartbeat into the storage; a trial whose sweep
   died stops beating and the next sweep on the study fails it (and retries it, max_retry).
-Which study, and the sampler's seed: _study.py. What is left behind: _study_report.py.
+Which study, and the sampler's seed: _study.py. What is left behind: _results.py, and whatever the
+app's hook records (hook.py; runner's: an MLflow parent run with a child run per trial).
 """
 from __future__ import annotations
 
@@ -29,19 +30,19 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
-from runner.trial import PARENT_RUN_ATTR, PRUNER_ATTR
-
 from . import _bookkeeping as books
 from . import _slots
 from ._builders import build_pruner, build_sampler, check_sampler, pruner_config
-from ._search_space import distribution_from_config, grid_values, parse_params, suggest
+from ._checks import check_settings, custom_search_space
+from ._results import write_results
+from ._search_space import describe, distribution_from_config, grid_values, parse_params, suggest
 from ._study import open_study, seed_for
-from ._study_report import StudyReport
+from .hook import load_hook
+from .storage import PRUNER_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,7 @@ class SweeperSettings:
 class OptunaSweeperImpl(Sweeper):
     def __init__(self, settings: SweeperSettings) -> None:
         self.s = settings
-        self.custom: Optional[Callable[[DictConfig, optuna.Trial], None]] = (
-            get_method(settings.custom_search_space) if settings.custom_search_space else None)
+        self.custom: Optional[Callable[[DictConfig, optuna.Trial], None]] = None
         self.mine: set[int] = set()  # trial numbers this process is running
         self.first_beat: dict[int, float] = {}  # other sweeps' running trials: their heartbeat when first seen
         self.last_error: Optional[str] = None  # "trial N: <one line>" of the last failed trial
@@ -83,6 +83,7 @@ class OptunaSweeperImpl(Sweeper):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
+        self.hook = load_hook(task_function, config)  # the app's extras, declared by its task function
         self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
                                                                 task_function=task_function)
 
@@ -91,9 +92,11 @@ class OptunaSweeperImpl(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        check_sampler(self.s.sampler)
-        self.space, self.fixed = self._search_space(arguments)
         self.directions = self._directions()
+        check_settings(self.s, self.directions)  # before anything is made: no study, no parent run
+        check_sampler(self.s.sampler)
+        self.custom = custom_search_space(self.s.custom_search_space)
+        self.space, self.fixed = self._search_space(arguments)
         pruner_cfg = pruner_config(self.s.pruner, self.config)
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
         self.n_jobs = self._slot_count()
@@ -120,8 +123,13 @@ class OptunaSweeperImpl(Sweeper):
         if done >= self.n_trials:
             log.warning(f"the study already has {done} finished trials of n_trials={self.n_trials}: nothing left to run "
                         "(raise hydra.sweeper.n_trials to run more, or use another study)")
-        self.report = StudyReport(self.config, self.study, self.storage_url, self.space, self.fixed, self.s, pruner_cfg, seed)
-        self.report.open_parent_run(self.study.user_attrs.get(PARENT_RUN_ATTR))
+        pruner_args = ", ".join(f"{k}={v}" for k, v in pruner_cfg.items() if k != "_target_")
+        self.hook.sweep_started(self.study, {
+            "study_name": self.study.study_name, "storage": self.storage_url, "sampler": type(self.study.sampler).__name__,
+            "seed": seed, "pruner": f"{pruner_cfg['_target_'].split('.')[-1]}({pruner_args})",
+            "direction": ",".join(d.lower() for d in self.directions), "n_jobs": self.s.n_jobs,
+            "n_trials": self.s.n_trials, "sweep_dir": str(sweep_dir),
+            "search_space": {k: describe(d) for k, d in self.space.items()}, "fixed": dict(self.fixed)})
         status = "FAILED"
         try:
             self._run()
@@ -130,7 +138,8 @@ class OptunaSweeperImpl(Sweeper):
             status = "KILLED"
             raise
         finally:
-            self.report.finish(status)
+            results = write_results(self.study, self.storage_url, sweep_dir)
+            self.hook.sweep_finished(self.study, status, results)
 
     def _run(self) -> None:
         free = list(range(self.n_jobs))
@@ -141,7 +150,7 @@ class OptunaSweeperImpl(Sweeper):
                 if self.s.heartbeat_interval:
                     books.fail_stale_trials(self.study, self.storage, self.mine,
                                             self.s.grace_period or 2 * self.s.heartbeat_interval, self.s.max_retry,
-                                            on_failed=lambda t: self.report.trial_done(t, killed=True))
+                                            on_failed=lambda t: self.hook.trial_done(self.study, t, killed=True))
                 stop = self._too_many_failures()
                 while free and not stop and (trial := self._next_trial()) is not None:
                     slot = free.pop(0)
@@ -209,7 +218,7 @@ class OptunaSweeperImpl(Sweeper):
             self._tell(trial, state, values)
             self.ran[trial.number] = state
             frozen = self.storage.get_trial(trial._trial_id)
-            self.report.trial_done(frozen, killed=killed)
+            self.hook.trial_done(self.study, frozen, killed=killed)
             if killed:
                 books.retry(self.study, frozen, self.s.max_retry)
             self.mine.discard(trial.number)
@@ -227,10 +236,7 @@ class OptunaSweeperImpl(Sweeper):
         if overlap:
             raise ValueError(f"parameters both fixed and searched: {sorted(overlap)}")
         overrides = [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
-        if isinstance(self.config.get("trial"), DictConfig):  # runner's jobs find their trial in the storage
-            overrides += [f"trial.storage={_quote(self.storage_url)}", f"trial.study_name={_quote(self.study.study_name)}",
-                          f"trial.number={trial.number}"]
-        return overrides
+        return overrides + self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
 
     def _values(self, trial: optuna.Trial, value: Any) -> list[float]:
         try:
@@ -280,36 +286,26 @@ class OptunaSweeperImpl(Sweeper):
 
     def _search_space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
         params = [f"{k}={v}" for k, v in (self.s.params or {}).items()]
-        space, fixed = parse_params(params + list(arguments))
+        space, fixed = parse_params(params + list(arguments), ["hydra.sweeper.params."] * len(params) + [""] * len(arguments))
         if self.s.search_space and not self.s.params:  # hydra-optuna-sweeper 1.1's form, under the overrides
             old = {str(k): distribution_from_config(v) for k, v in self.s.search_space.items() if str(k) not in fixed}
             space = {**old, **space}
         return space, fixed
 
-    def _is_runner(self) -> bool:
-        """Whether the task is runner's own (its jobs take trial.* overrides and report to the trial)."""
-        return isinstance(self.config.get("trial"), DictConfig) and isinstance(self.config.get("objective"), DictConfig)
-
     def _directions(self) -> list[str]:
-        d = self.s.direction  # unset: runner's jobs say it in objective.direction; other apps minimize, as there
+        d = self.s.direction  # unset: the app's hook says (runner: objective.direction); else minimize, as there
         if d is None:
-            d = OmegaConf.select(self.config, "objective.direction", default=None) if self._is_runner() else None
-            d = d or "minimize"
+            d = self.hook.direction() or "minimize"
         directions = list(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else [d]
-        return [str(x.name if hasattr(x, "name") else x) for x in directions]
+        return [str(x.name if hasattr(x, "name") else x).lower() for x in directions]
 
     def _is_grid(self) -> bool:
         return str(OmegaConf.select(self.s.sampler, "_target_", default="")).endswith("GridSampler")
 
     def _preload(self) -> list[str]:
-        """What jobs import, for the fork server to import once: the app's own script, and for
-        runner's jobs the engine, Optuna, and MLflow when they track."""
-        modules = ["__main__"]
-        if self._is_runner():
-            modules += ["runner.launch", "runner.trial", "optuna"]
-            if OmegaConf.select(self.config, "tracking.name", default=None) == "mlflow":
-                modules += ["mlflow.tracking", "mlflow.entities"]
-        return modules
+        """What jobs import, for the fork server to import once: the app's own script, and what its
+        hook names (runner's: the engine, Optuna, and MLflow when they track)."""
+        return ["__main__", *self.hook.preload()]
 
     def _slot_count(self) -> int:
         if self.s.n_jobs > 0:
@@ -317,7 +313,3 @@ class OptunaSweeperImpl(Sweeper):
         import os
 
         return max(1, len(_slots.visible_gpus()) or os.cpu_count() or 1)
-
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -7,7 +7,7 @@
                                     it out): range(1, 3) is {1, 2, 3}
     shuffle(range(...))             CategoricalDistribution of the same values as range(...)
     interval(low, high)             FloatDistribution;   int(interval(...)): IntDistribution
-    tag(log, interval(...))         the same on a log scale
+    tag(log, interval(...))         the same on a log scale (low > 0); any other tag is refused
     anything else                   a fixed value passed to every trial unchanged
 """
 from __future__ import annotations
@@ -24,38 +24,57 @@ from optuna.distributions import (
     IntDistribution,
 )
 
+from .hook import SweepConfigError
 
-def distribution_from_override(override: Override) -> BaseDistribution | str:
-    """The distribution an override sweeps over, or its value (as override text) when it is fixed."""
+
+def distribution_from_override(override: Override, key: str = "") -> BaseDistribution | str:
+    """The distribution an override sweeps over, or its value (as override text) when it is fixed.
+    A sweep the sampler cannot take as written is a SweepConfigError naming `key`."""
+    key = key or override.get_key_element()
     if not override.is_sweep_override():
         return override.get_value_element_as_str()
     value = override.value()
+    text = (override.input_line or "").partition("=")[2].strip()
+    tags = set(getattr(value, "tags", None) or ())
+    if tags - {"log"}:
+        raise SweepConfigError(f"{key}: {text}: unknown tag {sorted(tags - {'log'})[0]!r}; allowed: log, as in "
+                               "tag(log, interval(low, high))")
+    if tags and not isinstance(value, IntervalSweep):
+        raise SweepConfigError(f"{key}: {text}: tag(log, ...) applies to an interval only; allowed: "
+                               "tag(log, interval(low, high))")
     if isinstance(value, ChoiceSweep):
         return CategoricalDistribution(_encoded_values(override))
     if isinstance(value, RangeSweep):
-        low, high, step = _inclusive_range(override.input_line, value)
+        low, high, step = _inclusive_range(key, text, value)
         if value.shuffle:  # a shuffled order means nothing to a sampler: a choice over the same values
             return CategoricalDistribution([low + i * step for i in range(int(round((high - low) / step)) + 1)])
         if isinstance(step, float):
             return FloatDistribution(low, high, step=step)
         return IntDistribution(low, high, step=step)
     if isinstance(value, IntervalSweep):
-        log = "log" in value.tags
+        log = "log" in tags
+        if value.start > value.end:
+            raise SweepConfigError(f"{key}: {text}: its low {value.start} is above its high {value.end}; "
+                                   "allowed: interval(low, high) with low <= high")
+        if log and value.start <= 0:
+            raise SweepConfigError(f"{key}: {text}: a log scale needs low > 0, got {value.start}")
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log)
         return FloatDistribution(float(value.start), float(value.end), log=log)
-    raise ValueError(f"{override.input_line}: this kind of sweep is not supported by the Optuna sweeper")
+    raise SweepConfigError(f"{key}: {text}: this kind of sweep is not supported by the Optuna sweeper; allowed: "
+                           "choice, range, interval, tag(log, interval)")
 
 
-def _inclusive_range(text: str, r: RangeSweep) -> tuple[Any, Any, Any]:
+def _inclusive_range(key: str, text: str, r: RangeSweep) -> tuple[Any, Any, Any]:
     """(low, high, step) of the values start, start + step, ... up to and including stop. Hydra's own
     expansion stops before `stop`; hydra-optuna-sweeper hands start and stop to Optuna as the bounds,
     so the stop is a possible value there, and users' configs rely on it."""
     start, stop, step = r.start, r.stop, r.step
     if step == 0:
-        raise ValueError(f"{text}: the step of a range cannot be 0")
+        raise SweepConfigError(f"{key}: {text}: the step of a range cannot be 0")
     if (stop - start) / step < 0:
-        raise ValueError(f"{text}: the range is empty (a step of {step} never goes from {start} to {stop})")
+        raise SweepConfigError(f"{key}: {text} is empty (a step of {step} never goes from {start} to {stop}); allowed: "
+                               f"range(start, stop) with start <= stop, or a negative step to count down")
     is_float = any(isinstance(v, float) for v in (start, stop, step))
     n = int((stop - start) / step + 1e-9)  # whole steps that fit; the tolerance keeps 5.5 in range(-5.5, 5.5, 0.5)
     last = start + n * step
@@ -69,19 +88,20 @@ def _encoded_values(override: Override) -> list[Any]:
     choices = []
     for x in override.sweep_iterator(transformer=Transformer.encode):
         if not isinstance(x, (str, int, float, bool, type(None))):
-            raise ValueError(f"{override.input_line}: a choice takes str, int, float, bool or null values, got {x!r}")
+            raise SweepConfigError(f"{override.get_key_element()}: a choice takes str, int, float, bool or null values, got {x!r}")
         choices.append(x)
     return choices
 
 
-def parse_params(arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
+def parse_params(arguments: list[str], prefixes: list[str] | None = None) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
     """Split overrides into the search space and the fixed values; a later override of the same
-    key wins, so command-line arguments (parsed after hydra.sweeper.params) replace the config's."""
+    key wins, so command-line arguments (parsed after hydra.sweeper.params) replace the config's.
+    prefixes[i]: where argument i comes from, for errors ('hydra.sweeper.params.' for the config's)."""
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
-    for override in OverridesParser.create().parse_overrides(arguments):
+    for i, override in enumerate(OverridesParser.create().parse_overrides(arguments)):
         key = override.get_key_element()
-        value = distribution_from_override(override)
+        value = distribution_from_override(override, (prefixes[i] if prefixes else "") + key)
         space.pop(key, None)
         fixed.pop(key, None)
         if isinstance(value, BaseDistribution):
@@ -101,7 +121,7 @@ def distribution_from_config(config: Mapping[str, Any]) -> BaseDistribution:
         return IntDistribution(int(low), int(high), log=log, step=int(step) if step is not None and not log else 1)
     if kind == "float":
         return FloatDistribution(float(low), float(high), log=log, step=None if log or step is None else float(step))
-    raise ValueError(f"search_space: unknown distribution type {config['type']!r}; use int, float or categorical")
+    raise SweepConfigError(f"hydra.sweeper.search_space: unknown distribution type {config['type']!r}; use int, float or categorical")
 
 
 def grid_values(name: str, distribution: BaseDistribution) -> list[Any]:
@@ -112,7 +132,7 @@ def grid_values(name: str, distribution: BaseDistribution) -> list[Any]:
         n = int(round((distribution.high - distribution.low) / distribution.step)) + 1
         values = [distribution.low + i * distribution.step for i in range(n)]
         return [round(v, 12) for v in values] if isinstance(distribution, FloatDistribution) else values
-    raise ValueError(f"hydra.sweeper.params.{name}: the grid sampler needs discrete values "
+    raise SweepConfigError(f"hydra.sweeper.params.{name}: the grid sampler needs discrete values "
                      f"(choice or range), not {type(distribution).__name__}")
 
 

@@ -22,10 +22,9 @@ import optuna
 from optuna.distributions import BaseDistribution, distribution_to_json, json_to_distribution
 from optuna.storages import BaseStorage
 
-from runner.spec import SpecError
-from runner.trial import open_storage, storage_url
-
 from ._search_space import describe
+from .hook import SweepConfigError
+from .storage import check_storage, open_storage, storage_url
 
 SPACE_ATTR = "runner.search_space"  # study user attr: {param: distribution JSON} of hydra.sweeper.params
 JOURNAL = "optuna.journal"
@@ -46,11 +45,12 @@ def open_study(storage: Optional[str], study_name: Optional[str], sweep_dir: Pat
         backend = open_storage(url)
         earlier = backend.get_all_studies()
         if earlier:
-            raise SpecError(f"hydra.sweeper.storage: null starts a new study, but this sweep directory ({sweep_dir}) already "
+            raise SweepConfigError(f"hydra.sweeper.storage: null starts a new study, but this sweep directory ({sweep_dir}) already "
                             f"holds study {earlier[0].study_name!r} of an earlier sweep; to resume it set "
                             f"hydra.sweeper.storage={url}, else give the sweep a new hydra.sweep.dir")
     else:
         url = storage_url(storage)
+        check_storage(url)
         backend = open_storage(url)
     try:
         study = optuna.create_study(study_name=study_name, storage=backend, directions=directions, pruner=pruner)
@@ -67,7 +67,7 @@ def check_resumable(study: optuna.Study, url: str, directions: list[str], space:
     where = f"study {study.study_name!r} in {url}"
     stored_directions = [d.name.lower() for d in study.directions]
     if stored_directions != [d.lower() for d in directions]:
-        raise SpecError(f"hydra.sweeper.direction: {where} was created to {', '.join(stored_directions)}, this sweep "
+        raise SweepConfigError(f"hydra.sweeper.direction: {where} was created to {', '.join(stored_directions)}, this sweep "
                         f"asks to {', '.join(d.lower() for d in directions)}; resume it with its own direction, or "
                         "start a new study (another study_name)")
     stored = study.user_attrs.get(SPACE_ATTR)
@@ -81,7 +81,7 @@ def check_resumable(study: optuna.Study, url: str, directions: list[str], space:
     changes += [f"{k} was {describe(before[k])}, is now {describe(space[k])}"
                 for k in space if k in before and before[k] != space[k]]
     if changes:
-        raise SpecError(f"hydra.sweeper.params: the search space differs from {where}: {'; '.join(changes)}; resume it "
+        raise SweepConfigError(f"hydra.sweeper.params: the search space differs from {where}: {'; '.join(changes)}; resume it "
                         "with its own search space, or start a new study (another study_name)")
 
 

@@ -27,13 +27,12 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         """A sweep that cannot start (a bad config, a study that cannot be resumed as asked) exits 2,
         one that stops on failed trials exits 1: one line each, as runner's CLI reports errors."""
-        from runner.spec import SpecError
-
         from ._impl import SweepFailed
+        from .hook import SweepConfigError
 
         try:
             return self.sweeper.sweep(arguments)
-        except SpecError as e:
+        except SweepConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         except SweepFailed as e:

@@ -105,6 +105,20 @@ def test_two_objectives_report_their_pareto_front(tmp_path: Path) -> None:
 def test_the_removed_motpe_sampler_gets_one_line_naming_what_to_use(tmp_path: Path) -> None:
     proc = sweep(tmp_path, "kiln", "hydra/sweeper/sampler=motpe", check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: hydra/sweeper/sampler: Optuna 4 removed MOTPESampler: use hydra/sweeper/sampler=tpe (TPESampler "
-        "handles several objectives) or hydra/sweeper/sampler=nsgaii"]
+    assert proc.stderr.strip().splitlines() == [  # hydra-optuna-sweeper's own test looks for "motpe"
+        "error: hydra/sweeper/sampler: motpe (MOTPESampler) was removed in Optuna 4; use hydra/sweeper/sampler=tpe "
+        "(TPESampler handles several objectives) or hydra/sweeper/sampler=nsgaii"]
+    assert not (tmp_path / "sweep").exists()  # refused before the study was made
+
+
+def test_an_app_with_its_own_trial_and_tracking_nodes_gets_a_plain_sweep(tmp_path: Path) -> None:
+    """Only an app that declares a sweep hook (runner) gets trial.* overrides and an MLflow parent run."""
+    sweep(tmp_path, "loom")
+    trials = study(tmp_path, "loom").trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    flaws = load("loom").flaws
+    for t in trials:
+        assert t.value == pytest.approx(flaws(t.params["tension"], t.params["picks"], t.params["trial.pattern"]))
+        overrides = yaml.safe_load((tmp_path / "sweep" / str(t.number) / ".hydra" / "overrides.yaml").read_text())
+        assert sorted(o.split("=")[0] for o in overrides) == ["picks", "tension", "trial.pattern"]
+    assert not (tmp_path / "loom.db").exists() and not (tmp_path / "mlruns").exists()  # no parent run anywhere

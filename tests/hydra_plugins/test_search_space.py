@@ -1,4 +1,6 @@
 """Hydra's override grammar -> Optuna distributions, and every sampler and pruner config builds."""
+import subprocess
+import sys
 from pathlib import Path
 
 import optuna
@@ -10,6 +12,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 
 from hydra_plugins.runner_optuna_sweeper._builders import build_sampler
 from hydra_plugins.runner_optuna_sweeper._search_space import distribution_from_config, grid_values, parse_params
+from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError
 from runner.registry import CONF_DIR
 from runner.trial import storage_url
 
@@ -47,7 +50,7 @@ def test_range_values_reach_the_stop_with_every_sampler() -> None:
     assert drawn == {1, 2, 3}
     floats = space("x=range(-5.5, 5.5, step=0.5)")
     assert grid_values("x", floats)[-1] == 5.5 and len(grid_values("x", floats)) == 23
-    with pytest.raises(ValueError, match="the range is empty"):
+    with pytest.raises(ValueError, match=r"range\(3, 1\) is empty"):
         space("x=range(3, 1)")
 
 
@@ -55,6 +58,24 @@ def test_shuffled_range_is_a_choice_and_later_overrides_win() -> None:
     assert sorted(space("x=shuffle(range(1, 4))").choices) == [1, 2, 3, 4]
     found, fixed = parse_params(["lr=interval(0, 1)", "bs=choice(1, 2)", "lr=0.1"])
     assert found == {"bs": CategoricalDistribution([1, 2])} and fixed == {"lr": "0.1"}
+
+
+@pytest.mark.parametrize("param, message", [
+    ("lr=interval(1, 0.1)", "hydra.sweeper.params.lr: interval(1, 0.1): its low 1.0 is above its high 0.1; allowed: "
+                            "interval(low, high) with low <= high"),
+    ("lr=tag(log, interval(0, 1))", "hydra.sweeper.params.lr: tag(log, interval(0, 1)): a log scale needs low > 0, got 0.0"),
+    ("lr=tag(logg, interval(0.1, 1))", "hydra.sweeper.params.lr: tag(logg, interval(0.1, 1)): unknown tag 'logg'; allowed: "
+                                       "log, as in tag(log, interval(low, high))"),
+    ("bs=tag(log, range(1, 8))", "hydra.sweeper.params.bs: tag(log, range(1, 8)): tag(log, ...) applies to an interval "
+                                 "only; allowed: tag(log, interval(low, high))"),
+    ("bs=range(5, 1)", "hydra.sweeper.params.bs: range(5, 1) is empty (a step of 1 never goes from 5 to 1); allowed: "
+                       "range(start, stop) with start <= stop, or a negative step to count down"),
+])
+def test_a_search_space_the_sampler_cannot_take_as_written_is_one_line_naming_the_key(param: str, message: str) -> None:
+    """Refused, not sampled otherwise: a misspelt log tag sampled on a linear scale before."""
+    with pytest.raises(SweepConfigError) as e:
+        parse_params([param], ["hydra.sweeper.params."])
+    assert str(e.value) == message
 
 
 def test_grid_values_include_both_ends_of_the_distribution() -> None:
@@ -109,3 +130,12 @@ def test_storage_urls_are_absolute_so_every_job_opens_the_same_study(tmp_path: P
     assert storage_url("study.journal") == str(tmp_path / "study.journal")
     assert storage_url("sqlite:///s.db") == f"sqlite:///{tmp_path}/s.db"
     assert storage_url("postgresql://u:p@db/optuna") == "postgresql://u:p@db/optuna"
+
+
+def test_the_sweeper_imports_neither_runner_nor_torch() -> None:
+    """DESIGN: the sweeper is its own package; runner plugs in through the hook its task function declares."""
+    code = ("import sys; sys.modules.update(runner=None, torch=None); "
+            "import hydra_plugins.runner_optuna_sweeper._impl, hydra_plugins.runner_optuna_sweeper.optuna_sweeper; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'torch', 'mlflow') and sys.modules[m]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-3000:]

@@ -18,11 +18,12 @@ APP = '''
 import os, time
 from pathlib import Path
 import hydra
+from hydra.core.hydra_config import HydraConfig
 
 
 @hydra.main(version_base=None, config_path=".", config_name="config")
 def main(cfg) -> float:
-    n, marks = cfg.trial.number, Path(cfg.marks)
+    n, marks = HydraConfig.get().job.num, Path(cfg.marks)  # the sweeper launches trial N as job N
     marks.mkdir(parents=True, exist_ok=True)
     (marks / f"{n}-{os.getpid()}").touch()
     while (marks / "hang").exists():
@@ -48,10 +49,6 @@ sleep: 0.0
 sleep_first: 0.0
 kill_trial: -1
 marks: marks
-trial:
-  storage: null
-  study_name: null
-  number: null
 
 hydra:
   sweeper:

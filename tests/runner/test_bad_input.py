@@ -237,6 +237,31 @@ CASES = [
     case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
          "dataset.max_length=32 dataset.tokenizer=null", "error: dataset.tokenizer: the data's token ids are not "
          "those of the pretrained model at {pretrained} (the data's tokenizer has ", RUN),
+    # --- the Optuna sweeper's inputs (helper sweep): refused before the study or its MLflow parent run exists
+    case("-m hparams_search=digits_optuna optimizer.lr=interval(0.1,0.001)", "error: optimizer.lr: interval(0.1,0.001): "
+         "its low 0.1 is above its high 0.001; allowed: interval(low, high) with low <= high", RUN),
+    case("-m hparams_search=digits_optuna optimizer.lr=tag(log,interval(-1,0.1))", "error: optimizer.lr: "
+         "tag(log,interval(-1,0.1)): a log scale needs low > 0, got -1.0", RUN),
+    case("-m hparams_search=digits_optuna optimizer.lr=tag(logg,interval(0.001,0.1))", "error: optimizer.lr: "
+         "tag(logg,interval(0.001,0.1)): unknown tag 'logg'; allowed: log", RUN),
+    case("-m hparams_search=digits_optuna trainer.max_epochs=range(5,1)", "error: trainer.max_epochs: range(5,1) has "
+         "no values; allowed: range(start, stop) with start < stop", sub=True),
+    case("-m hparams_search=digits_optuna hydra.sweeper.direction=up", "error: hydra.sweeper.direction: 'up' is not a "
+         "direction; allowed: minimize, maximize", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.custom_search_space=no_such_module.space",
+         "error: hydra.sweeper.custom_search_space: cannot import 'no_such_module.space' (No module named "
+         "'no_such_module'); allowed: the dotpath of a function", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage=sqlite:///{tmp}/no/such/dir/optuna.db",
+         "error: hydra.sweeper.storage: sqlite:///{tmp}/no/such/dir/optuna.db: the directory {tmp}/no/such/dir does not "
+         "exist", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage=nosql://host/db", "error: hydra.sweeper.storage: "
+         "'nosql://host/db' has an unknown scheme 'nosql://'", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.n_jobs=0", "error: hydra.sweeper.n_jobs: 0 is out of range; "
+         "allowed: an integer >= 1, or -1", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.max_failure_rate=2", "error: hydra.sweeper.max_failure_rate: "
+         "2.0 is out of range; allowed: a share of n_trials from 0.0", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.n_trials=-1", "error: hydra.sweeper.n_trials: -1 is out of "
+         "range; allowed: an integer >= 1", RUN, sub=True),
 ]
 
 

@@ -12,6 +12,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from runner.mlflow_store import open_client
 from runner.trial import RUN_DIR_ATTR, open_storage
 from tests.conftest import run_cli
 
@@ -153,8 +154,9 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree(tmp_path: Path) -> None:
-    """SIGKILL of a 2-slot sweep: its trials stop (no FINISHED MLflow run appears later), and the
-    next sweep on the study fails them, their MLflow runs ended KILLED, not FINISHED."""
+    """SIGKILL of a 2-slot sweep: its trials stop (no FINISHED MLflow run appears later), the next
+    open of the store ends the parent's and the trials' MLflow runs KILLED, and the next sweep on the
+    study fails the trials."""
     uri, journal = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "study.journal"
     args = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_optuna", f"hydra.sweeper.storage={journal}",
             "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.heartbeat_interval=1",
@@ -177,6 +179,9 @@ def test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree(tmp_pa
         for pid in _descendants(sweep.pid) if sweep.poll() is None else ():
             os.kill(pid, 9)
     assert [t.state for t in load(journal).trials] == [TrialState.RUNNING] * 2  # the sweep told nothing
+    open_client(uri)  # what any runner command does first: the runs whose process is gone end KILLED
+    _, parents, children = runs(uri)
+    assert len(children) == 2 and [r.info.status for r in parents + children] == ["KILLED"] * 3
 
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
