@@ -8,7 +8,7 @@ logs exactly the values the uninterrupted run logs, whatever step the checkpoint
 from __future__ import annotations
 
 import contextlib
-from time import perf_counter
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -19,7 +19,7 @@ class LogWindow:
         self.losses: list[torch.Tensor] = []
         self.counts: list[int] = []
         self.seconds = 0.0         # training time of the window before `_since`
-        self._since: float | None = perf_counter()  # None while paused
+        self._since: float | None = time.perf_counter()  # None while paused
 
     def add(self, loss_sum: torch.Tensor, count: int) -> None:
         self.losses.append(loss_sum)
@@ -27,7 +27,7 @@ class LogWindow:
 
     def start(self) -> None:
         """Training starts (or goes on after a resume) now: the set-up before it is not training time."""
-        self._since = perf_counter()
+        self._since = time.perf_counter()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -37,7 +37,7 @@ class LogWindow:
         try:
             yield
         finally:
-            self._since = perf_counter()
+            self._since = time.perf_counter()
 
     def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]],
               device: torch.device) -> tuple[float, int, float]:
@@ -45,11 +45,11 @@ class LogWindow:
         loss = torch.stack(self.losses).sum()
         loss, count = reduce_sum([loss, torch.tensor(float(sum(self.counts)), device=device)])
         seconds = self._elapsed()
-        self.losses, self.counts, self.seconds, self._since = [], [], 0.0, perf_counter()
+        self.losses, self.counts, self.seconds, self._since = [], [], 0.0, time.perf_counter()
         return loss.item(), int(count.item()), seconds
 
     def _elapsed(self) -> float:
-        return self.seconds + (perf_counter() - self._since if self._since is not None else 0.0)
+        return self.seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
     def state_dict(self) -> dict:
         """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
@@ -62,4 +62,4 @@ class LogWindow:
         mine = [states[rank]] if len(states) == world else states if rank == 0 else []
         self.losses = [t.to(device) for state in mine for t in state["losses"]]
         self.counts = [int(c) for state in mine for c in state["counts"]]
-        self.seconds, self._since = max((float(s["seconds"]) for s in mine), default=0.0), perf_counter()
+        self.seconds, self._since = max((float(s["seconds"]) for s in mine), default=0.0), time.perf_counter()
