@@ -10,24 +10,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import random
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runner import checkpoint, components, finetune, parallel, tasks
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.optim import build_optimizer
-from runner.parallel import DistEnv
+from runner.parallel import DistEnv, pick_device
 from runner.precision import Precision
 from runner.schedule import build_scheduler
 from runner.resume import typed_keys
+from runner.rng import seed_everything
 from runner.spec import RunSpec, SpecError
 from runner.stopping import Stop, Stopping
 from runner.tracking import NullTracker, Tracker
@@ -159,12 +157,7 @@ class Engine:
                 stop = self._train()
                 if not stop.pruned:
                     self._finish_training()
-            if not stop.pruned:
-                self.monitor.finish(self.final, self.progress.step)
-            else:  # an Optuna pruner stopped this trial: an ordinary end for a search run
-                self.monitor.close()
-                self.tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
-                                       "mlflow.runName": f"{self.tracker.run_name} (pruned)"})
+            self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -399,21 +392,3 @@ def _finetune_call(key: str, fn, *args):
 
 def _inside(path: Path, directory: Path) -> bool:
     return path.resolve().is_relative_to(directory.resolve())
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SpecError("trainer.device: 'cuda' was asked for but no CUDA GPU is visible; use trainer.device=cpu or auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False

@@ -148,9 +148,14 @@ class Monitor:
             return math.nan
         return max(values) if maximize(self.spec, metric) else min(values)
 
-    def finish(self, final: dict[str, float], step: int) -> None:
-        """The end of a run: test metrics, the summary metrics a runs table sorts by, the plot."""
+    def finish(self, final: dict[str, float], step: int, pruned: bool = False) -> None:
+        """The end of a run: test metrics, the summary metrics a runs table sorts by, the plot. A trial
+        the Optuna pruner stopped is an ordinary end for a search run: its MLflow run is tagged pruned."""
         self.close()
+        if pruned:
+            self.tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
+                                   "mlflow.runName": f"{self.tracker.run_name} (pruned)"})
+            return
         self._record(final, step)
         best = {name: value for name, value in self.best.items()}
         for name, value in final.items():
