@@ -94,7 +94,7 @@ class Monitor:
         self.best_step: dict[str, int] = {}
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.window = LogWindow()
-        self.samples_seen = 0  # all ranks: the throughput summary
+        self.samples_seen = 0  # all ranks, in this process: the throughput summary
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not (show and is_main), leave=False)
 
@@ -176,12 +176,11 @@ class Monitor:
 
     def state_dict(self) -> dict:
         """The main rank's record (best values, history); each rank's logging window is saved apart."""
-        return {"best": self.best, "best_step": self.best_step, "samples_seen": self.samples_seen,
+        return {"best": self.best, "best_step": self.best_step,
                 "history": {k: [list(p) for p in v] for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         self.best, self.best_step = dict(state["best"]), dict(state["best_step"])
-        self.samples_seen = int(state.get("samples_seen", 0))
         self.history = {k: [(int(s), float(v)) for s, v in pts] for k, pts in state["history"].items()}
         self.bar.update(step)
 

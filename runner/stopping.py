@@ -1,7 +1,7 @@
 """Why a run stops before its last step: early stopping and pruning, decided after an evaluation.
 
-The step loop asks after each evaluation and gets a `Stop` back (or None); nothing here logs or
-raises, so a report can never end a run behind the loop's back.
+The step loop asks after each evaluation and gets a `Stop` back (or None): a stop is a value, never
+an exception raised inside a report, so no reporter can end a run behind the loop's back.
 """
 from __future__ import annotations
 
