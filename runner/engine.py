@@ -10,27 +10,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import random
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runner import checkpoint, components, finetune, parallel, tasks
 from runner.loader import make_loader, on_device, optimizer_steps
-from runner.monitor import Monitor, NonFiniteWatch
+from runner.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.optim import build_optimizer
-from runner.parallel import DistEnv
+from runner.parallel import DistEnv, pick_device
 from runner.precision import Precision
 from runner.schedule import build_scheduler
 from runner.resume import typed_keys
+from runner.rng import seed_everything
 from runner.spec import RunSpec, SpecError
+from runner.stopping import Stop, Stopping
 from runner.tracking import NullTracker, Tracker
-from runner.trial import is_pruned
+from runner.trial import open_trial, pruned
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,7 @@ class Progress:
     step: int = 0              # optimizer steps taken
     epoch: int = 0
     samples_in_epoch: int = 0  # samples of this epoch already trained on, all ranks together
+    last_eval_step: int = -1   # one evaluation per step, whatever asks for it
 
 
 @dataclass
@@ -103,8 +103,10 @@ class Engine:
                                             spec.model.unfreeze_after_epochs)
         self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         self.progress = Progress()
+        self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
-                               self.env.is_main)
+                               self.env.is_main, self.trial)
+        self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
         self.finished, self.final = False, {}
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
@@ -144,7 +146,7 @@ class Engine:
 
     def fit(self) -> RunResult:
         self.tracker.start(self.spec, self.resume_run_id)
-        started = time.perf_counter()
+        started, stop = time.perf_counter(), Stop("finished before")
         try:  # from here on, whatever fails ends the MLflow run FAILED (or KILLED), never RUNNING
             batch = self.spec.dataset.batch_size
             self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
@@ -152,9 +154,10 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                self._train()
-                self._finish_training()
-            self.monitor.finish(self.final, self.progress.step)
+                stop = self._train()
+                if not stop.pruned:
+                    self._finish_training()
+            self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -162,25 +165,23 @@ class Engine:
             raise
         except BaseException as e:
             self.monitor.close()
-            if is_pruned(e):  # an Optuna pruner stopped this trial: an ordinary end for a search run
-                self.tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
-                                       "mlflow.runName": f"{self.tracker.run_name} (pruned)"})
-                self.tracker.finish("FINISHED")
-            else:
-                self.tracker.set_tags({"runner.outcome": "failed"})
-                self.tracker.log_text("".join(traceback.format_exception(e)), "error.txt")
-                self.tracker.finish("FAILED")
+            self.tracker.set_tags({"runner.outcome": "failed"})
+            self.tracker.log_text("".join(traceback.format_exception(e)), "error.txt")
+            self.tracker.finish("FAILED")
             raise
+        if stop.pruned:
+            raise pruned(stop.reason)  # how a job tells the sweeper its trial was pruned
         seconds = time.perf_counter() - started
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds)
 
-    def _train(self) -> None:
-        trainer, p = self.spec.trainer, self.progress
+    def _train(self) -> Stop:
+        """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
+        trainer, p, stop = self.spec.trainer, self.progress, None
         global_micro_batch = self.spec.dataset.batch_size * self.env.world
         self.model.train()
-        while (p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs)
-               and not self.monitor.should_stop):
+        self.monitor.window.start()
+        while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
             if self.unfreezer is not None:
                 unfrozen = self.unfreezer.on_epoch_start(p.epoch)
@@ -188,30 +189,34 @@ class Engine:
                     log.info("epoch %d: unfroze %d parameter tensors (%s)", p.epoch, len(unfrozen),
                              ", ".join(self.spec.model.freeze))
             for micro_batches in optimizer_steps(self.train_loader, self.accum):
+                lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
                                          self.split_sizes["train"])
                 self.watch.on_step(p.step, loss_sum)
-                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, self.schedule.lr, self.precision.skipped_steps)
+                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps)
                 if self.monitor.is_log_step(p.step):
                     self.watch.check(parallel.all_reduce_max)
-                if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
-                    self._evaluate_and_watch()
-                if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
-                    self.save_checkpoint()
-                if p.step >= self.total_steps or self.monitor.should_stop:
+                with self.monitor.window.paused():  # throughput counts training time only
+                    if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
+                        stop = self._evaluate_and_watch()
+                    if stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
+                        self.save_checkpoint()
+                if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
                 p.epoch, p.samples_in_epoch = p.epoch + 1, 0
-                if trainer.eval_every_epoch:
-                    self._evaluate_and_watch()
+                if trainer.eval_every_epoch and stop is None:
+                    with self.monitor.window.paused():
+                        stop = self._evaluate_and_watch()
+        return stop or Stop("the last step")
 
     def _finish_training(self) -> None:
         """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
-        step), test, and write the final checkpoint: a run resumed after this has nothing left to do."""
-        if self.monitor.last_eval_step != self.progress.step:
-            self._evaluate_and_watch()
+        step), test, and write the final checkpoint: a run resumed after this has nothing left to do.
+        The run trained to its end: what that validation would decide (stop, prune) no longer matters."""
+        self._evaluate_and_watch()
         self.final = self.evaluate("test")
         self.finished = True
         self.save_checkpoint()
@@ -287,13 +292,22 @@ class Engine:
         *sums, n = [v.item() for v in values]
         return self.task.metrics(dict(zip(names, sums)), n, split)
 
-    def _evaluate_and_watch(self) -> None:
+    def _evaluate_and_watch(self) -> Stop | None:
+        """Validates once per step, whatever asks; returns why training stops here (pruned, early stopping)."""
+        p = self.progress
+        if p.last_eval_step == p.step:
+            return None
+        p.last_eval_step = p.step
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
         metrics = self.evaluate("val")
         self.model.train()
         if metrics:
             self.schedule.on_eval(metrics)
-        self.monitor.on_eval(metrics, self.progress.step, self.progress.epoch)
+        self.monitor.on_eval(metrics, p.step, p.epoch)
+        stop = self.stopping.after_eval(metrics)
+        if stop is not None:
+            self.monitor.say(stop.reason)
+        return stop
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -301,6 +315,7 @@ class Engine:
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
+        log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
         if not self.env.is_main:
             parallel.barrier()
             return None
@@ -315,6 +330,8 @@ class Engine:
             "rng": rng,
             "progress": vars(self.progress).copy(),
             "monitor": self.monitor.state_dict(),
+            "log_windows": log_windows,
+            "early_stopping": self.stopping.state_dict(),
             "finished": self.finished,
             "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
             "final": self.final,
@@ -346,8 +363,10 @@ class Engine:
         if self.unfreezer is not None and state.get("unfreezer"):
             self.unfreezer.load_state_dict(state["unfreezer"])
         self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
+        self.monitor.window.load_state_dict(state.get("log_windows", []), self.env.rank, self.env.world, self.device)
+        self.stopping.load_state_dict(state.get("early_stopping") or state["monitor"])
         # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
-        self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.monitor.should_stop)
+        self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.stopping.stopped_early)
         self.final = dict(state.get("final") or {})
         source_run = state.get("mlflow_run_id") or ""
         if _inside(Path(state["path"]), Path(self.spec.run_dir)):
@@ -373,21 +392,3 @@ def _finetune_call(key: str, fn, *args):
 
 def _inside(path: Path, directory: Path) -> bool:
     return path.resolve().is_relative_to(directory.resolve())
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SpecError("trainer.device: 'cuda' was asked for but no CUDA GPU is visible; use trainer.device=cpu or auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False

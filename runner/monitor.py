@@ -1,23 +1,25 @@
-"""What the run reports: per-step and per-evaluation metrics, the progress bar, best values,
-early stopping, the objective, and the curves plot.
+"""What the run reports: per-step and per-evaluation metrics, the progress bar, best values, the
+Optuna trial's intermediate values, the objective, and the curves plot.
 
-The step loop hands over device tensors; they are read (a device sync) only on log steps.
+Reporting decides nothing: whether to stop early or prune is the step loop's (runner/stopping.py,
+`TrialReporter.verdict`). The step loop hands over device tensors; they are read (a device sync)
+only on log steps.
 """
 from __future__ import annotations
 
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
+from runner.log_window import LogWindow
 from runner.spec import RunSpec
 from runner.tracking import Tracker
-from runner.trial import open_trial
+from runner.trial import TrialReporter
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,28 @@ class NonFiniteWatch:
                            "(trainer.clip_grad_norm=1.0), or use precision=bf16 instead of fp16")
 
 
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The rates the optimizer's next step uses (read before the scheduler moves them). `lr` is the
+    base rate (optimizer.lr as scheduled); with optimizer.lr_multipliers each multiplier's groups also
+    log theirs as `lr/x<multiplier>`."""
+    groups = optimizer.param_groups
+    if "lr_multiplier" not in groups[0]:
+        return {"lr": float(groups[0]["lr"])}
+    rates = {f"lr/x{g['lr_multiplier']:g}": float(g["lr"]) for g in groups}
+    # every group is scaled from its own peak (base x multiplier): any moving group gives the base
+    moving = [g for g in groups if g["lr_multiplier"] > 0]
+    base = float(moving[0]["lr"]) / moving[0]["lr_multiplier"] if moving else 0.0
+    return {"lr": rates.pop("lr/x1", base), **rates}  # the x1 group (unmatched parameters) is the base
+
+
 class Monitor:
     """Metrics of one run. Every rank holds one and calls it at the same steps (the training loss is
     reduced across ranks on log steps); only the main rank's tracker logs and only it writes files."""
 
     def __init__(self, spec: RunSpec, tracker: Tracker, total_steps: int, steps_per_epoch: int,
-                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]], is_main: bool = True):
-        self.spec, self.tracker = spec, tracker
+                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]], is_main: bool = True,
+                 trial: TrialReporter | None = None):
+        self.spec, self.tracker, self.trial = spec, tracker, trial
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
         self.unit = "tokens" if spec.task.name == "language_modeling" else "samples"  # what the loss averages over
@@ -76,36 +93,26 @@ class Monitor:
         self.best: dict[str, float] = {}
         self.best_step: dict[str, int] = {}
         self.history: dict[str, list[tuple[int, float]]] = {}
-        self.early_stopping_best: float | None = None
-        self.evals_without_improvement = 0
-        self.should_stop = False
-        self.last_eval_step = -1  # the step of the newest validation: the end of training evaluates if it is older
-        self._losses: list[torch.Tensor] = []
-        self._samples: list[int] = []
-        self.samples_seen = 0  # all ranks: the throughput summary
-        self._t_last = time.perf_counter()
+        self.window = LogWindow()
+        self.samples_seen = 0  # all ranks, in this process: the throughput summary
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not (show and is_main), leave=False)
-        self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
 
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
-                lr: float, skipped_steps: int) -> None:
-        """`loss_sum` and `samples` are this rank's; the logged train/loss is the mean over all ranks."""
-        self._losses.append(loss_sum)  # summed on log steps: no tensor op per step
-        self._samples.append(samples)
+                lrs: dict[str, float], skipped_steps: int) -> None:
+        """`loss_sum` and `samples` are this rank's; the logged train/loss is the mean over all ranks.
+        `lrs` are the rates this step used (`learning_rates`)."""
+        self.window.add(loss_sum, samples)  # summed on log steps: no tensor op per step
         self.bar.update(1)
         if not self.is_log_step(step):
             return
-        loss, count = self.reduce_sum([torch.stack(self._losses).sum(), torch.tensor(float(sum(self._samples)),
-                                                                              device=loss_sum.device)])
-        count = int(count.item())
+        loss, count, seconds = self.window.close(self.reduce_sum, loss_sum.device)
         self.samples_seen += count
-        now = time.perf_counter()
-        metrics = {"train/loss": loss.item() / max(count, 1), "lr": lr,
-                   f"throughput/{self.unit}_per_s": count / max(now - self._t_last, 1e-9),
+        throughput = f"throughput/{self.unit}_per_s"
+        metrics = {"train/loss": loss / max(count, 1), **lrs, throughput: count / max(seconds, 1e-9),
                    "epoch": step / self.steps_per_epoch}
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm.item()
@@ -113,43 +120,26 @@ class Monitor:
             metrics["fp16/skipped_steps"] = skipped_steps
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self._losses, self._samples, self._t_last = [], [], time.perf_counter()
         self._record(metrics, step)
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **{f"{self.unit}_s": f"{metrics[f'throughput/{self.unit}_per_s']:.0f}"})
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **{f"{self.unit}_s": f"{metrics[throughput]:.0f}"})
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        self.last_eval_step = step
         if not metrics:  # an empty split: nothing to report
             return
         self._record(metrics, step)
         for name, value in metrics.items():
             if name not in self.best or self.better(name, value, self.best[name]):
                 self.best[name], self.best_step[name] = value, step
-        text = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        if self.is_main:
-            (log.info if self.bar.disable else self.bar.write)(f"epoch {epoch} step {step}: {text}")
-        self._watch_early_stopping(metrics)
+        self.say(f"epoch {epoch} step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if self.trial is not None:
-            self.trial.report(metrics)  # raises optuna.TrialPruned when the study's pruner stops this run
+            self.trial.report(metrics, step)
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            (log.info if self.bar.disable else self.bar.write)(text)
 
     def better(self, metric: str, new: float, old: float) -> bool:
         return new > old if maximize(self.spec, metric) else new < old
-
-    def _watch_early_stopping(self, metrics: dict[str, float]) -> None:
-        es = self.spec.trainer.early_stopping
-        if es.monitor is None or es.monitor not in metrics:
-            return
-        value, ref = metrics[es.monitor], self.early_stopping_best
-        improved = ref is None or (value < ref - es.min_delta if es.mode == "min" else value > ref + es.min_delta)
-        if improved:
-            self.early_stopping_best = value
-            self.evals_without_improvement = 0
-        else:
-            self.evals_without_improvement += 1
-        if self.evals_without_improvement >= es.patience:
-            self.should_stop = True
-            if self.is_main:
-                log.info("early stopping: %s has not improved for %d evaluations", es.monitor, es.patience)
 
     def objective(self) -> float:
         metric = self.spec.objective.metric
@@ -158,9 +148,14 @@ class Monitor:
             return math.nan
         return max(values) if maximize(self.spec, metric) else min(values)
 
-    def finish(self, final: dict[str, float], step: int) -> None:
-        """The end of a run: test metrics, the summary metrics a runs table sorts by, the plot."""
+    def finish(self, final: dict[str, float], step: int, pruned: bool = False) -> None:
+        """The end of a run: test metrics, the summary metrics a runs table sorts by, the plot. A trial
+        the Optuna pruner stopped is an ordinary end for a search run: its MLflow run is tagged pruned."""
         self.close()
+        if pruned:
+            self.tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
+                                   "mlflow.runName": f"{self.tracker.run_name} (pruned)"})
+            return
         self._record(final, step)
         best = {name: value for name, value in self.best.items()}
         for name, value in final.items():
@@ -180,17 +175,12 @@ class Monitor:
             self.history.setdefault(name, []).append((step, value))
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "evals_without_improvement": self.evals_without_improvement,
-                "early_stopping_best": self.early_stopping_best, "should_stop": self.should_stop,
-                "last_eval_step": self.last_eval_step,
+        """The main rank's record (best values, history); each rank's logging window is saved apart."""
+        return {"best": self.best, "best_step": self.best_step,
                 "history": {k: [list(p) for p in v] for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         self.best, self.best_step = dict(state["best"]), dict(state["best_step"])
-        self.evals_without_improvement = state["evals_without_improvement"]
-        self.early_stopping_best = state["early_stopping_best"]
-        self.should_stop = bool(state.get("should_stop", False))
-        self.last_eval_step = int(state.get("last_eval_step", -1))
         self.history = {k: [(int(s), float(v)) for s, v in pts] for k, pts in state["history"].items()}
         self.bar.update(step)
 

@@ -195,3 +195,11 @@ def barrier() -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2 grad norms), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecError("trainer.device: 'cuda' was asked for but no CUDA GPU is visible; use trainer.device=cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)

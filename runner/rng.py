@@ -1,12 +1,24 @@
-"""The random-number streams a checkpoint saves and a resume restores (torch, Python, NumPy, CUDA),
-kept as tensors and plain values so that checkpoints load with weights_only=True."""
+"""The random-number streams: seeded at the start of a run, saved by a checkpoint and restored by a
+resume (torch, Python, NumPy, CUDA), kept as tensors and plain values so that checkpoints load with
+weights_only=True."""
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def rng_state() -> dict[str, Any]:

@@ -3,9 +3,10 @@
 The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` and `trial.number`;
 the job opens the study's storage itself, so reporting and pruning work whatever the launcher
 (in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
-evaluation the objective metric is reported to the trial and the study's pruner is asked; a rejected
-trial raises `optuna.TrialPruned`, which the engine ends as a FINISHED MLflow run tagged `pruned`
-and the sweeper tells as PRUNED.
+evaluation the objective metric is reported to the trial at the run's optimizer step (so a resumed
+or restarted run reports new steps, never ones Optuna has seen), then the step loop asks the study's
+pruner; a rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned` and
+raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
 
 The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
 the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it. The job
@@ -41,37 +42,44 @@ def is_pruned(error: BaseException) -> bool:
 
 
 class TrialReporter:
-    """Reports a run's evaluations to its trial and raises `optuna.TrialPruned` when pruned.
+    """Reports a run's evaluations to its trial (`report`) and says whether the pruner stops it (`verdict`).
 
     Under ddp/fsdp every rank holds one (their metrics are all-reduced, hence equal): rank 0 alone
-    reports and asks the pruner, and broadcasts the decision, so all ranks stop at the same step.
+    reports and asks the pruner, and broadcasts the verdict, so all ranks stop at the same step.
     """
 
     def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool):
         self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
-        self.evaluations = 0
+        self.last: tuple[int, dict[str, float]] = (0, {})
 
-    def report(self, metrics: dict[str, float]) -> None:
-        import optuna
+    def report(self, metrics: dict[str, float], step: int) -> None:
+        """The objective at this optimizer step (Optuna prunes single objectives only)."""
+        self.last = (step, metrics)
+        value = metrics.get(self.metric)
+        if self.trial is not None and value is not None and math.isfinite(value) and not self.multi_objective:
+            self.trial.report(value, step)
 
-        self.evaluations += 1
+    def verdict(self) -> str | None:
+        """Why the study's pruner stops this run after the last report, or None to go on."""
+        step, metrics = self.last
         for name, value in metrics.items():
             if not math.isfinite(value):  # a diverged run: FAIL now rather than train on NaN
-                raise FloatingPointError(f"the run diverged: {name} is {value} at evaluation {self.evaluations}")
+                raise FloatingPointError(f"the run diverged: {name} is {value} at step {step}")
         verdict = None
-        # Optuna prunes single objectives only
-        if self.trial is not None and self.metric in metrics and not self.multi_objective:
-            value = metrics[self.metric]
-            self.trial.report(value, self.evaluations)  # step = evaluations so far: epochs by default
-            if self.trial.should_prune():
-                verdict = (f"trial {self.trial.number} pruned after evaluation {self.evaluations}: "
-                           f"{self.metric} {value:.4f}")
+        if self.trial is not None and self.metric in metrics and not self.multi_objective and self.trial.should_prune():
+            verdict = f"trial {self.trial.number} pruned at step {step}: {self.metric} {metrics[self.metric]:.4f}"
         if self.distributed:
             from runner.parallel import broadcast_object
 
             verdict = broadcast_object(verdict)
-        if verdict is not None:
-            raise optuna.TrialPruned(verdict)
+        return verdict
+
+
+def pruned(reason: str) -> BaseException:
+    """Optuna's prune signal: how a job tells the sweeper that its trial was pruned."""
+    import optuna
+
+    return optuna.TrialPruned(reason)
 
 
 def open_trial(spec: "RunSpec") -> TrialReporter | None:

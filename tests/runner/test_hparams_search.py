@@ -13,8 +13,10 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from runner.mlflow_store import open_client
-from runner.trial import RUN_DIR_ATTR, open_storage
+from runner.trial import PRUNER_ATTR, RUN_DIR_ATTR, open_storage
 from tests.conftest import run_cli
+from tests.runner.test_engine import tracked
+from tests.runner.test_parallel import metric_history
 
 
 def load(journal: Path, name: str = "digits_optuna") -> optuna.Study:
@@ -51,7 +53,7 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     trials = load(journal).trials
     assert [(t.params["optimizer.lr"], t.state) for t in trials] == [
         (0.05, TrialState.COMPLETE), (1e6, TrialState.FAIL), (1e-5, TrialState.PRUNED)]
-    assert list(trials[2].intermediate_values) == [1]  # stopped at its first evaluation
+    assert list(trials[2].intermediate_values) == [20]  # stopped at its first evaluation (epoch 1, step 20)
     assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
     assert "FloatingPointError" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "__main__.log").read_text()
     (results_file,) = tmp_path.glob("outputs/multiruns/*/*/optimization_results.yaml")
@@ -80,6 +82,35 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     assert len(load(journal).trials) == 3
     _, (parent_again,), children_again = runs(uri)
     assert parent_again.info.run_id == parent.info.run_id and len(children_again) == 3
+
+
+def test_a_resumed_trial_reports_at_its_optimizer_steps(tmp_path: Path) -> None:
+    """A trial interrupted after its checkpoint of step 20 and resumed: its intermediate values are its
+    validations at their optimizer steps, those after the resume included (Optuna ignores a step it has
+    seen, so a count restarting at 0 would hand the pruner stale values)."""
+    journal = tmp_path / "study.journal"
+    study = optuna.create_study(study_name="s", storage=open_storage(str(journal)), direction="maximize")
+    study.set_user_attr(PRUNER_ATTR, {"_target_": "optuna.pruners.NopPruner"})
+    number = study.ask().number
+    run = ["trainer.max_steps=30", "trainer.eval_every_n_steps=10", "trainer.checkpoint_every_n_steps=10",
+           "model.hidden=[16]", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
+           f"trial.storage={journal}", "trial.study_name=s", f"trial.number={number}"]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cut = tracked(run, tmp_path / "run", uri)
+    real_step = cut.train_step
+
+    def ctrl_c_at_step_25(batches):
+        if cut.progress.step == 24:
+            raise KeyboardInterrupt
+        return real_step(batches)
+
+    cut.train_step = ctrl_c_at_step_25
+    with pytest.raises(KeyboardInterrupt):
+        cut.fit()
+    tracked([*run, f"trainer.resume={tmp_path / 'run'}"], tmp_path / "run", uri).fit()
+    val_acc = metric_history(tmp_path / "mlflow.db")["val/acc"]
+    assert [s for s, _ in val_acc] == [10, 20, 30]
+    assert load(journal, "s").trials[number].intermediate_values == dict(val_acc)
 
 
 @pytest.mark.slow

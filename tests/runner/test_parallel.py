@@ -293,6 +293,6 @@ def test_only_the_main_rank_writes_run_files(tmp_path: Path) -> None:
     spec = compose_spec(["trainer.progress_bar=off"], tmp_path / "run")
     for is_main in (False, True):
         monitor = Monitor(spec, NullTracker(), 10, 5, all_reduce_sum, is_main=is_main)
-        monitor.on_step(10, torch.tensor(2.0), 4, None, 0.1, 0)
+        monitor.on_step(10, torch.tensor(2.0), 4, None, {"lr": 0.1}, 0)
         monitor.finish({"test/acc": 0.5}, 10)
         assert (tmp_path / "run" / "curves.png").exists() == is_main

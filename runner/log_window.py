@@ -1,0 +1,65 @@
+"""The training metrics of one logging window: the steps since the last logged step.
+
+The window keeps each step's loss sum (a device tensor: no sync per step) and unit count, and the
+seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
+counts training time only. The window is part of a checkpoint (every rank's own), so a resumed run
+logs exactly the values the uninterrupted run logs, whatever step the checkpoint was written at.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+import torch
+
+
+class LogWindow:
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.counts: list[int] = []
+        self.seconds = 0.0         # training time of the window before `_since`
+        self._since: float | None = time.perf_counter()  # None while paused
+
+    def add(self, loss_sum: torch.Tensor, count: int) -> None:
+        self.losses.append(loss_sum)
+        self.counts.append(count)
+
+    def start(self) -> None:
+        """Training starts (or goes on after a resume) now: the set-up before it is not training time."""
+        self._since = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside does not count as training time."""
+        self.seconds = self._elapsed()
+        self._since = None
+        try:
+            yield
+        finally:
+            self._since = time.perf_counter()
+
+    def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+              device: torch.device) -> tuple[float, int, float]:
+        """The window's loss sum and unit count over all ranks and its training seconds; a new window starts."""
+        loss = torch.stack(self.losses).sum()
+        loss, count = reduce_sum([loss, torch.tensor(float(sum(self.counts)), device=device)])
+        seconds = self._elapsed()
+        self.losses, self.counts, self.seconds, self._since = [], [], 0.0, time.perf_counter()
+        return loss.item(), int(count.item()), seconds
+
+    def _elapsed(self) -> float:
+        return self.seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def state_dict(self) -> dict:
+        """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
+        return {"losses": [t.detach().cpu() for t in self.losses], "counts": list(self.counts),
+                "seconds": self._elapsed()}
+
+    def load_state_dict(self, states: list[dict], rank: int, world: int, device: torch.device) -> None:
+        """Every rank's saved window (none in a checkpoint from before windows were saved). Resumed on
+        as many ranks, each takes its own; on another number, rank 0 takes them all (the same sums)."""
+        mine = [states[rank]] if len(states) == world else states if rank == 0 else []
+        self.losses = [t.to(device) for state in mine for t in state["losses"]]
+        self.counts = [int(c) for state in mine for c in state["counts"]]
+        self.seconds, self._since = max((float(s["seconds"]) for s in mine), default=0.0), time.perf_counter()
