@@ -16,6 +16,7 @@ import logging
 import typing
 from typing import Any, Callable
 
+from runner import metric_names
 from runner.fields import SpecError, _convert
 from runner.spec import RunSpec, did_you_mean
 
@@ -70,10 +71,12 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
 
 
 def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
-    """The spec with its model and dataset arguments checked and completed."""
+    """The spec with its model and dataset arguments checked and completed, and the metric modes the
+    task declares filled in."""
     model = resolve("model", spec.model.target, spec.model.params, typed)
     data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
-    return spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
+    spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
+    return metric_names.with_declared_modes(spec)
 
 
 def build_data(spec: RunSpec) -> Any:
