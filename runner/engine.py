@@ -91,6 +91,8 @@ class Engine:
 
         self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
         self.pass_labels = batches.accepts_labels(self.module)
+        batches.check_loss_options(self.module, self.task, self._prepare(batches.split_batch(
+            self.train_loader.collate_fn.stand_in()), train=False), self.pass_labels, spec.model.target)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
@@ -223,7 +225,8 @@ class Engine:
         counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
         # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
         # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
-        scale = self.env.world / parallel.global_count(sum(counts), self.device)
+        # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
+        scale = self.env.world / max(parallel.global_count(sum(counts), self.device), 1)
         losses = []
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
@@ -250,31 +253,11 @@ class Engine:
             return batches.call_model(self.model, batch, self.pass_labels)
 
     def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
-        """The micro-batch's loss summed over its units. A stand-in for an empty share is forwarded like
-        any batch and its loss multiplied by 0: under DDP every parameter then still gets its (zero)
-        gradient and the step's all-reduce, and under FSDP the forward's all-gathers and the backward's
-        reduce-scatters run on every rank in step. Skipping the forward (a zero loss built from the
-        parameters) would leave FSDP's sharded parameters without their collectives and hang the others."""
-        output = self._forward(batch)
-        logits = batches.logits_of(output)
-        if logits is not None:
-            loss = self.task.loss_sum(logits, batch.labels)
-            return loss * 0 if batch.empty else loss
-        # a model's own loss is its mean over the micro-batch's units: back to a sum (0 for a stand-in)
-        return self._own_loss(output).float() * count
-
-    def _own_loss(self, output) -> torch.Tensor:
-        """The model's own loss, used only because its output holds no logits for the task's loss."""
-        own = batches.own_loss(output)
-        if own is None:
-            raise SpecError(f"model: {self.spec.model.target} returned {type(output).__name__}, which holds neither "
-                            "logits nor a loss; return a logits tensor, or an object or dict with .logits or .loss")
-        options = self.task.loss_options()
-        if options:  # a key the run accepted must never do nothing
-            key, value = next(iter(options.items()))
-            raise SpecError(f"task.{key}: {value} cannot apply: {self.spec.model.target} returns its own loss and no "
-                            f"logits, so the task does not compute the loss; remove task.{key}, or return logits")
-        return own
+        """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under
+        DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
+        forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
+        forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
+        return batches.loss_sum(self._forward(batch), batch, count, self.task, self.spec.model.target)
 
     def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
         trainer = self.spec.trainer
@@ -302,12 +285,8 @@ class Engine:
         for raw in self.eval_loaders[split]:
             batch = self._prepare(batches.split_batch(raw), train=False)
             n = 0 if batch.empty else self.task.count(batch.labels)
-            output = self._forward(batch)
-            logits = batches.logits_of(output)
-            # a model with only its own loss (its mean over the batch's units) reports only the loss
-            sums = self.task.eval_sums(logits, batch.labels) if logits is not None else {"loss": self._own_loss(output) * n}
-            for name, value in sums.items():
-                totals[name] = totals.get(name, 0) + (torch.zeros_like(value) if batch.empty else value).double()
+            for name, value in batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target).items():
+                totals[name] = totals.get(name, 0) + value.double()
             count += n
         names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
         values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])

@@ -105,14 +105,16 @@ class Collate:
 
     def __call__(self, items: Any) -> Any:
         if isinstance(self.dataset, BatchedTensors):
-            return items if len(items[0]) else EmptyShare(self.dataset.__getitems__(self.first()))
-        return self.collate(items) if items else EmptyShare(self.collate([self.dataset[i] for i in self.first()]))
+            return items if len(items[0]) else self.stand_in()
+        return self.collate(items) if items else self.stand_in()
 
-    def first(self) -> list:
+    def stand_in(self) -> EmptyShare:
         # two samples where there are: a BatchNorm1d in training refuses a batch of one; read by (index,
         # seed) where the dataset takes keys, so the stand-in draws nothing from the run's RNG
         n = min(2, len(self.dataset))
-        return [(i, 0) for i in range(n)] if self.keyed else list(range(n))
+        if isinstance(self.dataset, BatchedTensors):
+            return EmptyShare(self.dataset.__getitems__(list(range(n))))
+        return EmptyShare(self.collate([self.dataset[(i, 0) if self.keyed else i] for i in range(n)]))
 
 
 def on_device(dataset: Dataset, device: torch.device, budget: float = 0.25) -> Dataset:

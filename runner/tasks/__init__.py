@@ -13,7 +13,7 @@ the other built-ins are written the same way):
     unit = "samples"                                  # or "tokens": what `count` counts
     def loss_sum(self, logits, labels) -> Tensor      # the loss summed over the batch's units
     def count(self, labels) -> int                    # units in the batch (default: len(labels))
-    def eval_sums(self, logits, labels) -> dict       # sums that add up over batches and ranks
+    def eval_sums(self, logits, labels) -> dict       # scalar sums that add up over batches and ranks
                                                       # (default: {"loss": loss_sum})
     def summarize(self, sums, count) -> dict          # metric values from the totals (default: sum/count)
     def loss_options(self) -> dict                    # options set that change the loss (see below)

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from runner.fields import SpecError
 from runner.loader import EmptyShare
-from runner.tasks import Batch
+from runner.tasks import Batch, Task
 
 
 def split_batch(batch: Any) -> Batch:
@@ -53,6 +54,49 @@ def logits_of(output: Any) -> torch.Tensor | None:
     return logits if isinstance(logits, torch.Tensor) else None
 
 
-def own_loss(output: Any) -> torch.Tensor | None:
+def loss_sum(output: Any, batch: Batch, count: int, task: Task, model: str) -> torch.Tensor:
+    """The micro-batch's loss summed over its `count` units: the task's, from the logits; the model's own
+    (its mean over the units) only where the output has no logits. A stand-in's is multiplied by 0."""
+    logits = logits_of(output)
+    if logits is not None:
+        loss = task.loss_sum(logits, batch.labels)
+        return loss * 0 if batch.empty else loss
+    return own_loss(output, task, model).float() * count  # count is 0 for a stand-in
+
+
+def eval_sums(output: Any, batch: Batch, count: int, task: Task, model: str) -> dict[str, torch.Tensor]:
+    """The task's evaluation sums (all 0 for a stand-in); a model with only its own loss reports only that."""
+    logits = logits_of(output)
+    sums = task.eval_sums(logits, batch.labels) if logits is not None else {"loss": own_loss(output, task, model) * count}
+    return {name: torch.zeros_like(value) if batch.empty else value for name, value in sums.items()}
+
+
+def own_loss(output: Any, task: Task, model: str) -> torch.Tensor:
+    """The model's own loss, for an output with no logits (the task cannot compute the loss). The
+    task's options that would change the loss are refused: they would do nothing."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    return loss if isinstance(loss, torch.Tensor) else None
+    if not isinstance(loss, torch.Tensor):
+        raise SpecError(f"model: {model} returned {type(output).__name__}, which holds neither logits nor a loss; "
+                        "return a logits tensor, or an object or dict with .logits or .loss")
+    options = task.loss_options()
+    if options:  # a key the run accepted must never do nothing
+        key, value = next(iter(options.items()))
+        raise SpecError(f"task.{key}: {value} cannot apply: {model} returns its own loss and no logits, so the task "
+                        f"does not compute the loss; remove task.{key}, or return logits from the model")
+    return loss
+
+
+@torch.no_grad()
+def check_loss_options(module: torch.nn.Module, task: Task, stand_in: Batch, pass_labels: bool, model: str) -> None:
+    """Before training: a model that returns no logits for one real batch (in eval mode: no BatchNorm
+    statistics move, no dropout randomness is drawn) while the task has loss options set is refused."""
+    if not task.loss_options():
+        return
+    training = module.training
+    module.eval()
+    try:
+        output = call_model(module, stand_in, pass_labels)
+    finally:
+        module.train(training)
+    if logits_of(output) is None:
+        own_loss(output, task, model)
