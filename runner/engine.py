@@ -291,7 +291,7 @@ class Engine:
         names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
         values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])
         *sums, n = [v.item() for v in values]
-        return {f"{split}/{name}": value for name, value in self.task.summarize(dict(zip(names, sums)), n).items()}
+        return tasks.metric_values(self.task, dict(zip(names, sums)), n, split)
 
     def _evaluate_and_watch(self) -> None:
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged

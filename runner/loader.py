@@ -7,9 +7,8 @@ start at a position. Here each epoch's order is cut into global micro-batches of
 samples, and each global micro-batch is dealt across the ranks in turn: every rank gets the same
 number of micro-batches (so collectives stay in step), a rank may get one sample fewer, or none, in
 the epoch's last micro-batch (it then gets an EmptyShare, which counts nothing), and no sample is
-seen twice. The step's loss is normalised by the
-sample count reduced across ranks (runner/engine.py), so N ranks at batch B equal one process at
-batch N*B for any dataset size.
+seen twice. The step's loss is normalised by the sample count reduced across ranks
+(runner/engine.py), so N ranks at batch B equal one process at batch N*B for any dataset size.
 """
 from __future__ import annotations
 

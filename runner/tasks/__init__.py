@@ -101,6 +101,17 @@ def direction(task: type[Task] | Task, metric: str) -> Direction:
     return task.metrics[name]
 
 
+def metric_values(task: Task, sums: dict[str, float], count: float, split: str) -> dict[str, float]:
+    """`<split>/<name>` -> value from a split's totals; a name the task does not declare is refused (its
+    direction would be unknown to best/, early stopping and plateau)."""
+    values = task.summarize(sums, count)
+    undeclared = sorted(set(values) - set(type(task).metrics))
+    if undeclared:
+        raise ValueError(f"{type(task).__name__} reports {', '.join(undeclared)} but does not declare it in `metrics`; "
+                         "add it there with its direction (maximize or minimize)")
+    return {f"{split}/{name}": value for name, value in values.items()}
+
+
 def build_task(name: str, num_classes: int | None, label_smoothing: float = 0.0) -> Task:
     cls = task_class(name)
     if name == "classification":

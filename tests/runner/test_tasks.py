@@ -122,3 +122,18 @@ def test_label_smoothing_is_refused_for_a_model_that_computes_its_own_loss(tmp_p
     assert str(err.value) == ("task.label_smoothing: 0.1 cannot apply: tests.user_pkg.shares.OwnLossNet returns its own "
                               "loss and no logits, so the task does not compute the loss; remove task.label_smoothing, "
                               "or return logits from the model")
+
+
+def test_a_metric_the_task_does_not_declare_is_refused_and_directions_are_the_declared_ones() -> None:
+    from runner.tasks import Task, direction, metric_values
+    from tests.user_pkg.regression import R2Regression
+
+    class Bleu(Task):
+        def summarize(self, sums: dict, count: float) -> dict:
+            return {"loss": sums["loss"] / count, "bleu": 0.3}
+
+    with pytest.raises(ValueError, match="Bleu reports bleu but does not declare it in `metrics`"):
+        metric_values(Bleu(), {"loss": 2.0}, 2, "val")
+    assert direction(R2Regression, "val/r2") == "maximize" and direction(R2Regression, "test/loss") == "minimize"
+    Bleu.metrics = {"loss": "minimize", "bleu": "maximize"}
+    assert metric_values(Bleu(), {"loss": 2.0}, 2, "val") == {"val/loss": 1.0, "val/bleu": 0.3}
