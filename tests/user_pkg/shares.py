@@ -42,9 +42,13 @@ def build(sizes: tuple[int, int, int] = (25, 9, 9), features: int = 6, classes: 
     x = torch.randn(size, features, generator=g)
     w = torch.randn(features, classes, generator=g)
     y = (x @ w).argmax(dim=1) if targets == "classes" else x @ w + 0.1 * torch.randn(size, classes, generator=g)
+    shape = (features,)
+    if mixup_alpha:  # torchvision's mixup takes image batches [B, C, H, W]
+        shape = (1, 1, features)
+        x = x.reshape(size, *shape)
     ends = [sizes[0], sizes[0] + sizes[1], size]
     parts = [Samples(x[a:b], y[a:b], layout) for a, b in zip([0, *ends[:2]], ends)]
-    return DataSplits(*parts, input_shape=(features,), num_classes=classes, collate=collate,
+    return DataSplits(*parts, input_shape=shape, num_classes=classes, collate=collate,
                       batch_transform=batch_mixing(classes, mixup_alpha) if mixup_alpha else None)
 
 
