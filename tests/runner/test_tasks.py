@@ -137,3 +137,21 @@ def test_a_metric_the_task_does_not_declare_is_refused_and_directions_are_the_de
     assert direction(R2Regression, "val/r2") == "maximize" and direction(R2Regression, "test/loss") == "minimize"
     Bleu.metrics = {"loss": "minimize", "bleu": "maximize"}
     assert metric_values(Bleu(), {"loss": 2.0}, 2, "val") == {"val/loss": 1.0, "val/bleu": 0.3}
+
+
+def test_label_smoothing_applies_to_a_huggingface_model_the_task_computes_the_loss_of(tmp_path: Path) -> None:
+    """A HuggingFace model given labels returns its own loss next to its logits: the task's (smoothed)
+    loss is the one trained, not the model's (which ignored task.label_smoothing)."""
+    engine = Engine(compose(["task=language_modeling", "dataset=padded_tokens", "model=hf", "model.task=causal_lm",
+                             "model.architecture=gpt2",
+                             "+model.config={n_layer: 1, n_embd: 16, n_head: 2, resid_pdrop: 0, embd_pdrop: 0, attn_pdrop: 0}",
+                             "task.label_smoothing=0.2", "trainer.max_steps=1", "trainer.log_every_n_steps=1",
+                             "trainer.eval_every_epoch=false", "trainer.progress_bar=off"], tmp_path))
+    engine.train_loader.batch_sampler.set_epoch(0)
+    batch = next(iter(engine.train_loader))
+    output = engine.module(input_ids=batch["input_ids"], labels=batch["labels"])
+    smoothed = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), batch["labels"].flatten(),
+                                                 ignore_index=-100, label_smoothing=0.2).item()
+    assert abs(smoothed - output.loss.item()) > 1e-3  # the model's own loss differs: the check has power
+    engine.fit()
+    assert engine.monitor.history["train/loss"][0][1] == pytest.approx(smoothed, rel=1e-5)
