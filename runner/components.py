@@ -17,6 +17,7 @@ import re
 import typing
 from typing import Any, Callable
 
+from runner import metric_names
 from runner.fields import SpecError, convert
 from runner.spec import RunSpec, did_you_mean
 
@@ -100,12 +101,14 @@ def _nested(value: Any, key: str, typed: set[str]) -> Any:
 
 
 def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
-    """The spec with its model and dataset arguments checked and completed."""
+    """The spec with its model and dataset arguments checked and completed, and the metric modes the
+    task declares filled in."""
     model = resolve("model", spec.model.target, spec.model.params, typed)
     data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
     # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
     _check_model_reads(spec, _declared_inputs(load_target("dataset", spec.dataset.target)))
-    return spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
+    spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
+    return metric_names.with_declared_modes(spec)
 
 
 def build_data(spec: RunSpec) -> Any:

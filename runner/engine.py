@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from runner import checkpoint, components, finetune, parallel, tasks
+from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.optim import build_optimizer
@@ -89,7 +90,9 @@ class Engine:
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
         self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
-        self.pass_labels = tasks.accepts_labels(self.module)
+        self.pass_labels = batches.accepts_labels(self.module)
+        batches.check_loss_options(self.module, self.task, self._prepare(batches.split_batch(
+            self.train_loader.collate_fn.stand_in()), train=False), self.pass_labels, spec.model.target)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
@@ -222,14 +225,16 @@ class Engine:
         self.save_checkpoint()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        batches = [tasks.split_batch(b) for b in micro_batches]
-        counts = [self.task.count(b.labels) for b in batches]  # samples, or tokens that are not padding
+        step_batches = [batches.split_batch(b) for b in micro_batches]
+        # samples, or tokens that are not padding; a stand-in for an empty share counts 0
+        counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
         # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
         # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
-        scale = self.env.world / parallel.global_count(sum(counts), self.device)
+        # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
+        scale = self.env.world / max(parallel.global_count(sum(counts), self.device), 1)
         losses = []
-        last = len(batches) - 1
-        for i, (batch, count) in enumerate(zip(batches, counts)):
+        last = len(step_batches) - 1
+        for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
                 loss = self._loss_sum(self._prepare(batch, train=True), count)
                 self.precision.backward(loss * scale)
@@ -242,21 +247,22 @@ class Engine:
         return loss_sum, sum(counts), grad_norm
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
-        batch = self.precision.prepare_batch(tasks.to_device(batch, self.device))
-        if train and self.batch_transform is not None and len(batch.labels):
+        batch = self.precision.prepare_batch(batches.to_device(batch, self.device))
+        if train and self.batch_transform is not None and not batch.empty:  # a stand-in's loss counts 0 anyway
             inputs, labels = self.batch_transform(batch.inputs, batch.labels)  # mixup/cutmix: soft labels
             batch = tasks.Batch(inputs, labels)
         return batch
 
     def _forward(self, batch: tasks.Batch):
         with self.precision.autocast():
-            return tasks.call_model(self.model, batch, self.pass_labels)
+            return batches.call_model(self.model, batch, self.pass_labels)
 
     def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
-        output = self._forward(batch)
-        own = tasks.own_loss(output)
-        # a model's own loss is its mean over the micro-batch's units: back to a sum
-        return own.float() * count if own is not None else self.task.loss_sum(output, batch.labels)
+        """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under
+        DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
+        forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
+        forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
+        return batches.loss_sum(self._forward(batch), batch, count, self.task, self.spec.model.target)
 
     def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
         trainer = self.spec.trainer
@@ -274,23 +280,23 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, float]:
-        """Loss and accuracy over the whole split, each sample counted once. Every rank runs as many
-        batches (a rank's share of the last one may be empty), so FSDP's collectives stay in step."""
+        """The task's metrics over the whole split, each sample counted once. Every rank runs as many
+        batches (a stand-in where its share of the last one is empty), so FSDP's collectives stay in step."""
         if not self.split_sizes[split]:
             return {}  # an empty split reports nothing
         self.model.eval()
         totals: dict[str, torch.Tensor] = {}
         count = 0
-        for batch in self.eval_loaders[split]:
-            batch = self._prepare(tasks.split_batch(batch), train=False)
-            count += self.task.count(batch.labels)
-            for name, value in self.task.eval_sums(self._forward(batch), batch.labels).items():
+        for raw in self.eval_loaders[split]:
+            batch = self._prepare(batches.split_batch(raw), train=False)
+            n = 0 if batch.empty else self.task.count(batch.labels)
+            for name, value in batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target).items():
                 totals[name] = totals.get(name, 0) + value.double()
-        names = self.task.sum_names()  # in one order on every rank, an empty shard included
-        values = parallel.all_reduce_sum([totals.get(n, torch.zeros((), device=self.device, dtype=torch.float64))
-                                          for n in names] + [torch.tensor(float(count), device=self.device)])
+            count += n
+        names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
+        values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])
         *sums, n = [v.item() for v in values]
-        return self.task.metrics(dict(zip(names, sums)), n, split)
+        return tasks.metric_values(self.task, dict(zip(names, sums)), n, split)
 
     def _evaluate_and_watch(self) -> Stop | None:
         """Validates once per step, whatever asks; returns why training stops here (pruned, early stopping)."""

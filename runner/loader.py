@@ -6,13 +6,14 @@ makes N ranks differ from one process whenever the dataset size does not divide 
 start at a position. Here each epoch's order is cut into global micro-batches of batch x world
 samples, and each global micro-batch is dealt across the ranks in turn: every rank gets the same
 number of micro-batches (so collectives stay in step), a rank may get one sample fewer, or none, in
-the epoch's last micro-batch, and no sample is seen twice. The step's loss is normalised by the
-sample count reduced across ranks (runner/engine.py), so N ranks at batch B equal one process at
-batch N*B for any dataset size.
+the epoch's last micro-batch (it then gets an EmptyShare, which counts nothing), and no sample is
+seen twice. The step's loss is normalised by the sample count reduced across ranks
+(runner/engine.py), so N ranks at batch B equal one process at batch N*B for any dataset size.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -85,24 +86,34 @@ class BatchedTensors(Dataset):
         return tuple(t[index] for t in self.tensors)
 
 
-def _already_batched(batch: tuple) -> tuple:
-    return batch
+@dataclass(frozen=True)
+class EmptyShare:
+    """A rank's empty share of a global micro-batch, carrying `stand_in`: the first real samples of the
+    dataset, collated like any batch. The engine forwards it (the rank must join the step's
+    collectives) and counts it as nothing; no label is altered to mean "no sample"."""
+
+    stand_in: Any
 
 
 class Collate:
-    """The dataset's collate (torch's default when it has none), and for a rank whose share of the
-    epoch's last batch is empty, a stand-in batch of one sample whose labels count for nothing, so the
-    rank still joins the step's collectives."""
+    """The dataset's collate (torch's default when it has none; a tensor dataset's batches arrive
+    gathered), and for a rank whose share of the epoch's last batch is empty, an EmptyShare."""
 
-    def __init__(self, dataset: Dataset, collate: Callable | None):
-        self.dataset, self.collate = dataset, collate or default_collate
+    def __init__(self, dataset: Dataset, collate: Callable | None, keyed: bool = False):
+        self.dataset, self.collate, self.keyed = dataset, collate or default_collate, keyed
 
-    def __call__(self, items: list) -> Any:
-        if items:
-            return self.collate(items)
-        from runner.tasks import ignored
+    def __call__(self, items: Any) -> Any:
+        if isinstance(self.dataset, BatchedTensors):
+            return items if len(items[0]) else self.stand_in()
+        return self.collate(items) if items else self.stand_in()
 
-        return ignored(self.collate([self.dataset[0]]))
+    def stand_in(self) -> EmptyShare:
+        # two samples where there are: a BatchNorm1d in training refuses a batch of one; read by (index,
+        # seed) where the dataset takes keys, so the stand-in draws nothing from the run's RNG
+        n = min(2, len(self.dataset))
+        if isinstance(self.dataset, BatchedTensors):
+            return EmptyShare(self.dataset.__getitems__(list(range(n))))
+        return EmptyShare(self.collate([self.dataset[(i, 0) if self.keyed else i] for i in range(n)]))
 
 
 def on_device(dataset: Dataset, device: torch.device, budget: float = 0.25) -> Dataset:
@@ -126,9 +137,9 @@ def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, 
     batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world,
                            keyed=bool(getattr(dataset, "takes_sample_seeds", False)))
     if isinstance(dataset, TensorDataset) and collate is None:
-        dataset, collate = BatchedTensors(dataset), _already_batched
-    elif len(dataset):
-        collate = Collate(dataset, collate)
+        dataset = BatchedTensors(dataset)
+    if len(dataset):
+        collate = Collate(dataset, collate, batches.keyed)
     return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0,
                       # an own generator: creating an iterator must not consume the global RNG,

@@ -1,13 +1,49 @@
 """Metric names a run produces, known from its spec before anything runs (no torch): what a monitor,
-a plateau schedule or an objective may watch. The engine checks again once the data is built."""
+a plateau schedule or an objective may watch. Names, directions and the unit are the task's
+declarations (runner/tasks), read from its class without building it. The engine checks again once
+the data is built. `spec` is a RunSpec (not imported: runner/spec.py imports this module).
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import Any
 
+from runner import tasks
 from runner.fields import SpecError, did_you_mean
 
-if TYPE_CHECKING:
-    from runner.spec import RunSpec
+RunSpec = Any
+
+
+def task_class(spec: RunSpec) -> type[tasks.Task]:
+    return tasks.task_class(spec.task.name)
+
+
+def unit(spec: RunSpec) -> str:
+    """What the task's loss is averaged over: samples or tokens."""
+    return task_class(spec).unit
+
+
+def direction(spec: RunSpec, metric: str) -> str:
+    """maximize or minimize, as the task declares `metric` (`<split>/<name>`)."""
+    return tasks.direction(task_class(spec), metric)
+
+
+def with_declared_modes(spec: RunSpec) -> RunSpec:
+    """The spec with early stopping's and plateau's unset `mode` filled in from the direction the task
+    declares for the metric they watch (a user's val/r2 or val/bleu rises, a loss falls)."""
+    es, scheduler = spec.trainer.early_stopping, spec.scheduler
+    if es.mode is None and es.monitor is not None:
+        es = dataclasses.replace(es, mode=_mode(spec, es.monitor))
+    if getattr(scheduler, "mode", "") is None:
+        scheduler = dataclasses.replace(scheduler, mode=_mode(spec, scheduler.monitor))
+    return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, early_stopping=es), scheduler=scheduler)
+
+
+def _mode(spec: RunSpec, metric: str) -> str:
+    try:
+        return "max" if direction(spec, metric) == "maximize" else "min"
+    except ValueError:  # not the task's metric: check_metric_names says so in its own words
+        return "min"
 
 
 def fraction(spec: RunSpec, split: str) -> float:
@@ -16,10 +52,8 @@ def fraction(spec: RunSpec, split: str) -> float:
 
 
 def split_metrics(spec: RunSpec, split: str) -> set[str]:
-    """The metrics the task reports for a split (classification may add top5: known once the data is)."""
-    per_task = {"classification": ("loss", "acc", "top5"), "language_modeling": ("loss", "ppl"),
-                "regression": ("loss", "mae")}
-    return {f"{split}/{name}" for name in per_task[spec.task.name]}
+    """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes)."""
+    return {f"{split}/{name}" for name in task_class(spec).metrics}
 
 
 def has_split(spec: RunSpec, split: str) -> bool:
@@ -44,8 +78,7 @@ def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
 def produced_metrics(spec: RunSpec) -> set[str]:
     """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
     included only for trainer.device=cuda: with device=auto it depends on the machine."""
-    unit = "tokens" if spec.task.name == "language_modeling" else "samples"
-    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit}_per_s", "objective"}
+    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit(spec)}_per_s", "objective"}
     if spec.precision.name == "fp16":
         names.add("fp16/skipped_steps")
     if spec.trainer.device == "cuda":

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from runner import metric_names
 from runner.log_window import LogWindow
 from runner.spec import RunSpec
 from runner.tracking import Tracker
@@ -25,12 +26,11 @@ log = logging.getLogger(__name__)
 
 
 def maximize(spec: RunSpec, metric: str) -> bool:
-    """Whether a higher value of `metric` is better: the one place that decides it. The objective
-    metric goes the way objective.direction says; any other metric by its kind (accuracy-like up,
-    losses and errors down)."""
+    """Whether a higher value of `metric` is better. The objective metric goes the way
+    objective.direction says; any other as the task declares it (runner/tasks)."""
     if metric in (spec.objective.metric, "objective"):
         return spec.objective.direction == "maximize"
-    return metric.rpartition("/")[2].endswith(("acc", "accuracy", "f1", "auc", "top1", "top5"))
+    return metric_names.direction(spec, metric) == "maximize"
 
 
 class Diverged(RuntimeError):
@@ -88,7 +88,7 @@ class Monitor:
         self.spec, self.tracker, self.trial = spec, tracker, trial
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
-        self.unit = "tokens" if spec.task.name == "language_modeling" else "samples"  # what the loss averages over
+        self.unit = metric_names.unit(spec)  # what the loss averages over, as the task declares it
         self.log_every = spec.trainer.log_every_n_steps
         self.best: dict[str, float] = {}
         self.best_step: dict[str, int] = {}

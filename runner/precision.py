@@ -75,7 +75,7 @@ class Precision:
             pad = 16 - len(labels) % 16
             inputs = torch.cat([inputs, inputs.new_zeros((pad, *inputs.shape[1:]))])
             labels = torch.cat([labels, labels.new_full((pad, *labels.shape[1:]), IGNORE)])
-        return Batch(inputs, labels)
+        return Batch(inputs, labels, batch.empty)
 
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)

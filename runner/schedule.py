@@ -203,7 +203,8 @@ def _cyclic(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[
 
 def _plateau(spec: SchedulerSpec, opt: Opt, total: int, warmup: int, peaks: list[float]) -> list[Phase]:
     # Decays once more than `patience` evaluations in a row fail to improve on the best so far (torch's rule).
-    return [(ReduceLROnPlateau(opt, mode=spec.mode, factor=spec.factor, patience=spec.patience,
+    # mode is unset only in a spec not resolved against its task (components.resolved_spec fills it in)
+    return [(ReduceLROnPlateau(opt, mode=spec.mode or "min", factor=spec.factor, patience=spec.patience,
                                min_lr=[spec.min_lr_ratio * p for p in peaks]), None)]
 
 

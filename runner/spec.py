@@ -149,7 +149,8 @@ class SchedulerSpec:
     patience: int = opt(3, "plateau: evaluations without improvement before decaying", ge=0)
     factor: float = opt(0.5, "plateau: decay factor", gt=0, lt=1)
     monitor: str = opt("val/loss", "plateau: metric to watch")
-    mode: Literal["min", "max"] = opt("min", "plateau: whether the monitored metric should fall or rise")
+    mode: Optional[Literal["min", "max"]] = opt(None, "plateau: whether the monitored metric should fall or rise; "
+                                                     "null: the direction the task declares for it")
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ class AccumulationSpec:
 @dataclass(frozen=True)
 class EarlyStoppingSpec:
     monitor: Optional[str] = opt(None, "metric to watch, e.g. val/loss; null turns early stopping off")
-    mode: Literal["min", "max"] = opt("min", "whether the monitored metric should fall or rise")
+    mode: Optional[Literal["min", "max"]] = opt(None, "whether the monitored metric should fall or rise; null: "
+                                                     "the direction the task declares for it")
     patience: int = opt(5, "evaluations without improvement before stopping", gt=0)
     min_delta: float = opt(0.0, "smallest change that counts as improvement", ge=0)
 

@@ -61,20 +61,29 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_and_fsdp_like_one_process(tmp_path: Path, user_path) -> None:
-    common = [SEARCH, *LM, "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_epochs=1", "tracking=none"]  # sgd: see above
-    single = run_cli([*common, "dataset.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"], tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    two = run_cli([*common, "dataset.batch_size=4", "parallelism=ddp", "parallelism.nproc_per_node=2",
-                   f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, timeout=300)
-    assert two.returncode == 0, two.stderr[-2000:]
-    fsdp = run_cli([*common, "dataset.batch_size=4", "parallelism=fsdp", "parallelism.nproc_per_node=2", "+accum=1",
-                    f"hydra.run.dir={tmp_path / 'fsdp'}"], tmp_path, timeout=300)
-    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
-    a, b, c = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in ("one", "two", "fsdp"))
+    """89 sequences at 2 x 4 (and 17 in val and test): the second rank's share of each split's last batch
+    is empty, a dict batch whose stand-in must count no token."""
+    from tests.runner.test_parallel import metric_history
+
+    common = [SEARCH, *LM, "dataset.size=89", "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_epochs=1",
+              "trainer.log_every_n_steps=1", f"tracking.artifact_root={tmp_path / 'artifacts'}"]  # sgd: see above
+    runs = {"one": ["dataset.batch_size=8"], "two": ["dataset.batch_size=4", "parallelism=ddp", "parallelism.nproc_per_node=2"],
+            "fsdp": ["dataset.batch_size=4", "parallelism=fsdp", "parallelism.nproc_per_node=2", "+accum=1"]}
+    for name, args in runs.items():
+        proc = run_cli([*common, *args, f"hydra.run.dir={tmp_path / name}", f"tracking.uri=sqlite:///{tmp_path}/{name}.db"],
+                       tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    a, b, c = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["model"] for d in runs)
     for key in a:
         torch.testing.assert_close(c[key], a[key], rtol=1e-5, atol=1e-5 * a[key].abs().max().item())
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-5 * a[key].abs().max().item())
+    one = metric_history(tmp_path / "one.db")
+    for other in ("two", "fsdp"):
+        logged = metric_history(tmp_path / f"{other}.db")
+        for key in ("train/loss", "val/loss", "test/loss"):
+            assert [s for s, _ in logged[key]] == [s for s, _ in one[key]], key
+            assert [v for _, v in logged[key]] == pytest.approx([v for _, v in one[key]], rel=1e-5), key
     assert "_target_: tests.user_pkg.tokens.build" in (tmp_path / "one" / "spec.yaml").read_text()
 
 
@@ -128,3 +137,55 @@ def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, u
         assert spec["model"]["_target_"] == "tests.models.user_net.WideNet"
         assert spec["model"]["width"] == trial.params["model.width"] in (8, 16, 24)
         assert 0.0 <= trial.value <= 1.0  # the best val/acc of the run
+
+
+# A rank whose share of a split's last batch is empty (tests/user_pkg/shares.py: 25, 9 and 9 samples at
+# 2 x 4) gets a stand-in that counts 0: 2 ranks then log and train like one process. CI: the dict
+# layout with a model's own loss under ddp, the tuple layout with regression under fsdp; language
+# modelling with dict batches: the test above. The rest slow.
+OWN_LOSS_DICT = ["dataset.layout=dict", "model._target_=tests.user_pkg.shares.OwnLossNet", "objective.metric=val/loss",
+                 "objective.direction=minimize"]
+REGRESSION_TUPLE = ["task=regression", "dataset.targets=values"]
+CLASSES_TUPLE = ["model.hidden=[16]"]
+EMPTY_SHARE = [("ddp", OWN_LOSS_DICT), ("fsdp", REGRESSION_TUPLE),
+               pytest.param("fsdp", OWN_LOSS_DICT, marks=pytest.mark.slow),
+               pytest.param("ddp", REGRESSION_TUPLE, marks=pytest.mark.slow),
+               pytest.param("ddp", CLASSES_TUPLE, marks=pytest.mark.slow),
+               pytest.param("fsdp", CLASSES_TUPLE, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("strategy, kind", EMPTY_SHARE, ids=lambda v: v if isinstance(v, str) else v[0])
+def test_an_empty_rank_share_adds_nothing_two_ranks_log_and_train_like_one_process(tmp_path: Path, user_path,
+                                                                                  strategy: str, kind: list) -> None:
+    from runner.tracking import build_tracker
+    from tests.runner.test_parallel import assert_same, final_weights, metric_history
+
+    common = [SEARCH, "dataset=shares", *kind, "optimizer=sgd", "optimizer.lr=0.2", "trainer.max_epochs=2",
+              "trainer.log_every_n_steps=1", "trainer.progress_bar=off"]
+    spec = compose_spec([*common, "dataset.batch_size=8"], tmp_path / "one", tracking_uri=f"sqlite:///{tmp_path}/one.db")
+    Engine(spec, build_tracker(spec)).fit()
+    proc = run_cli([*common, "dataset.batch_size=4", f"parallelism={strategy}", "parallelism.nproc_per_node=2",
+                    f"hydra.run.dir={tmp_path / 'two'}", f"tracking.uri=sqlite:///{tmp_path}/two.db",
+                    f"tracking.artifact_root={tmp_path / 'artifacts'}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+    one, two = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
+    for key in ("train/loss", "val/loss", "test/loss"):
+        assert len(one[key]) > 0 and [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        for (_, a), (_, b) in zip(one[key], two[key]):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow  # the crash it guards against is covered in CI by tests/runner/test_tasks.py's stand-in cases
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_mixup_with_an_empty_rank_share_trains(tmp_path: Path, user_path, strategy: str) -> None:
+    """Mixup pairs samples within a rank's batch, so 2 ranks cannot equal one process; the stand-in must
+    still count nothing (it raised 'Class values must be non-negative' on its -100 labels)."""
+    from tests.runner.test_parallel import metric_history
+
+    proc = run_cli([SEARCH, "dataset=shares", "dataset.mixup_alpha=0.4", "trainer.max_epochs=2",
+                    "trainer.progress_bar=off", f"parallelism={strategy}", "parallelism.nproc_per_node=2",
+                    f"hydra.run.dir={tmp_path / 'two'}", f"tracking.uri=sqlite:///{tmp_path}/two.db",
+                    f"tracking.artifact_root={tmp_path / 'artifacts'}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(0 < v < 10 for _, v in metric_history(tmp_path / "two.db")["train/loss"])

@@ -262,6 +262,13 @@ CASES = [
          "2.0 is out of range; allowed: a share of n_trials from 0.0", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.n_trials=-1", "error: hydra.sweeper.n_trials: -1 is out of "
          "range; allowed: an integer >= 1", RUN, sub=True),
+    # --- tasks (issue 13, part `task`): a task option that would do nothing is refused
+    case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "dataset=shares",
+          "model._target_=tests.user_pkg.shares.OwnLossNet", "task.label_smoothing=0.1"],
+         "error: task.label_smoothing: 0.1 cannot apply: tests.user_pkg.shares.OwnLossNet returns its own loss and no "
+         "logits, so the task does not compute the loss; remove task.label_smoothing, or return logits from the model", RUN),
+    case("task=regression task.label_smoothing=0.1",
+         "error: task.label_smoothing: 0.1 does not apply to regression (no classes to smooth); remove it or set it to 0", RUN),
 ]
 
 

@@ -1,0 +1,126 @@
+"""Tasks: what is specific to the problem, in one place. The loss, the metrics with their names and
+directions, and the unit the gradient is averaged over (samples, or tokens that are not padding).
+The engine stays task-agnostic: it asks a task for a micro-batch's count and loss *sum*, and
+normalises by the count of the whole optimizer step on all ranks, so accumulation and ddp/fsdp stay
+exact in the task's unit.
+
+The protocol a task implements (subclass `Task`; `runner.tasks.classification.Classification` and
+the other built-ins are written the same way):
+
+    metrics = {"loss": "minimize", "acc": "maximize"}   # class attribute: every metric it may report,
+                                                      # logged as val/<name> and test/<name>, and which
+                                                      # way is better (best/, early stopping, plateau)
+    unit = "samples"                                  # or "tokens": what `count` counts
+    def loss_sum(self, logits, labels) -> Tensor      # the loss summed over the batch's units
+    def count(self, labels) -> int                    # units in the batch (default: len(labels))
+    def eval_sums(self, logits, labels) -> dict       # scalar sums that add up over batches and ranks
+                                                      # (default: {"loss": loss_sum})
+    def summarize(self, sums, count) -> dict          # metric values from the totals (default: sum/count)
+    def loss_options(self) -> dict                    # options set that change the loss (see below)
+
+One loss path. The task computes the loss from the model's logits (the output itself when it is a
+tensor, else its `.logits` or `["logits"]`). A model's own loss (`.loss` or `["loss"]`) is used only
+when the output has no logits, i.e. when the task cannot compute it (a contrastive model, say): it is
+read as the mean over the task's units of the micro-batch, evaluation then reports only `<split>/loss`,
+and the task's `loss_options()` (label smoothing) are refused in one line, since they would do
+nothing. A model whose forward takes `labels` gets them, for tuple and dict batches alike.
+
+Batches are `(inputs, labels)` tuples or dicts (`input_ids`, `attention_mask`, `labels`, ...); labels
+of -100 (padding tokens) do not count. A rank whose share of a batch is empty gets a stand-in of real
+samples marked `Batch.empty`: it counts 0 and its loss is multiplied by 0 (runner/engine.py).
+
+This module imports no torch (the built-in tasks import it when they compute), so the spec's checks
+read a task's declared metrics and unit before torch is loaded.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORE = -100  # label that counts for nothing: padding tokens
+Direction = Literal["maximize", "minimize"]
+
+BUILTIN = {"classification": "runner.tasks.classification.Classification",
+           "language_modeling": "runner.tasks.language_modeling.LanguageModeling",
+           "regression": "runner.tasks.regression.Regression"}
+
+
+@dataclass(frozen=True)
+class Batch:
+    inputs: Any              # a tensor, or a dict of keyword arguments for the model
+    labels: torch.Tensor
+    empty: bool = False      # a stand-in for a rank's empty share: forwarded, counted as nothing
+
+
+class Task:
+    """The base of every task: see the module docstring for what a subclass implements."""
+
+    metrics: ClassVar[dict[str, Direction]] = {"loss": "minimize"}
+    unit: ClassVar[Literal["samples", "tokens"]] = "samples"
+
+    def count(self, labels: torch.Tensor) -> int:
+        """The units of a micro-batch the loss is averaged over (an int: read once per step)."""
+        return len(labels)
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.loss_sum(logits, labels)")
+
+    def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-batch sums that add up over batches and ranks; `summarize` turns their totals into values."""
+        return {"loss": self.loss_sum(logits, labels)}
+
+    def summarize(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        """Metric values (names without the split) from the sums over the whole split."""
+        return {name: value / count for name, value in sums.items()}
+
+    def loss_options(self) -> dict[str, Any]:
+        """The options set on this task that change its loss: refused for a model that computes its own."""
+        return {}
+
+    def metric_names(self, split: str) -> list[str]:
+        """What this task reports for a split (an instance may report fewer than its class declares)."""
+        return [f"{split}/{name}" for name in self.metrics]
+
+
+def task_class(target: str) -> type[Task]:
+    """A task class by dotted path (or a built-in's name), imported without building it."""
+    module_name, _, attr = BUILTIN.get(target, target).rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def direction(task: type[Task] | Task, metric: str) -> Direction:
+    """Which way `metric` (`<split>/<name>`, or a bare name) is better, as its task declares it."""
+    name = metric.rpartition("/")[2]
+    if name not in task.metrics:
+        raise ValueError(f"{metric}: not a metric {getattr(task, '__name__', type(task).__name__)} declares; "
+                         f"it declares {', '.join(sorted(task.metrics))}")
+    return task.metrics[name]
+
+
+def metric_values(task: Task, sums: dict[str, float], count: float, split: str) -> dict[str, float]:
+    """`<split>/<name>` -> value from a split's totals; a name the task does not declare is refused (its
+    direction would be unknown to best/, early stopping and plateau)."""
+    values = task.summarize(sums, count)
+    undeclared = sorted(set(values) - set(type(task).metrics))
+    if undeclared:
+        raise ValueError(f"{type(task).__name__} reports {', '.join(undeclared)} but does not declare it in `metrics`; "
+                         "add it there with its direction (maximize or minimize)")
+    return {f"{split}/{name}": value for name, value in values.items()}
+
+
+def build_task(name: str, num_classes: int | None, label_smoothing: float = 0.0) -> Task:
+    cls = task_class(name)
+    if name == "classification":
+        return cls(label_smoothing, num_classes)
+    if name == "language_modeling":
+        return cls(label_smoothing)
+    if label_smoothing:  # a key the run accepted must never do nothing
+        from runner.fields import SpecError
+
+        raise SpecError(f"task.label_smoothing: {label_smoothing:g} does not apply to {name} (no classes to smooth); "
+                        "remove it or set it to 0")
+    return cls()

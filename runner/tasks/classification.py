@@ -1,0 +1,42 @@
+"""Classification: cross-entropy (optionally label-smoothed) over classes; top-1 and, with more than 5
+classes, top-5 accuracy. Labels are class ids, or class probabilities [B, C] (mixup/cutmix)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runner.tasks import IGNORE, Task
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Classification(Task):
+    metrics = {"loss": "minimize", "acc": "maximize", "top5": "maximize"}
+
+    def __init__(self, label_smoothing: float = 0.0, num_classes: int | None = None):
+        self.label_smoothing = label_smoothing
+        if (num_classes or 0) <= 5:  # top-5 of 5 classes or fewer is always 1
+            self.metrics = {k: v for k, v in self.metrics.items() if k != "top5"}
+
+    def count(self, labels: torch.Tensor) -> int:
+        return len(labels) if labels.is_floating_point() else int((labels != IGNORE).sum())
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py
+
+        return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE,
+                               label_smoothing=self.label_smoothing)
+
+    def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        import torch.nn.functional as F
+
+        logits = logits.float()
+        hard = labels.argmax(dim=-1) if labels.is_floating_point() else labels
+        sums = {"loss": F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE),
+                "acc": (logits.argmax(dim=-1) == hard).sum()}
+        if "top5" in self.metrics:
+            sums["top5"] = (logits.topk(min(5, logits.shape[-1]), dim=-1).indices == hard.unsqueeze(-1)).any(dim=-1).sum()
+        return sums
+
+    def loss_options(self) -> dict[str, Any]:
+        return {"label_smoothing": self.label_smoothing} if self.label_smoothing else {}
