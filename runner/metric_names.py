@@ -15,11 +15,19 @@ def fraction(spec: RunSpec, split: str) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
+# The built-in tasks' metrics, known without importing them (torch); a user's task is checked once built.
+_BUILT_IN = {"runner.tasks.Classification": ("loss", "acc", "top5"), "runner.tasks.LanguageModeling": ("loss", "ppl"),
+             "runner.tasks.Regression": ("loss", "mae")}
+
+
+def task_unit(spec: RunSpec) -> str:
+    """What the task's loss averages over."""
+    return "tokens" if spec.task.target == "runner.tasks.LanguageModeling" else "samples"
+
+
 def split_metrics(spec: RunSpec, split: str) -> set[str]:
     """The metrics the task reports for a split (classification may add top5: known once the data is)."""
-    per_task = {"classification": ("loss", "acc", "top5"), "language_modeling": ("loss", "ppl"),
-                "regression": ("loss", "mae")}
-    return {f"{split}/{name}" for name in per_task[spec.task.name]}
+    return {f"{split}/{name}" for name in _BUILT_IN.get(spec.task.target, ())}
 
 
 def has_split(spec: RunSpec, split: str) -> bool:
@@ -44,7 +52,7 @@ def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
 def produced_metrics(spec: RunSpec) -> set[str]:
     """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
     included only for trainer.device=cuda: with device=auto it depends on the machine."""
-    unit = "tokens" if spec.task.name == "language_modeling" else "samples"
+    unit = task_unit(spec)
     names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit}_per_s", "objective"}
     if spec.precision.name == "fp16":
         names.add("fp16/skipped_steps")
@@ -56,10 +64,12 @@ def produced_metrics(spec: RunSpec) -> set[str]:
 
 def check_metric_names(spec: RunSpec) -> None:
     """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
+    if spec.task.target not in _BUILT_IN:
+        return  # a user's task: its metrics are known once it is built (the engine checks then)
     during, at_end = evaluation_metrics(spec)
     if spec.trainer.early_stopping.monitor is not None:
         _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")
-    if spec.scheduler.name == "plateau":
+    if spec.scheduler.monitor is not None:
         _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
     # The objective is checked against what the splits hold, not against the evaluation schedule:
     # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from runner.metric_names import task_unit
 from runner.spec import RunSpec
 from runner.tracking import Tracker
 from runner.trial import open_trial
@@ -71,7 +72,7 @@ class Monitor:
         self.spec, self.tracker = spec, tracker
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
-        self.unit = "tokens" if spec.task.name == "language_modeling" else "samples"  # what the loss averages over
+        self.unit = task_unit(spec)  # what the loss averages over
         self.log_every = spec.trainer.log_every_n_steps
         self.best: dict[str, float] = {}
         self.best_step: dict[str, int] = {}

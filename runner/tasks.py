@@ -198,10 +198,11 @@ TASKS: dict[str, Callable[..., Task]] = {"classification": Classification, "lang
                                          "regression": Regression}
 
 
-def build_task(name: str, num_classes: int | None, label_smoothing: float = 0.0) -> Task:
-    if name == "classification":
-        return Classification(label_smoothing, num_classes)
-    return TASKS[name](label_smoothing)
+def build_task(spec: "TaskSpec", num_classes: int | None) -> Task:
+    """The task `spec.target` with its own arguments, and the data's number of classes where it takes one."""
+    from runner.components import build_component
+
+    return build_component("task", spec.target, spec.params, {"num_classes": num_classes})
 
 
 def ignored(batch: Any) -> Any:
