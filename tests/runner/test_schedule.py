@@ -241,3 +241,71 @@ def test_state_dict_round_trips_and_resumes_exactly(name, warmup):
     resumed.load_state_dict(saved["schedule"])
     assert resumed.lr == schedule.lr
     assert run(resumed_optimizer, resumed, range(20, 45)) == run(optimizer, schedule, range(20, 45))
+
+
+# --- extending a run: a larger max_steps continues the schedule rebuilt for the new length -------------------
+
+EXTEND = {"step": dict(step_size=10), "exponential": dict(step_size=10), "multistep": dict(milestones=[0.4, 0.8]),
+          "sgdr": dict(cycle_steps=0.2), "cyclic": dict(cycle_steps=0.2)}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "plateau"])
+def test_extending_a_finished_run_continues_the_schedule_planned_for_the_new_length(name):
+    """A finished 30-step run resumed with 60 steps: from step 30 on, its lr is that of a run planned for 60
+    steps from the start (for cosine: half the peak, falling; it never climbs back to the peak)."""
+    spec = spec_of(name, **EXTEND.get(name, {}), **({"warmup": 3} if takes_warmup(name) else {}))
+    optimizer = sgd()
+    short = build_scheduler(spec, optimizer, 30)
+    for _ in range(30):
+        optimizer.step()
+        short.step()
+    saved = round_trip({"optimizer": optimizer.state_dict(), "schedule": short.state_dict()})
+    resumed_optimizer = sgd()
+    extended = build_scheduler(spec, resumed_optimizer, 60)  # the engine's order: built for the new length, then loaded
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    extended.load_state_dict(saved["schedule"])
+    got = [extended.lr]
+    for _ in range(30):
+        resumed_optimizer.step()
+        extended.step()
+        got.append(extended.lr)
+    planned = lrs(spec, 60)
+    assert got == approx(planned[30:], rel=1e-12, abs=1e-15)
+    if name in ("cosine", "warmup_cosine"):
+        assert 0.45 < got[0] < 0.6 and all(a > b for a, b in zip(got[:-1], got[1:]))
+
+
+def test_extending_a_plateau_run_keeps_its_reductions():
+    optimizer = sgd()
+    schedule = build_scheduler(spec_of("plateau", patience=0), optimizer, 30)
+    for loss in (1.0, 1.0, 1.0):  # two evaluations without improvement: two halvings
+        schedule.on_eval({"val/loss": loss})
+    saved = round_trip({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()})
+    resumed_optimizer = sgd()
+    extended = build_scheduler(spec_of("plateau", patience=0), resumed_optimizer, 60)
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    extended.load_state_dict(saved["schedule"])
+    assert extended.lr == 0.25
+    extended.on_eval({"val/loss": 1.0})
+    assert extended.lr == 0.125  # the best so far (1.0) came with the state
+
+
+def test_a_cosine_run_extended_from_10_to_20_steps_logs_the_rebuilt_schedule(tmp_path):
+    """Through the CLI's launch, in place, logging to MLflow: the lr of steps 11..20 is the 20-step cosine's."""
+    from runner.launch import run
+    from tests.conftest import compose_spec
+    from tests.runner.test_parallel import metric_history
+
+    uri, run_dir = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "run"
+    common = ["scheduler=cosine", "optimizer=sgd", "optimizer.lr=0.1", "trainer.log_every_n_steps=1",
+              "trainer.eval_every_epoch=false", "trainer.progress_bar=off", "dataset.batch_size=16"]
+    run(compose_spec([*common, "trainer.max_steps=10"], run_dir, tracking_uri=uri))
+    run(compose_spec([*common, "trainer.max_steps=20", f"trainer.resume={run_dir}"], tmp_path / "again", tracking_uri=uri))
+    logged = dict(metric_history(tmp_path / "mlflow.db")["lr"])
+    assert sorted(logged) == list(range(1, 21))  # one MLflow run, continued in place
+    # the lr the step used or the one after it (which one the engine logs is the step loop's business): both
+    # follow the 60-step curve from step 31 on, never back up to the peak
+    planned = {k: 0.05 * (1 + math.cos(math.pi * k / 20)) for k in range(21)}
+    tail = [logged[k] for k in range(11, 21)]
+    assert tail in ([approx(planned[k - 1]) for k in range(11, 21)], [approx(planned[k]) for k in range(11, 21)])
+    assert max(tail) <= 0.0501 and all(a > b for a, b in zip(tail[:-1], tail[1:]))  # half the peak at most, falling
