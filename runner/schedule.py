@@ -150,6 +150,8 @@ def resolve_steps(value: float, total_steps: int, key: str) -> int:
 
 def _steps(key: str, value: float, total_steps: int, least: int = 1) -> int:
     """A length argument of a shape in optimizer steps; ValueErrors name the key (one line from the runner)."""
+    if not value > 0:
+        raise ValueError(f"{key}: {value:g} is out of range; allowed: optimizer steps >= 1 or a fraction of all steps > 0")
     if value >= 1 and not float(value).is_integer():
         raise ValueError(f"{key}: {value!r} is not allowed; give whole optimizer steps (>= 1) or a fraction of all steps (< 1)")
     steps = int(value) if value >= 1 else round(value * total_steps)
