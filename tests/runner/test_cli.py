@@ -50,4 +50,4 @@ def test_the_readme_command_works_as_typed_on_cpu(tmp_path: Path) -> None:
     proc = run_cli(["optimizer=adamw", "precision=bf16", "+accum=4", "trainer.max_epochs=2", "tracking=none"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
-    assert "steps: 4" in spec and "name: bf16" in spec and "name: adamw" in spec
+    assert "steps: 4" in spec and "name: bf16" in spec and "_target_: torch.optim.AdamW" in spec
