@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import checkpoint, resume
+from runner import checkpoint, components, resume
 from runner.engine import Engine
 from runner.spec import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
@@ -30,7 +30,7 @@ def plan(overrides: list[str], run_dir: Path):
 
 def test_a_resume_continues_the_runs_own_spec_not_todays_defaults(saved_run: Path, tmp_path: Path) -> None:
     planned = plan([f"trainer.resume={saved_run}"], tmp_path / "new")
-    saved = compose_spec(SAVED, saved_run)
+    saved = components.resolved_spec(compose_spec(SAVED, saved_run))  # as the run saved it: defaults filled in
     assert planned.trainer.max_epochs == 3 and planned.scheduler.target == "runner.schedule.cosine" and planned.optimizer.lr == 0.01
     assert planned.run_dir == str(saved_run)  # a run directory goes on in place
     assert planned.replace(trainer=saved.trainer, tracking=saved.tracking) == saved.replace(run_dir=str(saved_run))
