@@ -8,6 +8,7 @@ and are never passed to the callable.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -66,8 +67,9 @@ class OptimizerSpec:
         "auto", "kernel: auto (fused on CUDA where supported, else foreach), fused, foreach, for_loop")
 
     @property
-    def lr(self) -> Any:
-        return self.params.get("lr")
+    def lr(self) -> float:
+        """The optimizer's own lr (nan for a class that names it otherwise)."""
+        return float(self.params.get("lr", math.nan))
 
     def with_params(self, params: dict) -> "OptimizerSpec":
         return dataclasses.replace(self, params=dict(params))
