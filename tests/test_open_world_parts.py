@@ -18,13 +18,25 @@ FAST = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.eval_ever
 
 
 def test_a_users_optimizer_schedule_and_loss_from_yaml_train_from_the_command_line(tmp_path: Path, monkeypatch) -> None:
-    import mlflow
+    import yaml
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the user's package importable, as their own project would be
+    proc = run_cli([SEARCH, "optimizer=lion", "scheduler=halving", "task=focal", "trainer.max_steps=2",
+                    "trainer.eval_every_epoch=false", "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0 and "trained 2 optimizer steps" in proc.stdout, proc.stderr[-3000:]
+    spec = yaml.safe_load((tmp_path / "run" / "spec.yaml").read_text())
+    assert (spec["task"], spec["scheduler"]) == ({"_target_": "tests.user_pkg.training.FocalLoss", "gamma": 2.0},
+                                                 {"_target_": "tests.user_pkg.training.halving", "every": 5})
+
+
+def test_mlflow_holds_only_the_chosen_parts_keys_and_the_users_schedule(tmp_path: Path) -> None:
+    import mlflow
+
+    from runner.launch import run
+
     db = tmp_path / "mlflow.db"
-    proc = run_cli([SEARCH, "optimizer=lion", "scheduler=halving", "task=focal", *FAST, f"tracking.uri=sqlite:///{db}",
-                    f"tracking.artifact_root={tmp_path / 'artifacts'}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(compose_spec([SEARCH, "optimizer=lion", "scheduler=halving", "task=focal", *FAST], tmp_path / "run",
+                     tracking_uri=f"sqlite:///{db}"))
     # halving every 5 steps from lr 3e-4: the lr a step used (steps 1..6), or the one after it
     used = [3e-4 * 0.5 ** (k // 5) for k in range(7)]
     lrs = [v for _, v in metric_history(db)["lr"]]
