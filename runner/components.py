@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import re
+import types
 import typing
 from typing import Any, Callable
 
@@ -58,7 +59,7 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
     except (TypeError, ValueError):
         return dict(params)
     hints = _hints(fn)
-    decided = DATA_DECIDED if group == "model" else ()  # a model's sizes come from the data, a dataset's are its own
+    decided = decided_by_runner(group, fn)  # e.g. a model's sizes come from the data, a dataset's are its own
     accepted = {name: p for name, p in signature.parameters.items()
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in decided}
     open_ended = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
@@ -69,7 +70,7 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
             continue
         if key not in accepted and not open_ended:
             if key in decided and key in signature.parameters:
-                raise SpecError(f"{group}.{key}: decided by the data for {target}; remove it from the config")
+                raise SpecError(f"{group}.{key}: decided by {decided[key]} for {target}; remove it from the config")
             if f"{group}.{key}" not in typed:
                 log.info("%s.%s dropped: %s does not take it", group, key, target)
                 continue
@@ -108,7 +109,72 @@ def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
     # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
     _check_model_reads(spec, _declared_inputs(load_target("dataset", spec.dataset.target)))
     spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
-    return metric_names.with_declared_modes(spec)
+    return resolved_parts(metric_names.with_declared_modes(spec), typed)
+
+
+# --- the training parts: task, optimizer, schedule ------------------------------------------------
+
+# What runner decides for a part's callable, by parameter name, and who decides it (never from YAML).
+RUN_DECIDED = {
+    "task": {"num_classes": "the data"},
+    "optimizer": {"foreach": "optimizer.impl", "fused": "optimizer.impl"},
+    "scheduler": {"total_steps": "the run's length", "warmup_steps": "scheduler.warmup",
+                  "last_epoch": "the run's step", "verbose": "runner"},
+}
+
+
+def decided_by_runner(group: str, fn: Callable) -> dict[str, str]:
+    """Parameters of a component's callable that runner fills in, and who decides them: a model's sizes
+    come from the data; an optimizer gets the parameter groups first, a schedule the optimizer (a class)
+    or the step (a function)."""
+    if group == "model":
+        return {name: "the data" for name in DATA_DECIDED}
+    decided = dict(RUN_DECIDED.get(group, {}))
+    if group in ("optimizer", "scheduler"):
+        try:
+            first = next(iter(inspect.signature(fn).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        if first is not None:
+            decided[first] = "runner"
+    return decided
+
+
+def resolved_parts(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
+    """The spec with its task, optimizer and schedule arguments checked against their callables and completed."""
+    parts = {group: getattr(spec, group) for group in ("task", "optimizer", "scheduler")}
+    return spec.replace(**{group: part.with_params(resolve(group, part.target, part.params, typed))
+                           for group, part in parts.items()})
+
+
+def build_component(group: str, target: str, params: dict[str, Any], decided: dict[str, Any],
+                    *args: Any) -> Any:
+    """Call a part's callable with `args`, its own arguments and those of `decided` its signature names;
+    a ValueError or TypeError it raises about its arguments becomes one line naming the key."""
+    fn = load_target(group, target)
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        names = {}
+    kwargs = {**{k: v for k, v in decided.items() if k in names}, **params}
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise SpecError(complaint(group, fn, e, list(kwargs))) from None
+
+
+def complaint(group: str, fn: Callable, error: Exception, keys: list[str]) -> str:
+    """One line for a component's error: `<group>.<key>: ...` when it names one of its arguments."""
+    if isinstance(error, SpecError):
+        return str(error)
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    head = first.split(":", 1)[0].strip()
+    if head in keys:  # the convention of runner's built-ins: "milestones: 5 is not allowed; ..."
+        return f"{group}.{first}"
+    found = [(first.lower().find(k.lower()), -len(k), k) for k in keys if k.lower() in first.lower()]
+    named = min(found)[2] if found else None  # the argument the message names first
+    where = f"{group}.{named}" if named else group
+    return f"{where}: {getattr(fn, '__qualname__', fn)} refuses it ({first})"
 
 
 def build_data(spec: RunSpec) -> Any:
@@ -166,12 +232,16 @@ def label_kind(data: Any) -> str | None:
 
 
 def _check_task_labels(spec: RunSpec, data: Any) -> None:
-    needs = TASK_LABELS.get(spec.task.name)
+    from runner import tasks
+
+    built_in = {tasks.task_class(path): name for name, path in tasks.BUILTIN.items()}
+    name = built_in.get(tasks.task_class(spec.task.target))  # whatever path names a built-in task
+    needs = TASK_LABELS.get(name)
     has = label_kind(data)
     if needs is not None and has is not None and has != needs:
         fits = [name for name, kind in TASK_LABELS.items() if kind == has]
         hint = f"use task={fits[0]}" if fits else "use another dataset"
-        raise SpecError(f"task: {spec.task.name} learns from {needs}, but dataset {spec.dataset.target} labels its "
+        raise SpecError(f"task: {name} learns from {needs}, but dataset {spec.dataset.target} labels its "
                         f"samples with {has}; {hint}")
 
 
@@ -264,6 +334,7 @@ def _hints(fn: Callable) -> dict[str, Any]:
 def _convert_param(tp: Any, value: Any, key: str) -> Any:
     """A value converted by its annotation; what runner.fields does not type (Any, dicts, unions of
     several types, no annotation) is passed as given."""
+    tp = yaml_type(tp)
     if tp is None or tp is Any:
         return _plain(value)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -276,6 +347,17 @@ def _convert_param(tp: Any, value: Any, key: str) -> Any:
     if origin is tuple or tp in (bool, int, float, str) or origin is typing.Literal:
         return _plain(convert(tp, value, key))
     return _plain(value)
+
+
+def yaml_type(tp: Any) -> Any:
+    """An annotation without the members a YAML value cannot be (torch's `float | Tensor` is a float here)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        kept = [a for a in args if a in (bool, int, float, str, type(None)) or typing.get_origin(a) in (list, tuple, dict)]
+        return typing.Union[tuple(kept)] if kept else tp
+    if origin is tuple and args:
+        return tuple[tuple(yaml_type(a) for a in args)]
+    return tp
 
 
 def _plain(value: Any) -> Any:

@@ -76,7 +76,7 @@ class Engine:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.world, 1)}")
-        self.task = tasks.build_task(spec.task.name, data.num_classes, spec.task.label_smoothing)
+        self.task = tasks.build_task(spec.task, data.num_classes)
         self._check_watched_metrics()
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
@@ -137,7 +137,7 @@ class Engine:
         during = {name for name in produced if name.startswith("val/")}
         watched = [("objective.metric", self.spec.objective.metric, produced),
                    ("trainer.early_stopping.monitor", self.spec.trainer.early_stopping.monitor, during)]
-        if self.spec.scheduler.name == "plateau":
+        if self.spec.scheduler.monitor is not None:
             watched.append(("scheduler.monitor", self.spec.scheduler.monitor, during))
         for key, metric, allowed in watched:
             if metric is not None and metric not in allowed:

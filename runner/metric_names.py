@@ -15,7 +15,7 @@ RunSpec = Any
 
 
 def task_class(spec: RunSpec) -> type[tasks.Task]:
-    return tasks.task_class(spec.task.name)
+    return tasks.task_class(spec.task.target)
 
 
 def unit(spec: RunSpec) -> str:
@@ -34,8 +34,8 @@ def with_declared_modes(spec: RunSpec) -> RunSpec:
     es, scheduler = spec.trainer.early_stopping, spec.scheduler
     if es.mode is None and es.monitor is not None:
         es = dataclasses.replace(es, mode=_mode(spec, es.monitor))
-    if getattr(scheduler, "mode", "") is None:
-        scheduler = dataclasses.replace(scheduler, mode=_mode(spec, scheduler.monitor))
+    if scheduler.monitor is not None and "mode" in scheduler.params and scheduler.params["mode"] is None:
+        scheduler = scheduler.with_params({**scheduler.params, "mode": _mode(spec, scheduler.monitor)})
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, early_stopping=es), scheduler=scheduler)
 
 
@@ -89,10 +89,14 @@ def produced_metrics(spec: RunSpec) -> set[str]:
 
 def check_metric_names(spec: RunSpec) -> None:
     """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
+    try:
+        task_class(spec)
+    except (ImportError, AttributeError, ValueError):
+        return  # a task that cannot be imported: building it says why, in one line naming task._target_
     during, at_end = evaluation_metrics(spec)
     if spec.trainer.early_stopping.monitor is not None:
         _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")
-    if spec.scheduler.name == "plateau":
+    if spec.scheduler.monitor is not None:
         _check_metric("scheduler.monitor", spec.scheduler.monitor, during, at_end, spec, None)
     # The objective is checked against what the splits hold, not against the evaluation schedule:
     # turning evaluation off (benchmarks, quick runs) is deliberate and leaves the objective NaN.

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from runner import checkpoint
-from runner.spec import RunSpec, SpecError
+from runner.spec import COMPONENT_GROUPS, RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def plan(spec: RunSpec) -> RunSpec:
 
 
 def typed_keys(overrides: tuple[str, ...]) -> set[str]:
-    """Keys the user typed: `optimizer.lr=0.1` -> optimizer.lr; a group choice `optimizer=sgd` -> optimizer.name
-    (`model=cnn` -> every model key: `model.`); `+accum=4` -> accumulation.steps."""
+    """Keys the user typed: `optimizer.lr=0.1` -> optimizer.lr; a group choice `precision=bf16` -> precision.name
+    (`optimizer=sgd` -> every key of the component: `optimizer.`); `+accum=4` -> accumulation.steps."""
     keys = set()
     for override in overrides:
         key, sep, _ = override.lstrip("+~").partition("=")
@@ -72,7 +72,7 @@ def typed_keys(overrides: tuple[str, ...]) -> set[str]:
             key = "accumulation.steps"
         elif "." not in key and key not in ("seed", "run_dir"):
             # a group choice: the option's name, or for components and whole-group moves every key
-            key = key + "." if key in ("parallelism", "tracking", "model", "dataset") else f"{key}.name"
+            key = key + "." if key in ("parallelism", "tracking", *COMPONENT_GROUPS) else f"{key}.name"
         keys.add(key)
     return keys
 

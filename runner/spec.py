@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
+from runner.part_specs import OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
 
 __all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
@@ -96,61 +97,7 @@ class _LoaderKeys:
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
 
 
-def _component_dict(data: Any, key: str) -> dict:
-    if isinstance(data, (ModelSpec, DatasetSpec)):
-        return data.__to_plain__()
-    if not isinstance(data, dict):
-        raise SpecError(f"{key}: expected a mapping with a _target_, got {data!r}")
-    data = dict(data)
-    target = data.get("_target_")
-    if not isinstance(target, str) or "." not in target:
-        raise SpecError(f"{key}._target_: {target!r} is not a dotted path to a callable; e.g. my_pkg.models.Net")
-    return data
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    name: Literal["classification", "language_modeling", "regression"] = opt(
-        "classification", "what the loss and metrics are (conf/task/<name>.yaml)")
-    label_smoothing: float = opt(0.0, "classification/language_modeling: label smoothing of the cross-entropy", ge=0, lt=1)
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str = opt("adam", "optimizer option (conf/optimizer/<name>.yaml)")
-    lr: float = opt(1e-3, "peak learning rate", gt=0)
-    weight_decay: float = opt(0.0, "weight decay", ge=0)
-    decay_norm_and_bias: bool = opt(False, "also decay biases and normalization weights")
-    momentum: float = opt(0.9, "sgd/rmsprop momentum; muon momentum", ge=0, lt=1)
-    nesterov: bool = opt(False, "sgd/muon: Nesterov momentum")
-    betas: tuple[float, float] = opt((0.9, 0.999), "adam/adamw/lamb betas", ge=0, lt=1)
-    eps: float = opt(1e-8, "numerical-stability epsilon", gt=0)
-    alpha: float = opt(0.99, "rmsprop smoothing constant", gt=0, lt=1)
-    lr_multipliers: Optional[dict[str, float]] = opt(None, "lr x multiplier for parameters whose name matches a glob, first match "
-                                              "wins, e.g. {'backbone.*': 0.1} (discriminative learning rates)", ge=0)
-    # which kernels each optimizer offers on which device is runner/optim.py's to say (it needs torch)
-    impl: Literal["auto", "fused", "foreach", "for_loop"] = opt(
-        "auto", "kernel: auto (fused on CUDA where supported, else foreach), fused, foreach, for_loop")
-
-
-@dataclass(frozen=True)
-class SchedulerSpec:
-    name: str = opt("constant", "scheduler option (conf/scheduler/<name>.yaml)")
-    warmup: float = opt(0.0, "warmup: optimizer steps if >= 1, a fraction of all steps if < 1", ge=0)
-    min_lr_ratio: float = opt(0.0, "final lr as a fraction of the peak lr (cosine, warmup_cosine, sgdr, wsd; plateau's floor)", ge=0, le=1)
-    step_size: int = opt(100, "step/exponential: optimizer steps per decay by gamma", gt=0)
-    gamma: float = opt(0.1, "step/multistep/exponential: decay factor", gt=0, le=1)
-    milestones: tuple[float, ...] = opt((0.5, 0.75), "multistep: steps (>= 1) or fractions (< 1) where lr decays", gt=0)
-    cycle_steps: float = opt(0.25, "sgdr/cyclic: first cycle length, steps or fraction", gt=0)
-    cycle_mult: float = opt(1.0, "sgdr: cycle length multiplier after each restart", ge=1)
-    base_lr_ratio: float = opt(0.1, "cyclic/onecycle: lowest lr as a fraction of the peak", gt=0, le=1)
-    pct_start: float = opt(0.3, "onecycle: fraction of steps spent increasing lr", gt=0, lt=1)
-    decay: float = opt(0.2, "wsd: final decay phase, steps or fraction", gt=0)
-    patience: int = opt(3, "plateau: evaluations without improvement before decaying", ge=0)
-    factor: float = opt(0.5, "plateau: decay factor", gt=0, lt=1)
-    monitor: str = opt("val/loss", "plateau: metric to watch")
-    mode: Optional[Literal["min", "max"]] = opt(None, "plateau: whether the monitored metric should fall or rise; "
-                                                     "null: the direction the task declares for it")
+_component_dict = component_dict  # shared with the task, optimizer and schedule specs
 
 
 @dataclass(frozen=True)
@@ -316,10 +263,10 @@ class RunSpec:
 
 # --- config-group options and metric names: each rule once, used by the CLI and the spec ---------
 
-# the groups whose chosen option is the spec's `<group>.name`; model and dataset are components named by
+# the groups whose chosen option is the spec's `<group>.name`; the others are components named by
 # `_target_` (their options may also come from a user's hydra.searchpath: Hydra checks those)
-OPTION_GROUPS = ("task", "optimizer", "scheduler", "precision", "parallelism", "tracking")
-COMPONENT_GROUPS = ("model", "dataset")
+OPTION_GROUPS = ("precision", "parallelism", "tracking")
+COMPONENT_GROUPS = ("model", "dataset", "task", "optimizer", "scheduler")
 
 
 def check_option(group: str, value: Any, key: str | None = None, searchpath: tuple[str, ...] = ()) -> None:
@@ -333,13 +280,16 @@ def check_option(group: str, value: Any, key: str | None = None, searchpath: tup
 
 
 def _with_components(cfg: dict) -> dict:
-    """The model and dataset nodes parsed as components (their keys belong to their _target_)."""
+    """The component nodes parsed as components (their keys belong to their _target_)."""
     cfg = dict(cfg)
-    if "model" in cfg:
-        cfg["model"] = ModelSpec.parse(cfg["model"])
-    if "dataset" in cfg:
-        cfg["dataset"] = DatasetSpec.parse(cfg["dataset"])
+    for group, spec_class in _COMPONENTS.items():
+        if group in cfg:
+            cfg[group] = spec_class.parse(cfg[group])
     return cfg
+
+
+_COMPONENTS = {"model": ModelSpec, "dataset": DatasetSpec, "task": TaskSpec, "optimizer": OptimizerSpec,
+               "scheduler": SchedulerSpec}
 
 
 def _check_accum_shorthand(accum: Any, cfg: dict, overrides: tuple[str, ...]) -> None:

@@ -25,7 +25,7 @@ def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> N
                     "trainer.max_epochs=1", "tracking=none"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
-    assert "label_smoothing: 0.1" in spec and "nesterov: true" in spec and "name: onecycle" in spec
+    assert "label_smoothing: 0.1" in spec and "nesterov: true" in spec and "_target_: runner.schedule.onecycle" in spec
     assert "crop_padding: 4" in spec and "hflip: true" in spec
     assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
 
@@ -39,7 +39,7 @@ def test_imdb_distilbert_fine_tunes_on_reviews_in_the_imdb_layout(tmp_path: Path
                    tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
-    assert "_target_: runner.models.hf.hf_model" in spec and "clip_grad_norm: 1.0" in spec and "name: wsd" in spec
+    assert "_target_: runner.models.hf.hf_model" in spec and "clip_grad_norm: 1.0" in spec and "_target_: runner.schedule.wsd" in spec
     assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
 
 
@@ -93,7 +93,7 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
         run_dir = Path(trial.system_attrs[RUN_DIR_ATTR])
         spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
         assert (spec["model"]["n_layer"], spec["model"]["n_embd"]) == (trial.params["model.n_layer"], trial.params["model.n_embd"])
-        assert spec["optimizer"]["lr"] == trial.params["optimizer.lr"] and spec["task"]["name"] == "language_modeling"
+        assert spec["optimizer"]["lr"] == trial.params["optimizer.lr"] and spec["task"]["_target_"] == "runner.tasks.LanguageModeling"
         val = [m.value for m in client.get_metric_history(run_of(trial), "val/loss")]
         assert len(val) == 2 and trial.value == pytest.approx(min(val), rel=1e-9)
     assert len({(t.params["model.n_layer"], t.params["model.n_embd"], t.params["optimizer.lr"]) for t in study.trials}) == 2

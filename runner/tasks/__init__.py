@@ -112,15 +112,18 @@ def metric_values(task: Task, sums: dict[str, float], count: float, split: str) 
     return {f"{split}/{name}": value for name, value in values.items()}
 
 
-def build_task(name: str, num_classes: int | None, label_smoothing: float = 0.0) -> Task:
-    cls = task_class(name)
-    if name == "classification":
-        return cls(label_smoothing, num_classes)
-    if name == "language_modeling":
-        return cls(label_smoothing)
-    if label_smoothing:  # a key the run accepted must never do nothing
-        from runner.fields import SpecError
+def build_task(spec: Any, num_classes: int | None) -> Task:
+    """The task `spec.target` (a TaskSpec) with its own arguments, and the data's number of classes where
+    its class takes one."""
+    from runner.components import build_component
 
-        raise SpecError(f"task.label_smoothing: {label_smoothing:g} does not apply to {name} (no classes to smooth); "
-                        "remove it or set it to 0")
-    return cls()
+    return build_component("task", spec.target, spec.params, {"num_classes": num_classes})
+
+
+def __getattr__(name: str) -> type[Task]:
+    # runner.tasks.Classification etc. (conf/task's _target_s, a user's base class) without importing the
+    # built-ins' modules, and so torch, when only the protocol is needed
+    for path in BUILTIN.values():
+        if path.rpartition(".")[2] == name:
+            return task_class(path)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

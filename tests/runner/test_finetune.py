@@ -322,8 +322,8 @@ def test_lr_groups_split_by_the_first_matching_pattern() -> None:
     ]
 
 
-@pytest.mark.parametrize("scheduler", [SchedulerSpec(name="warmup_cosine", warmup=3),
-                                       SchedulerSpec(name="onecycle"), SchedulerSpec(name="wsd", warmup=2)])
+@pytest.mark.parametrize("scheduler", [SchedulerSpec("runner.schedule.cosine", warmup=3),
+                                       SchedulerSpec("runner.schedule.onecycle"), SchedulerSpec("runner.schedule.wsd", warmup=2)])
 def test_each_groups_lr_is_base_times_multiplier_and_schedules_keep_the_ratio(scheduler: SchedulerSpec) -> None:
     model = Net()
     groups = lr_multiplier_groups(list(model.named_parameters()), {"backbone.*": 0.1})

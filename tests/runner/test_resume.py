@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import checkpoint, resume
+from runner import checkpoint, components, resume
 from runner.engine import Engine
 from runner.spec import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
@@ -30,8 +30,8 @@ def plan(overrides: list[str], run_dir: Path):
 
 def test_a_resume_continues_the_runs_own_spec_not_todays_defaults(saved_run: Path, tmp_path: Path) -> None:
     planned = plan([f"trainer.resume={saved_run}"], tmp_path / "new")
-    saved = compose_spec(SAVED, saved_run)
-    assert planned.trainer.max_epochs == 3 and planned.scheduler.name == "cosine" and planned.optimizer.lr == 0.01
+    saved = components.resolved_spec(compose_spec(SAVED, saved_run))  # as the run saved it: defaults filled in
+    assert planned.trainer.max_epochs == 3 and planned.scheduler.target == "runner.schedule.cosine" and planned.optimizer.lr == 0.01
     assert planned.run_dir == str(saved_run)  # a run directory goes on in place
     assert planned.replace(trainer=saved.trainer, tracking=saved.tracking) == saved.replace(run_dir=str(saved_run))
 
@@ -41,17 +41,17 @@ def test_a_checkpoint_file_alone_is_enough_and_starts_a_new_run_directory(saved_
     (saved_run / "spec.yaml").unlink(missing_ok=True)  # the spec comes from inside the checkpoint
     planned = plan([f"trainer.resume={ckpt}", "trainer.max_steps=6"], tmp_path / "new")
     assert planned.run_dir == str(tmp_path / "new") and planned.trainer.max_steps == 6
-    assert planned.scheduler.name == "cosine" and planned.trainer.resume == str(ckpt)
+    assert planned.scheduler.target == "runner.schedule.cosine" and planned.trainer.resume == str(ckpt)
 
 
 @pytest.mark.parametrize("override, key, saved, new", [
     ("optimizer.lr=0.5", "optimizer.lr", "0.01", "0.5"),
-    ("optimizer=sgd", "optimizer.name", "'adam'", "'sgd'"),
+    ("optimizer=sgd", "optimizer._target_", "'torch.optim.Adam'", "'torch.optim.SGD'"),
     ("seed=3", "seed", "0", "3"),
     ("precision=bf16", "precision.name", "'fp32'", "'bf16'"),
     ("model.hidden=[8]", "model.hidden", "[256, 128]", "[8]"),
     ("trainer.clip_grad_norm=1.0", "trainer.clip_grad_norm", "None", "1.0"),
-    ("scheduler=step", "scheduler.name", "'cosine'", "'step'"),
+    ("scheduler=step", "scheduler._target_", "'runner.schedule.cosine'", "'torch.optim.lr_scheduler.StepLR'"),
 ])
 def test_an_override_that_changes_what_is_trained_stops_the_resume(saved_run: Path, tmp_path: Path, override: str,
                                                                    key: str, saved: str, new: str) -> None:

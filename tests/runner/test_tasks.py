@@ -19,8 +19,8 @@ OWN_LOSS = "model._target_=tests.user_pkg.shares.OwnLossNet"
 
 
 def with_task(spec, target: str):
-    """The spec naming a user's task class (the config's `task._target_` is another part's wiring)."""
-    return spec.replace(task=dataclasses.replace(spec.task, name=target))
+    """The spec naming a user's task class with its own defaults."""
+    return spec.replace(task=dataclasses.replace(spec.task, target=target, params={}))
 
 
 def test_a_users_focal_loss_trains_through_the_engine_and_is_the_loss_trained(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_a_metric_a_users_task_declares_maximized_is_maximized_by_best_early_sto
                                                                                    monitor="val/r2"))
     spec = spec.replace(trainer=trainer, scheduler=dataclasses.replace(spec.scheduler, monitor="val/r2"))
     engine = Engine(with_task(spec, "tests.user_pkg.regression.R2Regression"))
-    assert engine.spec.trainer.early_stopping.mode == "max" and engine.spec.scheduler.mode == "max"
+    assert engine.spec.trainer.early_stopping.mode == "max" and engine.spec.scheduler.params["mode"] == "max"
     engine.fit()
     r2 = [v for _, v in engine.monitor.history["val/r2"]]
     assert len(r2) == 5 and all(b > a for a, b in zip(r2, r2[1:]))  # rose at every evaluation: never stopped
