@@ -123,10 +123,17 @@ def _check_command_line(args: Any) -> None:
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     """What the spec names outside itself: the checkpoint to resume from, the tracking store, the run directory."""
-    if spec.trainer.resume:
-        from runner import checkpoint  # imports torch; a resumed run needs it next anyway
+    from runner import run_dir as run_dirs
 
-        checkpoint.verify(spec.trainer.resume)  # missing, corrupt, truncated or foreign: one line now
+    if spec.trainer.resume:
+        from runner.resume import check_source  # imports torch; a resumed run needs it next anyway
+
+        check_source(spec.trainer.resume)  # missing, corrupt, truncated or foreign: one line now
+        if Path(spec.trainer.resume).is_dir():  # continued in place: not while another process trains it
+            run_dirs.check_free(Path(spec.trainer.resume), "trainer.resume")
+    elif dir_key == "hydra.run.dir":  # before Hydra writes its files there
+        run_dirs.check_free(Path(run_dir), dir_key)
+        run_dirs.refuse_existing_run(Path(run_dir).absolute(), dir_key)
     if spec.tracking.name == "mlflow":
         from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 
@@ -390,9 +397,9 @@ def cli() -> None:
         sys.argv += shared_run_dir_overrides()
     try:
         main()
-    except KeyboardInterrupt:
-        print("runner: interrupted; the run was marked KILLED", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.preemption.Stopped)
+        print(f"runner: {e or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 130))
 
 
 if __name__ == "__main__":

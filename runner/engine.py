@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner import checkpoint, components, finetune, parallel, tasks
+from runner import checkpoint, components, finetune, parallel, preemption, tasks
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch
 from runner.optim import build_optimizer
@@ -106,6 +107,8 @@ class Engine:
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
                                self.env.is_main)
         self.watch = NonFiniteWatch(spec, self.device)
+        self.stop_vote = preemption.StopVote(self.env.distributed)
+        self.saved_step = -1
         self.finished, self.final = False, {}
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
@@ -152,7 +155,8 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                self._train()
+                with preemption.at_step_boundaries():
+                    self._train()
                 self._finish_training()
             self.monitor.finish(self.final, self.progress.step)
             self.tracker.finish("FINISHED")
@@ -200,12 +204,23 @@ class Engine:
                     self._evaluate_and_watch()
                 if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
                     self.save_checkpoint()
+                if signum := self.stop_vote.agreed():
+                    self._stop_for_signal(signum)
                 if p.step >= self.total_steps or self.monitor.should_stop:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
                 p.epoch, p.samples_in_epoch = p.epoch + 1, 0
                 if trainer.eval_every_epoch:
                     self._evaluate_and_watch()
+
+    def _stop_for_signal(self, signum: int) -> None:
+        """SIGTERM/SIGHUP (every rank agreed on this step): the checkpoint of this step, then stop KILLED."""
+        if self.saved_step != self.progress.step:
+            self.save_checkpoint()
+        if self.env.is_main:
+            log.warning("%s: stopped at step %d and wrote its checkpoint; trainer.resume=%s continues the run",
+                        signal.Signals(signum).name, self.progress.step, self.spec.run_dir)
+        raise preemption.Stopped(signum, self.progress.step)
 
     def _finish_training(self) -> None:
         """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
@@ -301,6 +316,7 @@ class Engine:
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
+        self.saved_step = self.progress.step  # on every rank: a stop at this step writes no second one
         if not self.env.is_main:
             parallel.barrier()
             return None
@@ -325,10 +341,14 @@ class Engine:
         parallel.barrier()
         return path
 
-    def _read_checkpoint(self, where: str) -> dict:
+    def _read_checkpoint(self, where: str) -> dict | None:
         """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
         state = None
-        if self.env.is_main:
+        if self.env.is_main and Path(where).is_dir() and not checkpoint.has_checkpoint(where):
+            # killed before its first checkpoint (resume.plan took its spec.yaml): it starts over in place,
+            # in its own MLflow run, where each step already logged is logged once
+            log.info("%s holds no checkpoint yet: the run starts over from step 0", where)
+        elif self.env.is_main:
             path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
             state["path"] = str(path)
         return parallel.broadcast_object(state)
