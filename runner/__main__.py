@@ -123,17 +123,13 @@ def _check_command_line(args: Any) -> None:
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     """What the spec names outside itself: the checkpoint to resume from, the tracking store, the run directory."""
-    from runner import run_dir as run_dirs
-
     if spec.trainer.resume:
         from runner.resume import check_source  # imports torch; a resumed run needs it next anyway
 
         check_source(spec.trainer.resume)  # missing, corrupt, truncated or foreign: one line now
-        if Path(spec.trainer.resume).is_dir():  # continued in place: not while another process trains it
-            run_dirs.check_free(Path(spec.trainer.resume), "trainer.resume")
-    elif dir_key == "hydra.run.dir":  # before Hydra writes its files there
-        run_dirs.check_free(Path(run_dir), dir_key)
-        run_dirs.refuse_existing_run(Path(run_dir).absolute(), dir_key)
+    from runner.run_lock import check_at_start
+
+    check_at_start(spec.trainer.resume, dir_key, run_dir)  # a run directory in use, or a new run into an old one
     if spec.tracking.name == "mlflow":
         from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 

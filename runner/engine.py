@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import random
-import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from runner.optim import build_optimizer
 from runner.parallel import DistEnv
 from runner.precision import Precision
 from runner.schedule import build_scheduler
-from runner.resume import typed_keys
+from runner.resume import starts_over, typed_keys
 from runner.spec import RunSpec, SpecError
 from runner.tracking import NullTracker, Tracker
 from runner.trial import is_pruned
@@ -70,7 +69,7 @@ class Engine:
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
-        data = components.build_data(spec)
+        data = components.check_data(spec, components.build_data(spec))
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
@@ -108,7 +107,6 @@ class Engine:
                                self.env.is_main)
         self.watch = NonFiniteWatch(spec, self.device)
         self.stop_vote = preemption.StopVote(self.env.distributed)
-        self.saved_step = -1
         self.finished, self.final = False, {}
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
@@ -117,7 +115,7 @@ class Engine:
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
-        module = components.build_model(spec, data)
+        module = components.check_model(spec, components.build_model(spec, data))
         if spec.model.weights:
             report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
             if self.env.is_main:
@@ -126,7 +124,7 @@ class Engine:
             frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
             if self.env.is_main:
                 log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
-        return module
+        return components.check_model(spec, module, loaded=True)
 
     def _check_watched_metrics(self) -> None:
         """Now that the data is built: a watched metric that this run never produces stops it here
@@ -155,8 +153,7 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                with preemption.at_step_boundaries():
-                    self._train()
+                self._train()
                 self._finish_training()
             self.monitor.finish(self.final, self.progress.step)
             self.tracker.finish("FINISHED")
@@ -179,6 +176,7 @@ class Engine:
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds)
 
+    @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> None:
         trainer, p = self.spec.trainer, self.progress
         global_micro_batch = self.spec.dataset.batch_size * self.env.world
@@ -202,25 +200,17 @@ class Engine:
                     self.watch.check(parallel.all_reduce_max)
                 if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
                     self._evaluate_and_watch()
-                if trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
+                signum = self.stop_vote.agreed()  # SIGTERM/SIGHUP: every rank stops here, with this step's checkpoint
+                if signum or (trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0):
                     self.save_checkpoint()
-                if signum := self.stop_vote.agreed():
-                    self._stop_for_signal(signum)
+                if signum:
+                    raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
                 if p.step >= self.total_steps or self.monitor.should_stop:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
                 p.epoch, p.samples_in_epoch = p.epoch + 1, 0
                 if trainer.eval_every_epoch:
                     self._evaluate_and_watch()
-
-    def _stop_for_signal(self, signum: int) -> None:
-        """SIGTERM/SIGHUP (every rank agreed on this step): the checkpoint of this step, then stop KILLED."""
-        if self.saved_step != self.progress.step:
-            self.save_checkpoint()
-        if self.env.is_main:
-            log.warning("%s: stopped at step %d and wrote its checkpoint; trainer.resume=%s continues the run",
-                        signal.Signals(signum).name, self.progress.step, self.spec.run_dir)
-        raise preemption.Stopped(signum, self.progress.step)
 
     def _finish_training(self) -> None:
         """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
@@ -316,7 +306,6 @@ class Engine:
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
-        self.saved_step = self.progress.step  # on every rank: a stop at this step writes no second one
         if not self.env.is_main:
             parallel.barrier()
             return None
@@ -342,13 +331,9 @@ class Engine:
         return path
 
     def _read_checkpoint(self, where: str) -> dict | None:
-        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
+        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
         state = None
-        if self.env.is_main and Path(where).is_dir() and not checkpoint.has_checkpoint(where):
-            # killed before its first checkpoint (resume.plan took its spec.yaml): it starts over in place,
-            # in its own MLflow run, where each step already logged is logged once
-            log.info("%s holds no checkpoint yet: the run starts over from step 0", where)
-        elif self.env.is_main:
+        if self.env.is_main and not starts_over(Path(where)):
             path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
             state["path"] = str(path)
         return parallel.broadcast_object(state)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from runner import components, preemption, process_state, resume, run_dir as run_dirs
+from runner import components, preemption, process_state, resume, run_lock
 from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
@@ -49,10 +49,10 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
     # the other torchrun ranks check before the group forms, so before rank 0 writes spec.yaml.
     first = os.environ.get("RANK", "0") == "0" and _node_rank(spec.parallelism) == 0
     if key == "hydra.run.dir" and not first and in_torchrun():
-        run_dirs.refuse_existing_run(run_dir)
-    with run_dirs.owned(run_dir, key) if first else contextlib.nullcontext():
+        run_lock.refuse_existing_run(run_dir)
+    with run_lock.owned(run_dir, key) if first else contextlib.nullcontext():
         if key == "hydra.run.dir" and first:
-            run_dirs.refuse_existing_run(run_dir)
+            run_lock.refuse_existing_run(run_dir)
         return _run_owned(spec, run_dir, start_state)
 
 

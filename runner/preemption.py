@@ -14,12 +14,15 @@ leaves the previous checkpoint.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _state = {"signal": 0, "deferred": False}
@@ -28,11 +31,14 @@ _state = {"signal": 0, "deferred": False}
 class Stopped(KeyboardInterrupt):
     """The run was stopped by a signal (a KeyboardInterrupt, so whatever ends a Ctrl-C'd run KILLED ends it)."""
 
-    def __init__(self, signum: int, step: int | None = None):
+    def __init__(self, signum: int, step: int | None = None, run_dir: str | None = None):
         self.signum, self.step = signum, step
         self.exit_code = 128 + signum
         where = f" at step {step}" if step is not None else ""
         super().__init__(f"stopped by {signal.Signals(signum).name}{where}")
+        if run_dir is not None:  # the step loop stopped it, with that step's checkpoint written
+            log.warning("%s: stopped at step %d and wrote its checkpoint; trainer.resume=%s continues the run",
+                        signal.Signals(signum).name, step, run_dir)
 
 
 def _on_signal(signum: int, frame: object) -> None:

@@ -58,6 +58,8 @@ def plan(spec: RunSpec) -> RunSpec:
     resumed = RunSpec.from_yaml(yaml.safe_dump(merged))
     _check_global_batch(saved, resumed)
     log.info("%s %s", "continuing the run in" if in_place else "starting a new run from", target)
+    if starts_over(target):  # the engine then loads no checkpoint
+        log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
     return resumed
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
-from runner.run_dir import OWNER_PID_ENV
+from runner.run_lock import OWNER_PID_ENV
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)

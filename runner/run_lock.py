@@ -101,3 +101,14 @@ def refuse_existing_run(run_dir: Path, key: str = "hydra.run.dir") -> None:
     if holds_run(run_dir):
         raise SpecError(f"{key}: {run_dir} already holds a run; a new run needs its own directory (leave {key} "
                         f"unset or name a new one), and trainer.resume={run_dir} continues that run")
+
+
+def check_at_start(resume: str | None, dir_key: str, run_dir: str) -> None:
+    """The CLI's checks before Hydra writes into the run directory: a resume in place of a run that
+    another process trains, a new run into a directory in use or holding a run."""
+    if resume:
+        if Path(resume).is_dir():
+            check_free(Path(resume), "trainer.resume")
+    elif dir_key == "hydra.run.dir":
+        check_free(Path(run_dir), dir_key)
+        refuse_existing_run(Path(run_dir).absolute(), dir_key)
