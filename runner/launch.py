@@ -61,6 +61,7 @@ def _node_rank(par: ParallelismSpec) -> int:
 
 
 def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
+    run_dir.mkdir(parents=True, exist_ok=True)
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.parallelism.name != "single" and not in_torchrun():

@@ -104,9 +104,13 @@ def refuse_existing_run(run_dir: Path, key: str = "hydra.run.dir") -> None:
 
 
 def check_at_start(resume: str | None, dir_key: str, run_dir: str) -> None:
-    """The CLI's checks before Hydra writes into the run directory: a resume in place of a run that
-    another process trains, a new run into a directory in use or holding a run."""
+    """The CLI's checks before Hydra writes into the run directory: what `trainer.resume` names (a missing,
+    corrupt or foreign checkpoint), a resume in place of a run that another process trains, a new run into
+    a directory in use or holding a run."""
     if resume:
+        from runner.resume import check_source  # imports torch; a resumed run needs it next anyway
+
+        check_source(resume)
         if Path(resume).is_dir():
             check_free(Path(resume), "trainer.resume")
     elif dir_key == "hydra.run.dir":
