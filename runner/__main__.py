@@ -390,7 +390,7 @@ def cli() -> None:
     try:
         main()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.preemption.Stopped)
-        print(f"runner: {e or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
+        print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 130))
 
 

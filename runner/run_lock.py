@@ -23,9 +23,6 @@ from typing import Iterator
 from runner.spec import SpecError
 
 LOCK_FILE = ".runner.lock"
-# the pid that owns the run (the launcher of a ddp/fsdp run, not a worker that a restart replaces):
-# tracking tags the MLflow run with it, so a run whose owner is gone can be told from a live one
-OWNER_PID_ENV = "RUNNER_OWNER_PID"
 # what makes a directory a run's: the spec is written first, before its MLflow run exists
 RUN_FILES = ("spec.yaml", "mlflow_run_id", "checkpoints")
 
@@ -50,15 +47,7 @@ def owned(run_dir: Path, key: str) -> Iterator[None]:
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}\nhost {socket.gethostname()}\n".encode())
-        previous = os.environ.get(OWNER_PID_ENV)
-        os.environ[OWNER_PID_ENV] = str(os.getpid())
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop(OWNER_PID_ENV, None)
-            else:
-                os.environ[OWNER_PID_ENV] = previous
+        yield
     finally:
         # the file stays (removing it would let two processes lock two different files); emptied, it names nobody
         with contextlib.suppress(OSError):

@@ -11,7 +11,6 @@ Store checks and the store lock live in runner.mlflow_store.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import time
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment
-from runner.run_lock import OWNER_PID_ENV
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -93,13 +91,12 @@ class MlflowTracker:
             self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            self.set_tags(_owner_tags())
             self.run_name = self.client.get_run(resume_run_id).info.run_name
             self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)", "git_commit": _git_commit(),
-                "host": socket.gethostname(), "run_dir": spec.run_dir, **_owner_tags()}
+                "host": socket.gethostname(), "run_dir": spec.run_dir}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
@@ -250,12 +247,6 @@ def _short_number(value: str) -> str:
         return value if float(value).is_integer() else f"{float(value):.3g}"
     except ValueError:
         return value
-
-
-def _owner_tags() -> dict[str, str]:
-    """The process that owns the run (a ddp run's launcher, not a worker a restart replaces): a run left
-    RUNNING whose owner is gone was killed."""
-    return {"runner.pid": os.environ.get(OWNER_PID_ENV, str(os.getpid())), "runner.host": socket.gethostname()}
 
 
 def _param_value(value: Any) -> str:
