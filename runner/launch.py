@@ -37,6 +37,8 @@ def run(spec: RunSpec) -> RunResult:
 
 
 def _run(spec: RunSpec, start_state: dict) -> RunResult:
+    if not spec.trainer.resume and run_lock.requeued(Path(spec.run_dir)):  # a requeued SLURM job goes on in place
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
     key = "trainer.resume" if spec.trainer.resume else "hydra.run.dir"
     if spec.trainer.resume:
         spec = resume.plan(spec)

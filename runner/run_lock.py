@@ -85,6 +85,13 @@ def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES)
 
 
+def requeued(run_dir: Path) -> bool:
+    """A SLURM job requeued (preempted, or `scontrol requeue`) reruns its command unchanged: into its own run
+    directory, which then holds the run it continues (stopped by SIGTERM at a step, with that step's
+    checkpoint), not an old run to refuse."""
+    return os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0") and holds_run(run_dir)
+
+
 def refuse_existing_run(run_dir: Path, key: str = "hydra.run.dir") -> None:
     """A new run (no trainer.resume) into a directory that already holds a run: one line, nothing changed."""
     if holds_run(run_dir):
@@ -96,6 +103,8 @@ def check_at_start(resume: str | None, dir_key: str, run_dir: str) -> None:
     """The CLI's checks before Hydra writes into the run directory: what `trainer.resume` names (a missing,
     corrupt or foreign checkpoint), a resume in place of a run that another process trains, a new run into
     a directory in use or holding a run."""
+    if not resume and dir_key == "hydra.run.dir" and requeued(Path(run_dir)):
+        resume = run_dir
     if resume:
         from runner.resume import check_source  # imports torch; a resumed run needs it next anyway
 

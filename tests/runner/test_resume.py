@@ -216,9 +216,10 @@ def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tm
     assert mlflow_record(db)[killed_id][0] == "KILLED"
 
 
-@pytest.mark.parametrize("signame, code", [("TERM", 143), pytest.param("HUP", 129, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("signame, code, requeue", [("TERM", 143, True), pytest.param("HUP", 129, False, marks=pytest.mark.slow)])
 def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
-        tmp_path: Path, uninterrupted: tuple, signame: str, code: int) -> None:
+        tmp_path: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "mlflow.db"
     # the signal comes inside step 25 (not a checkpoint step): the run finishes that step and stops
     stopped = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(f"step:{signame}", 25))
@@ -233,7 +234,11 @@ def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_en
     data = bytearray(newest.read_bytes())
     data[-100] ^= 0xFF
     newest.write_bytes(data)
-    resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
+    if requeue:  # SLURM requeues a preempted job: the same command again, in its own run directory
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        resumed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db)
+    else:
+        resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
     assert resumed.returncode == 0, resumed.stderr
     assert (resumed.stderr + resumed.stdout).count(f"skipping checkpoint {newest}") == 1
     assert_as_uninterrupted(tmp_path, db, uninterrupted)
