@@ -343,3 +343,37 @@ def test_sigterm_to_a_ddp_launcher_stops_every_rank_at_one_step_with_its_checkpo
     got, want = metric_history(db), metric_history(ref_db)
     assert {k: v for k, v in got.items() if k != "throughput/samples_per_s"} == \
         {k: v for k, v in want.items() if k != "throughput/samples_per_s"}
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_the_group_at_one_step_and_an_elastic_restart_continues_from_it(
+        tmp_path: Path) -> None:
+    """One worker preempted: every rank agrees on its step boundary and writes that checkpoint; the agent's
+    restart (parallelism.max_restarts) resumes from it and the run ends like one never stopped."""
+    args = ["dataset=synthetic", "dataset.size=1000", "dataset.shape=[1,8,8]", "model=mlp", "model.hidden=[32]",
+            "dataset.batch_size=16", "optimizer=adamw", "trainer.max_steps=80", "trainer.checkpoint_every_n_steps=10",
+            "trainer.keep_checkpoints=20", "trainer.eval_every_n_steps=10", "trainer.eval_every_epoch=false",
+            "trainer.progress_bar=off", "parallelism=ddp", "parallelism.nproc_per_node=2", "tracking=none"]
+    reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        target = tmp_path / "cut" / "checkpoints" / "step-00000010.pt"
+        deadline = time.time() + 300
+        while not target.exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert target.exists() and len(workers) == 2, (target.exists(), workers)
+        os.kill(workers[1], signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, stderr
+    said = stdout + stderr
+    stop = int(said.split("SIGTERM: stopped at step ")[1].split()[0])
+    assert 10 <= stop < 80 and f"resuming at step {stop} " in said  # the restart continued from the stop's checkpoint
+    assert_same(final_weights(tmp_path / "cut"), final_weights(tmp_path / "ref"), rtol=0)
