@@ -8,6 +8,7 @@ machine, so a language model trains with no download.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -72,9 +73,11 @@ def corpus(files: Optional[list[str]] = None, root: str = "datasets", block_size
                         if not any(cache.iterdir()):
                             cache.rmdir()  # a refused build (bad input) leaves no empty cache behind
                         raise
-    except PermissionError as err:
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # a read-only file system is not a PermissionError
+            raise
         raise ValueError(f"root: cannot write the token cache under {Path(root) / '.cache'} "
-                         f"({err.strerror}); give a writable root") from None
+                         f"({err.strerror.lower()}); give a writable root") from None
     bounds = np.cumsum([0] + meta["split_tokens"])
     if (bounds[1] - 1) // block_size < 1:
         raise ValueError(f"block_size: {block_size} needs at least {block_size + 1} training tokens; the "
@@ -163,8 +166,27 @@ def resolve_files(files: Optional[list[str]]) -> list[Path]:
         for match in matches:
             if Path(match).is_dir():
                 raise ValueError(f"files: {match!r} is a directory; give files or a glob such as '{match}/**/*.txt'")
+            if _is_binary(Path(match)):
+                raise ValueError(f"files: {match!r} is not a text file (it holds binary data); give text files")
             paths.append(Path(match))
     return paths
+
+
+def _is_binary(path: Path) -> bool:
+    """NUL bytes or bytes that are not UTF-8 at the start of the file: read as text (errors replaced), it would
+    train a tokenizer on noise."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError:
+        return False  # reading it later says why
+    if b"\0" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start < len(head) - 4  # a character cut at the end of the sample is not binary
+    return False
 
 
 def _read_meta(cache: Path) -> Optional[dict]:

@@ -57,9 +57,9 @@ def cli() -> None:
         sys.argv += shared_run_dir_overrides(run_dir)
     try:
         main()
-    except KeyboardInterrupt:
-        print("runner: interrupted; the run was marked KILLED", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.preemption.Stopped)
+        print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 130))
 
 
 if __name__ == "__main__":

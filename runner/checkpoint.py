@@ -40,6 +40,7 @@ _HEADER = re.compile(rb"sha256 ([0-9a-f]{64}) meta (\d{10}) payload (\d{16})\n")
 _HEADER_LEN = len(_MAGIC) + len(b"sha256 %s meta %010d payload %016d\n" % (b"0" * 64, 0, 0))
 _CHUNK = 1 << 22
 T = TypeVar("T")
+_warned: set[tuple[str, str]] = set()  # a refused file is reported once per process, however often it is read
 
 
 class InvalidCheckpoint(SpecError):
@@ -118,6 +119,11 @@ def verify(path_or_run_dir: str | Path) -> Path:
     """The checkpoint file a resume would load, its checksum verified (a directory: its newest good one).
     Nothing is unpickled, so a launcher can refuse a bad file cheaply before any worker starts."""
     return _use(path_or_run_dir, _read_spec)[0]
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether a run directory holds any checkpoint file (good or not)."""
+    return bool(_candidates(Path(run_dir)))
 
 
 def resolve(path_or_run_dir: str | Path) -> Path:
@@ -387,7 +393,9 @@ def _first_good(run_dir: Path, read: Callable[[Path], T]) -> tuple[Path, T]:
         try:
             return path, read(path)
         except InvalidCheckpoint as e:
-            log.warning("skipping checkpoint %s (%s); trying the previous one", path, e.reason)
+            if (str(path), e.reason) not in _warned:
+                _warned.add((str(path), e.reason))
+                log.warning("skipping checkpoint %s (%s); trying the previous one", path, e.reason)
             refused = e
     raise SpecError(f"trainer.resume: no valid checkpoint in {run_dir}: all {len(candidates)} refused, "
                     f"the newest ({refused.path.name}) for {refused.reason}")

@@ -281,6 +281,10 @@ def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[st
         raise SpecError(f"{group}: {_name(fn)} could not open {e.filename} ({e.strerror})") from None
     except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
         raise SpecError(f"{group}: building {_name(fn)} failed ({_first_line(e)[:200]}); check its sizes") from None
+    except Exception as e:  # a user's builder failing its own way (KeyError, OSError, ...): what it said, on one line
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise SpecError(f"{group}._target_: {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} raised "
+                        f"{type(e).__name__}{f' ({first[:200]})' if first else ''}; fix it or name another") from None
 
 
 def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
@@ -365,3 +369,37 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value
+
+
+
+def check_data(spec: RunSpec, data: Any) -> Any:
+    """A builder must return DataSplits (or anything with its train, val and test splits)."""
+    if not all(hasattr(data, split) for split in ("train", "val", "test")):
+        raise SpecError(f"dataset._target_: {spec.dataset.target} returned a {type(data).__name__}, not DataSplits "
+                        "(train, val and test splits); return runner.data.DataSplits(train, val, test, ...)")
+    return data
+
+
+def check_model(spec: RunSpec, module: Any, loaded: bool = False) -> Any:
+    """What the engine can train: a torch.nn.Module with parameters; once its weights are loaded and its
+    frozen parameters frozen (`loaded`), finite weights and some parameters left to train."""
+    import torch  # here: preflight imports this module before torch is needed
+
+    if not isinstance(module, torch.nn.Module):
+        raise SpecError(f"model._target_: {spec.model.target} returned a {type(module).__name__}, not a "
+                        "torch.nn.Module; name a class or function that builds the model")
+    if next(module.parameters(), None) is None:
+        raise SpecError(f"model._target_: {spec.model.target} has no parameters: there is nothing to train; "
+                        "name a model with parameters")
+    if not loaded:
+        return module
+    if spec.model.weights:
+        bad = next((name for name, t in module.state_dict().items()
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:  # it would train as a divergence at step 1, not naming the file
+            raise SpecError(f"model.weights: {spec.model.weights} holds NaN or inf (in {bad}); give finite weights")
+    if spec.model.freeze and spec.model.unfreeze_after_epochs is None and not any(
+            p.requires_grad for p in module.parameters()):
+        raise SpecError(f"model.freeze: {list(spec.model.freeze)} freezes every parameter of {spec.model.target}: "
+                        "nothing is left to train; freeze fewer, or unfreeze later with model.unfreeze_after_epochs")
+    return module

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runner import checkpoint, components, finetune, parallel, tasks
+from runner import checkpoint, components, finetune, parallel, preemption, tasks
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -25,7 +25,7 @@ from runner.optim import build_optimizer
 from runner.parallel import DistEnv, pick_device
 from runner.precision import Precision
 from runner.schedule import build_scheduler
-from runner.resume import typed_keys
+from runner.resume import starts_over, typed_keys
 from runner.rng import seed_everything
 from runner.spec import RunSpec, SpecError
 from runner.stopping import Stop, Stopping
@@ -70,7 +70,7 @@ class Engine:
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
-        data = components.build_data(spec)
+        data = components.check_data(spec, components.build_data(spec))
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
@@ -111,6 +111,7 @@ class Engine:
                                self.env.is_main, self.trial)
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
+        self.stop_vote = preemption.StopVote(self.env.distributed)
         self.finished, self.final = False, {}
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
@@ -119,7 +120,7 @@ class Engine:
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
-        module = components.build_model(spec, data)
+        module = components.check_model(spec, components.build_model(spec, data))
         if spec.model.weights:
             report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
             if self.env.is_main:
@@ -128,7 +129,7 @@ class Engine:
             frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
             if self.env.is_main:
                 log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
-        return module
+        return components.check_model(spec, module, loaded=True)
 
     def _check_watched_metrics(self) -> None:
         """Now that the data is built: a watched metric that this run never produces stops it here
@@ -178,6 +179,7 @@ class Engine:
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds)
 
+    @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
         """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
         trainer, p, stop = self.spec.trainer, self.progress, None
@@ -204,8 +206,11 @@ class Engine:
                 with self.monitor.window.paused():  # throughput counts training time only
                     if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
                         stop = self._evaluate_and_watch()
-                    if stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0:
+                    signum = self.stop_vote.agreed()  # SIGTERM/SIGHUP: every rank stops here, with this step's checkpoint
+                    if signum or (stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0):
                         self.save_checkpoint()
+                if signum:
+                    raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
@@ -348,10 +353,10 @@ class Engine:
         parallel.barrier()
         return path
 
-    def _read_checkpoint(self, where: str) -> dict:
-        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank."""
+    def _read_checkpoint(self, where: str) -> dict | None:
+        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
         state = None
-        if self.env.is_main:
+        if self.env.is_main and not starts_over(Path(where)):
             path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
             state["path"] = str(path)
         return parallel.broadcast_object(state)

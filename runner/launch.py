@@ -1,6 +1,7 @@
 """From a composed config to a finished run: build the spec, write spec.yaml, run the engine."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from runner import checkpoint, components, process_state, resume
+from runner import components, preemption, process_state, resume, run_lock
 from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
@@ -31,17 +32,37 @@ DIVERGED_FILE = "diverged"   # rank 0's one-line account of a loss that stopped 
 def run(spec: RunSpec) -> RunResult:
     """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
     Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
-    with process_state.isolated() as start_state:
+    with process_state.isolated() as start_state, preemption.handled():
         return _run(spec, start_state)
 
 
 def _run(spec: RunSpec, start_state: dict) -> RunResult:
+    if not spec.trainer.resume and run_lock.requeued(Path(spec.run_dir)):  # a requeued SLURM job goes on in place
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
+    key = "trainer.resume" if spec.trainer.resume else "hydra.run.dir"
     if spec.trainer.resume:
         spec = resume.plan(spec)
     # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
     # is then the fully resolved record
     spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
     run_dir = Path(spec.run_dir)
+    # One process group per run directory, held by its first process (under torchrun rank 0, for every
+    # rank; on several nodes, node 0's launcher). A new run refuses a directory that holds an old one:
+    # the other torchrun ranks check before the group forms, so before rank 0 writes spec.yaml.
+    first = os.environ.get("RANK", "0") == "0" and _node_rank(spec.parallelism) == 0
+    if key == "hydra.run.dir" and not first and in_torchrun():
+        run_lock.refuse_existing_run(run_dir)
+    with run_lock.owned(run_dir, key) if first else contextlib.nullcontext():
+        if key == "hydra.run.dir" and first:
+            run_lock.refuse_existing_run(run_dir)
+        return _run_owned(spec, run_dir, start_state)
+
+
+def _node_rank(par: ParallelismSpec) -> int:
+    return int(os.environ.get("SLURM_NODEID", 0)) if par.rdzv_endpoint.startswith("slurm:") else par.node_rank
+
+
+def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
@@ -70,6 +91,7 @@ def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
 def launch_workers(spec: RunSpec) -> RunResult:
     """torch's elastic agent (what torchrun runs) starts nproc_per_node workers on this node; each
     reads spec.yaml, so Hydra composed once and every rank shares this run directory."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -104,6 +126,9 @@ def launch_workers(spec: RunSpec) -> RunResult:
     except KeyboardInterrupt:
         end_left_running(spec, "KILLED")
         raise
+    except SignalException as e:  # the agent forwarded SIGTERM/SIGHUP; the workers stopped at a step boundary
+        end_left_running(spec, "KILLED")
+        raise preemption.Stopped(int(e.sigval)) from None
     except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
         end_left_running(spec, "FAILED")
         if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
@@ -126,7 +151,7 @@ def check_parallel(spec: RunSpec) -> None:
     """What can be known before any worker starts."""
     par = spec.parallelism
     if spec.trainer.resume:
-        checkpoint.verify(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
+        resume.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
     if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "

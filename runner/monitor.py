@@ -59,9 +59,10 @@ class NonFiniteWatch:
         worst, first = reduce_max([self.worst, self.first_bad])
         if int(worst) >= self.limit:
             opt = self.spec.optimizer
+            fp16 = ", or use precision=bf16 instead of fp16" if self.spec.precision.name == "fp16" else ""
             raise Diverged(f"the loss is not finite from step {int(first)} on ({int(worst)} step(s) in a row): "
-                           f"the run diverged and was stopped; lower optimizer.lr (now {opt.lr:g}), clip gradients "
-                           "(trainer.clip_grad_norm=1.0), or use precision=bf16 instead of fp16")
+                           f"the run diverged and was stopped; lower optimizer.lr (now {opt.lr:g}) or clip gradients "
+                           f"(trainer.clip_grad_norm=1.0){fp16}")
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:

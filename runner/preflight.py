@@ -85,10 +85,9 @@ def _check_command_line(args: Any) -> str | None:
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     """What the spec names outside itself: the checkpoint to resume from, the tracking store, the run directory."""
-    if spec.trainer.resume:
-        from runner import checkpoint  # imports torch; a resumed run needs it next anyway
+    from runner.run_lock import check_at_start
 
-        checkpoint.verify(spec.trainer.resume)  # missing, corrupt, truncated or foreign: one line now
+    check_at_start(spec.trainer.resume, dir_key, run_dir)  # the checkpoint to resume, the run directory's owner
     if spec.tracking.name == "mlflow":
         from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 

@@ -8,7 +8,8 @@ goes, where it runs, or where it logs. An override that changes what is trained 
 with one line naming the key, the saved value and the new one.
 
 Where the run goes on:
-- a run directory: in place. Same run directory, same MLflow run, newest good checkpoint.
+- a run directory: in place. Same run directory, same MLflow run, newest good checkpoint; a run stopped
+  before its first checkpoint starts over from its spec.yaml (each step already logged stays logged once).
 - a checkpoint file: a new run (this invocation's run directory, a new MLflow run tagged with the
   run it came from), so another run's records are never written into.
 """
@@ -56,7 +57,9 @@ def plan(spec: RunSpec) -> RunSpec:
     merged["trainer"]["resume"] = str(target)
     resumed = RunSpec.from_yaml(yaml.safe_dump(merged))
     _check_global_batch(saved, resumed)
-    log.info("%s from %s", "continuing the run in" if in_place else "starting a new run from", target)
+    log.info("%s %s", "continuing the run in" if in_place else "starting a new run from", target)
+    if starts_over(target):  # the engine then loads no checkpoint
+        log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
     return resumed
 
 
@@ -81,7 +84,21 @@ def _typed(key: str, typed: set[str]) -> bool:
     return key in typed or any(t.endswith(".") and key.startswith(t) for t in typed)
 
 
+def check_source(target: str | Path) -> None:
+    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed."""
+    if not starts_over(Path(target)):
+        checkpoint.verify(target)
+
+
+def starts_over(target: Path) -> bool:
+    """A run directory whose run was stopped before its first checkpoint: its resume starts it over in
+    place (its spec.yaml, its MLflow run), rather than leaving it unresumable."""
+    return target.is_dir() and not checkpoint.has_checkpoint(target) and (target / "spec.yaml").is_file()
+
+
 def _saved_spec(target: Path) -> RunSpec:
+    if starts_over(target):
+        return RunSpec.from_yaml((target / "spec.yaml").read_text())
     path = checkpoint.verify(target)
     text = checkpoint.read_spec(path)
     if text is None:  # a checkpoint written before checkpoints held their spec: the run's spec.yaml

@@ -52,6 +52,9 @@ class ModelSpec:
         data = _component_dict(data, key)
         own = {k: data.pop(k) for k in ("weights", "freeze", "unfreeze_after_epochs") if k in data}
         built = _build(_FinetuneKeys, own, f"{key}.")
+        if built.unfreeze_after_epochs is not None and not built.freeze:  # it would unfreeze nothing
+            raise SpecError(f"{key}.unfreeze_after_epochs: {built.unfreeze_after_epochs} needs {key}.freeze (the "
+                            f"parameters to unfreeze); set {key}.freeze=['<glob>'] too, or drop it")
         return cls(target=data.pop("_target_"), params=data, weights=built.weights, freeze=built.freeze,
                    unfreeze_after_epochs=built.unfreeze_after_epochs)
 

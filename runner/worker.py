@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from runner import checkpoint
+from runner import checkpoint, preemption
 from runner.engine import pick_device
 from runner.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
 from runner.monitor import Diverged
@@ -37,8 +37,11 @@ def main(spec_path: str) -> None:
                 logging.getLogger("runner").info("restart %d: resuming from the newest checkpoint in %s", restarts,
                                                  spec.run_dir)
                 spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
-        run_in_process(spec, env)
+        with preemption.handled():  # every rank stops at one step boundary, its checkpoint written
+            run_in_process(spec, env)
         dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
+    except preemption.Stopped as e:  # the agent forwarded SIGTERM/SIGHUP: exit as the signal would
+        sys.exit(e.exit_code)
     except SpecError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

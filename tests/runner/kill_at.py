@@ -1,5 +1,6 @@
-"""`python tests/runner/kill_at.py POINT N <runner overrides>`: runs `python -m runner` and SIGKILLs
+"""`python tests/runner/kill_at.py POINT[:SIGNAL] N <runner overrides>`: runs `python -m runner` and SIGKILLs
 itself at the N-th time it reaches POINT: a real kill at a chosen moment, for the fault tests.
+`step:TERM 25` sends SIGTERM instead (any signal name without its SIG prefix).
 
 POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
 final_eval (during the validation of the last step), finish_training (after the last step, before
@@ -12,7 +13,9 @@ import sys
 
 from runner import engine, monitor
 
-point, nth = sys.argv[1], int(sys.argv[2])
+point, _, signame = sys.argv[1].partition(":")
+nth = int(sys.argv[2])
+sig = getattr(signal, f"SIG{signame}") if signame else signal.SIGKILL
 sys.argv = ["runner", *sys.argv[3:]]
 seen = {"n": 0}
 
@@ -20,7 +23,7 @@ seen = {"n": 0}
 def reached() -> None:
     seen["n"] += 1
     if seen["n"] == nth:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 def wrap(owner, name, when=lambda *a, **k: True):

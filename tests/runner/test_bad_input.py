@@ -289,6 +289,30 @@ CASES = [
          "tests.user_pkg.training.FocalLoss; did you mean gamma? accepted keys: gamma"),
     case("task._target_=tests.user_pkg.training.FocalLoss +task.gamma=-1", "error: task.gamma: -1.0 is not allowed; "
          "give a number >= 0", RUN),
+    # --- issue 14, runner-side inputs (helper records): components that break their contract, the run directory
+    case("model._target_=5", "error: model._target_: 5 is not a dotted path to a callable"),
+    case("model._target_=builtins.dict", "error: model._target_: builtins.dict returned a dict, not a torch.nn.Module",
+         RUN),
+    case("model._target_=torch.nn.ReLU", "error: model._target_: torch.nn.ReLU has no parameters: there is nothing to "
+         "train", RUN),
+    case("model.freeze=[*]", "error: model.freeze: ['*'] freezes every parameter of runner.models.mlp.MLP: nothing is "
+         "left to train", RUN),
+    case("model.unfreeze_after_epochs=1", "error: model.unfreeze_after_epochs: 1 needs model.freeze (the parameters to "
+         "unfreeze)"),
+    case("model.weights={nan_weights}", "error: model.weights: {nan_weights} holds NaN or inf (in ", RUN),
+    case("dataset._target_=tests.user_pkg.broken.splits_as_list", "error: dataset._target_: "
+         "tests.user_pkg.broken.splits_as_list returned a list, not DataSplits", RUN),
+    case("dataset._target_=tests.user_pkg.broken.failing_builder", "error: dataset._target_: "
+         "tests.user_pkg.broken.failing_builder raised KeyError ('labels')", RUN),
+    case("dataset=text_lm model=gpt task=language_modeling dataset.files=[{garbage_ckpt}]", "error: dataset.files: "
+         "'{garbage_ckpt}' is not a text file (it holds binary data)", RUN),
+    case("dataset=text_lm model=gpt task=language_modeling dataset.files=[{file}] dataset.root={readonly}",
+         "error: dataset.root: cannot write the token cache under {readonly}/.cache (read-only file system)", RUN),
+    case("trainer.resume={readonly_run}", "error: trainer.resume: cannot write the run directory {readonly_run} "
+         "(read-only file system)", RUN),
+    case("dataset=text_lm model=gpt task=classification dataset.files=[{file}] dataset.block_size=2",
+         "error: task: classification learns from class ids", RUN, owner="data"),
+    case("task=language_modeling", "error: task: language_modeling learns from token ids per position", RUN, owner="data"),
 ]
 
 
@@ -302,6 +326,7 @@ class Places:
     def fill(self, text: str) -> str:
         for name in ("file", "readonly", "full", "foreign_ckpt", "empty_ckpt", "garbage_ckpt", "truncated_ckpt", "evil_ckpt",
                      "cifar", "corrupt_cifar", "other_weights", "pretrained", "reviews"):
+                     "nan_weights", "readonly_run"):
             if "{" + name + "}" in text:
                 text = text.replace("{" + name + "}", str(getattr(self, name)()))
         return text.replace("{tmp}", str(self.tmp))
@@ -406,6 +431,25 @@ class Places:
         from tests.models.test_hf import write_reviews
 
         return write_reviews(self.tmp / "reviews.csv")
+    def nan_weights(self) -> Path:
+        """The default model's state dict, every value NaN."""
+        from runner import components
+        from tests.conftest import compose_spec
+
+        spec = compose_spec([], self.tmp / "weights_run")
+        model = components.build_model(spec, components.build_data(spec))
+        return self._save("nan_weights.pt", {k: v.float().fill_(float("nan")) for k, v in model.state_dict().items()})
+
+    def readonly_run(self) -> Path:
+        """A run killed before its first checkpoint (its spec.yaml alone), on a read-only mount."""
+        from tests.conftest import compose_spec
+
+        path = self.tmp / "readonly_run"
+        self._mount(path, "size=1m")
+        (path / "spec.yaml").write_text(compose_spec(["trainer.max_steps=2"], path).to_yaml())
+        if subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        return path
 
 
 class _Evil:

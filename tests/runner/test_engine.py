@@ -202,3 +202,16 @@ def test_fp16_stops_only_after_the_configured_run_of_non_finite_steps(tmp_path: 
     watch.on_step(7, nan)
     with pytest.raises(Diverged, match="from step 5 on"):
         watch.check(lambda values: values)
+
+
+@pytest.mark.parametrize("precision, hint", [("fp32", False), ("bf16", False), ("fp16", True)])
+def test_the_divergence_hint_suggests_bf16_only_to_an_fp16_run(tmp_path: Path, precision: str, hint: bool) -> None:
+    from runner.monitor import Diverged, NonFiniteWatch
+
+    spec = compose_spec([f"precision={precision}", "trainer.max_non_finite_steps=1"], tmp_path / "run")
+    watch = NonFiniteWatch(spec, torch.device("cpu"))
+    watch.on_step(1, torch.tensor(float("nan")))
+    with pytest.raises(Diverged) as error:
+        watch.check(lambda values: values)
+    assert ("precision=bf16 instead of fp16" in str(error.value)) == hint
+    assert str(error.value).startswith("the loss is not finite from step 1 on (1 step(s) in a row)")

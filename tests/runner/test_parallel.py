@@ -296,3 +296,84 @@ def test_only_the_main_rank_writes_run_files(tmp_path: Path) -> None:
         monitor.on_step(10, torch.tensor(2.0), 4, None, {"lr": 0.1}, 0)
         monitor.finish({"test/acc": 0.5}, 10)
         assert (tmp_path / "run" / "curves.png").exists() == is_main
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_ddp_launcher_stops_every_rank_at_one_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
+        tmp_path: Path) -> None:
+    """docker stop / SLURM preemption: the elastic agent forwards SIGTERM to both workers, which agree on one
+    step boundary, write its checkpoint and end the MLflow run KILLED; the launcher exits 143."""
+    args = ["dataset=synthetic", "dataset.size=1000", "dataset.shape=[1,8,8]", "model=mlp", "model.hidden=[32]",
+            "dataset.batch_size=16", "optimizer=adamw", "trainer.max_steps=80", "trainer.checkpoint_every_n_steps=10",
+            "trainer.keep_checkpoints=20", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=10",
+            "trainer.eval_every_epoch=false", "trainer.progress_bar=off", "parallelism=ddp",
+            "parallelism.nproc_per_node=2", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
+    ref_db, db = tmp_path / "ref.db", tmp_path / "mlflow.db"
+    reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}", f"tracking.uri=sqlite:///{ref_db}"], cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    cmd = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={tmp_path / 'cut'}", f"tracking.uri=sqlite:///{db}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        target = tmp_path / "cut" / "checkpoints" / "step-00000010.pt"
+        deadline = time.time() + 300
+        while not target.exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        assert target.exists(), launcher.poll()
+        os.kill(launcher.pid, signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 143, stderr
+    assert "runner: stopped by SIGTERM; the run was marked KILLED" in stderr
+    with sqlite3.connect(db) as con:
+        assert list(con.execute("select status from runs")) == [("KILLED",)]
+    stop = max(s for s, _ in metric_history(db)["train/loss"])
+    assert 10 <= stop < 80 and checkpoint.load(tmp_path / "cut")["progress"]["step"] == stop
+    assert (tmp_path / "cut" / "checkpoints" / f"step-{stop:08d}.pt").exists()
+
+    resumed = run_cli([f"trainer.resume={tmp_path / 'cut'}", f"hydra.run.dir={tmp_path / 'resume'}",
+                       f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same(final_weights(tmp_path / "cut"), final_weights(tmp_path / "ref"), rtol=0)
+    with sqlite3.connect(db) as con:
+        assert list(con.execute("select status from runs")) == [("FINISHED",)]
+    got, want = metric_history(db), metric_history(ref_db)
+    assert {k: v for k, v in got.items() if k != "throughput/samples_per_s"} == \
+        {k: v for k, v in want.items() if k != "throughput/samples_per_s"}
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_the_group_at_one_step_and_an_elastic_restart_continues_from_it(
+        tmp_path: Path) -> None:
+    """One worker preempted: every rank agrees on its step boundary and writes that checkpoint; the agent's
+    restart (parallelism.max_restarts) resumes from it and the run ends like one never stopped."""
+    args = ["dataset=synthetic", "dataset.size=1000", "dataset.shape=[1,8,8]", "model=mlp", "model.hidden=[32]",
+            "dataset.batch_size=16", "optimizer=adamw", "trainer.max_steps=80", "trainer.checkpoint_every_n_steps=10",
+            "trainer.keep_checkpoints=20", "trainer.eval_every_n_steps=10", "trainer.eval_every_epoch=false",
+            "trainer.progress_bar=off", "parallelism=ddp", "parallelism.nproc_per_node=2", "tracking=none"]
+    reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        target = tmp_path / "cut" / "checkpoints" / "step-00000010.pt"
+        deadline = time.time() + 300
+        while not target.exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert target.exists() and len(workers) == 2, (target.exists(), workers)
+        os.kill(workers[1], signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 0, stderr
+    said = stdout + stderr
+    stop = int(said.split("SIGTERM: stopped at step ")[1].split()[0])
+    assert 10 <= stop < 80 and f"resuming at step {stop} " in said  # the restart continued from the stop's checkpoint
+    assert_same(final_weights(tmp_path / "cut"), final_weights(tmp_path / "ref"), rtol=0)

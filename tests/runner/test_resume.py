@@ -1,8 +1,10 @@
 """Resume continues the run it names, from its own spec; faults (real SIGKILLs) lose nothing."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,153 @@ def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_pa
     children = [r for rid, r in record.items() if r[2].get("runner.resumed_from_run") == source_id]
     assert sorted(max(s for s, _ in r[1]["train/loss"]) for r in children) == [8, 10]
     assert all(r[0] == "FINISHED" and min(s for s, _ in r[1]["train/loss"]) > 6 for r in children)
+
+
+# --- records: a kill before the first checkpoint, SIGTERM/SIGHUP, run directories in use --------------
+
+TIMING = {"throughput/samples_per_s"}
+
+
+def assert_as_uninterrupted(tmp_path: Path, db: Path, uninterrupted: tuple) -> None:
+    """One MLflow run, FINISHED, with the uninterrupted run's history (each step once) and weights."""
+    want_weights, want_history = uninterrupted
+    [(status, history, _)] = mlflow_record(db).values()
+    assert status == "FINISHED"
+    assert {k: v for k, v in history.items() if k not in TIMING} == {k: v for k, v in want_history.items() if k not in TIMING}
+    assert [s for s, _ in history["throughput/samples_per_s"]] == [s for s, _ in want_history["throughput/samples_per_s"]]
+    got = weights(tmp_path / "run")
+    assert all(torch.equal(got[k], want_weights[k]) for k in want_weights)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path: Path, uninterrupted: tuple) -> None:
+    db = tmp_path / "mlflow.db"
+    # no checkpoint before the end (checkpoints change neither weights nor metrics): killed at step 35, the
+    # run has only its spec.yaml and an MLflow run holding the steps sent before the kill
+    killed = cli([*RUN, "trainer.checkpoint_every_n_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db,
+                 kill=("step", 35))
+    assert killed.returncode == -9 and not (tmp_path / "run" / "checkpoints").exists()
+    [(status, _, _)] = mlflow_record(db).values()
+    assert status == "RUNNING"
+    resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
+    assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stderr + resumed.stdout
+    assert f"continuing the run in {tmp_path / 'run'}\n" in said  # was "continuing the run in from"
+    assert f"{tmp_path / 'run'} holds no checkpoint yet: the run starts over from step 0" in said
+    assert_as_uninterrupted(tmp_path, db, uninterrupted)
+
+
+# the mechanism that ends runs whose process is gone is helper sweep's (runner/mlflow_store.py)
+@pytest.mark.xfail(strict=False, reason="needs helper sweep's change: dead runs end KILLED at the next start")
+def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    killed = cli(["trainer.max_steps=5", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, db,
+                 kill=("step", 2))
+    assert killed.returncode == -9
+    [(killed_id, (status, _, tags))] = mlflow_record(db).items()
+    assert status == "RUNNING" and tags["runner.pid"].isdigit() and tags["runner.host"]
+    assert cli(["trainer.max_steps=1", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'next'}"],
+               tmp_path, db).returncode == 0
+    assert mlflow_record(db)[killed_id][0] == "KILLED"
+
+
+@pytest.mark.parametrize("signame, code, requeue", [("TERM", 143, True), pytest.param("HUP", 129, False, marks=pytest.mark.slow)])
+def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
+        tmp_path: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "mlflow.db"
+    # the signal comes inside step 25 (not a checkpoint step): the run finishes that step and stops
+    stopped = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(f"step:{signame}", 25))
+    assert stopped.returncode == code, stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == f"runner: stopped by SIG{signame} at step 25; the run was marked KILLED"
+    [(status, history, _)] = mlflow_record(db).values()
+    assert status == "KILLED" and max(s for s, _ in history["train/loss"]) == 25
+    assert checkpoint.load(tmp_path / "run")["progress"]["step"] == 25
+    newest = tmp_path / "run" / "checkpoints" / "step-00000025.pt"
+    assert newest.exists()
+    # a corrupt newest checkpoint: the resume falls back to step 20, says so once, and still ends the same
+    data = bytearray(newest.read_bytes())
+    data[-100] ^= 0xFF
+    newest.write_bytes(data)
+    if requeue:  # SLURM requeues a preempted job: the same command again, in its own run directory
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        resumed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db)
+    else:
+        resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (resumed.stderr + resumed.stdout).count(f"skipping checkpoint {newest}") == 1
+    assert_as_uninterrupted(tmp_path, db, uninterrupted)
+
+
+def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(tmp_path: Path) -> None:
+    """A resume while the run trains is refused in one line naming its process; the run trains on alone
+    (each step logged once) until SIGTERM stops it KILLED with the checkpoint of the step it reached. A new
+    run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing."""
+    import signal
+    import socket
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    run_dir = tmp_path / "run"
+    store = [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
+    first = subprocess.Popen([sys.executable, "-m", "runner", "trainer.max_steps=1000000", "trainer.progress_bar=off",
+                              "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=5",
+                              f"hydra.run.dir={run_dir}", *store], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = run_dir / ".runner.lock"
+        deadline = time.time() + 240
+        while first.poll() is None and time.time() < deadline and not (
+                lock.exists() and lock.read_text().startswith(f"pid {first.pid}\n")):
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[1]
+        second = run_cli([f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'second'}", *store], tmp_path)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: trainer.resume: the run directory {run_dir} is in use by process {first.pid} on "
+            f"{socket.gethostname()}; wait for that run to end or stop it (it stops at its next step with SIGTERM)"]
+        assert not (tmp_path / "second").exists()
+        while first.poll() is None and time.time() < deadline and not (run_dir / "checkpoints" / "last.pt").exists():
+            time.sleep(0.05)  # training: SIGTERM then stops it at a step boundary
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1].startswith("runner: stopped by SIGTERM at step ")
+    [(status, history, _)] = mlflow_record(db).values()
+    last = max(s for s, _ in history["train/loss"])
+    assert status == "KILLED" and checkpoint.load(run_dir)["progress"]["step"] == last
+    with sqlite3.connect(db) as con:
+        assert con.execute("select count(*) from metrics group by key, step having count(*) > 1").fetchall() == []
+    assert lock.read_text() == ""  # released: a later resume may take it
+
+    before, files = mlflow_record(db), {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    again = cli(["optimizer.lr=0.01", "seed=5", f"hydra.run.dir={run_dir}"], tmp_path, db)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir: {run_dir} already holds a run; a new run needs its own directory (leave hydra.run.dir "
+        f"unset or name a new one), and trainer.resume={run_dir} continues that run"]
+    assert mlflow_record(db) == before
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files
+
+
+def test_a_lock_whose_process_is_gone_is_not_in_the_way(tmp_path: Path) -> None:
+    from runner.run_lock import owned
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from runner.run_lock import owned\nwith owned(Path(sys.argv[1]), 'trainer.resume'):\n"
+                               "    print('held', flush=True); time.sleep(600)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SpecError, match=f"^trainer.resume: the run directory {tmp_path} is in use by process "
+                                            f"{holder.pid} on "):
+            with owned(tmp_path, "trainer.resume"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with owned(tmp_path, "trainer.resume"):  # SIGKILLed: its lock went with it
+        assert (tmp_path / ".runner.lock").read_text().startswith(f"pid {os.getpid()}\n")
