@@ -293,7 +293,6 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-
 @contextlib.contextmanager
 def _verified(path: Path) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
     """Yield (file, meta) once the whole file matched its checksum; the payload starts at file.tell().

@@ -18,16 +18,13 @@ import types
 import typing
 from typing import Any, Callable
 
-from runner import metric_names
+from runner import fit_checks, metric_names
 from runner.fields import SpecError, convert
 from runner.spec import RunSpec, did_you_mean
 
 log = logging.getLogger(__name__)
 
 DATA_DECIDED = ("num_classes", "input_shape", "vocab_size", "max_length", "pad_token_id", "tokenizer")
-# The labels each built-in task can learn from, as the first training item holds them (see label_kind).
-TASK_LABELS = {"classification": "class ids", "language_modeling": "token ids per position",
-               "regression": "real values"}
 
 
 def load_target(group: str, target: str) -> Callable:
@@ -58,7 +55,7 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return dict(params)
-    hints = _hints(fn)
+    annotations = hints(fn)
     decided = decided_by_runner(group, fn)  # e.g. a model's sizes come from the data, a dataset's are its own
     accepted = {name: p for name, p in signature.parameters.items()
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in decided}
@@ -78,7 +75,7 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
                             f"accepted keys: {', '.join(sorted(accepted)) or '(none)'}")
         out[key] = _nested(value, f"{group}.{key}", typed)
         if out[key] is value:  # not a component: its annotation says what it may be
-            out[key] = _convert_param(hints.get(key), value, f"{group}.{key}")
+            out[key] = _convert_param(annotations.get(key), value, f"{group}.{key}")
     if params.get("_partial_") is True:
         return out  # the rest of the arguments come at call time
     for name, p in accepted.items():
@@ -107,7 +104,7 @@ def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
     model = resolve("model", spec.model.target, spec.model.params, typed)
     data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
     # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
-    _check_model_reads(spec, _declared_inputs(load_target("dataset", spec.dataset.target)))
+    fit_checks.check_model_reads(spec, fit_checks.declared_inputs(load_target("dataset", spec.dataset.target)))
     spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
     return resolved_parts(metric_names.with_declared_modes(spec), typed)
 
@@ -182,67 +179,9 @@ def build_data(spec: RunSpec) -> Any:
     learn from their labels; a builder that declares token data is refused before it runs."""
     builder = load_target("dataset", spec.dataset.target)
     data = _call("dataset", builder, spec.dataset.params)
-    _check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
-    _check_task_labels(spec, data)
+    fit_checks.check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
+    fit_checks.check_task_labels(spec, data)
     return data
-
-
-def _declared_inputs(builder: Callable) -> str | None:
-    """"token ids" when the builder's return annotation promises them (a DataSplits subclass with
-    `gives_token_ids`, data/splits.py's TokenSplits), else None: known only once it has run."""
-    returns = _hints(builder).get("return") if not inspect.isclass(builder) else None
-    return "token ids" if getattr(returns, "gives_token_ids", False) is True else None
-
-
-def _model_reads(target: str) -> str | None:
-    """What a model reads, by the data-decided sizes its signature takes: a vocabulary means token ids,
-    an input shape without one means tensors (images, features); None when it names neither."""
-    try:
-        names = inspect.signature(load_target("model", target)).parameters
-    except (TypeError, ValueError):
-        return None
-    return "token ids" if "vocab_size" in names else "tensors" if "input_shape" in names else None
-
-
-def _check_model_reads(spec: RunSpec, data_gives: str | None) -> None:
-    reads = _model_reads(spec.model.target)
-    if data_gives is not None and reads is not None and reads != data_gives:
-        what = "vocab_size" if reads == "token ids" else "input_shape"
-        raise SpecError(f"model: {spec.model.target} reads {reads} (it takes {what}), but dataset "
-                        f"{spec.dataset.target} gives {data_gives}; choose a model for {data_gives} or another dataset")
-
-
-def label_kind(data: Any) -> str | None:
-    """What the first training item's label is: class ids, token ids per position, or real values (None
-    when the split cannot be indexed or is empty)."""
-    try:
-        item = data.train[0]
-    except Exception:  # an iterable dataset, an empty split: nothing to look at before training
-        return None
-    import torch  # here: preflight imports this module before torch is needed
-
-    labels = item.get("labels") if isinstance(item, dict) else item[-1] if isinstance(item, (tuple, list)) else None
-    if not isinstance(labels, torch.Tensor):
-        labels = torch.as_tensor(labels) if isinstance(labels, (int, float)) else None
-    if labels is None:
-        return None
-    if labels.is_floating_point():
-        return "real values"
-    return "class ids" if labels.dim() == 0 else "token ids per position"
-
-
-def _check_task_labels(spec: RunSpec, data: Any) -> None:
-    from runner import tasks
-
-    built_in = {tasks.task_class(path): name for name, path in tasks.BUILTIN.items()}
-    name = built_in.get(tasks.task_class(spec.task.target))  # whatever path names a built-in task
-    needs = TASK_LABELS.get(name)
-    has = label_kind(data)
-    if needs is not None and has is not None and has != needs:
-        fits = [name for name, kind in TASK_LABELS.items() if kind == has]
-        hint = f"use task={fits[0]}" if fits else "use another dataset"
-        raise SpecError(f"task: {name} learns from {needs}, but dataset {spec.dataset.target} labels its "
-                        f"samples with {has}; {hint}")
 
 
 def build_model(spec: RunSpec, data: Any) -> Any:
@@ -328,7 +267,7 @@ def _instantiated(value: Any, key: str) -> Any:
     return value
 
 
-def _hints(fn: Callable) -> dict[str, Any]:
+def hints(fn: Callable) -> dict[str, Any]:
     try:
         return typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
     except Exception:  # unresolvable annotations: types are then not checked
@@ -369,37 +308,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value
-
-
-
-def check_data(spec: RunSpec, data: Any) -> Any:
-    """A builder must return DataSplits (or anything with its train, val and test splits)."""
-    if not all(hasattr(data, split) for split in ("train", "val", "test")):
-        raise SpecError(f"dataset._target_: {spec.dataset.target} returned a {type(data).__name__}, not DataSplits "
-                        "(train, val and test splits); return runner.data.DataSplits(train, val, test, ...)")
-    return data
-
-
-def check_model(spec: RunSpec, module: Any, loaded: bool = False) -> Any:
-    """What the engine can train: a torch.nn.Module with parameters; once its weights are loaded and its
-    frozen parameters frozen (`loaded`), finite weights and some parameters left to train."""
-    import torch  # here: preflight imports this module before torch is needed
-
-    if not isinstance(module, torch.nn.Module):
-        raise SpecError(f"model._target_: {spec.model.target} returned a {type(module).__name__}, not a "
-                        "torch.nn.Module; name a class or function that builds the model")
-    if next(module.parameters(), None) is None:
-        raise SpecError(f"model._target_: {spec.model.target} has no parameters: there is nothing to train; "
-                        "name a model with parameters")
-    if not loaded:
-        return module
-    if spec.model.weights:
-        bad = next((name for name, t in module.state_dict().items()
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
-        if bad is not None:  # it would train as a divergence at step 1, not naming the file
-            raise SpecError(f"model.weights: {spec.model.weights} holds NaN or inf (in {bad}); give finite weights")
-    if spec.model.freeze and spec.model.unfreeze_after_epochs is None and not any(
-            p.requires_grad for p in module.parameters()):
-        raise SpecError(f"model.freeze: {list(spec.model.freeze)} freezes every parameter of {spec.model.target}: "
-                        "nothing is left to train; freeze fewer, or unfreeze later with model.unfreeze_after_epochs")
-    return module

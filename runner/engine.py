@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runner import checkpoint, components, finetune, parallel, preemption, tasks
+from runner import checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, tasks
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -70,14 +70,14 @@ class Engine:
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
-        data = components.check_data(spec, components.build_data(spec))
+        data = fit_checks.check_data(spec, components.build_data(spec))
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.world, 1)}")
         self.task = tasks.build_task(spec.task, data.num_classes)
-        self._check_watched_metrics()
+        metric_names.check_produced(spec, self.task, self.split_sizes)
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
                            rank=self.env.rank, world=self.env.world, collate=data.collate)
@@ -120,7 +120,7 @@ class Engine:
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
-        module = components.check_model(spec, components.build_model(spec, data))
+        module = fit_checks.check_model(spec, components.build_model(spec, data))
         if spec.model.weights:
             report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
             if self.env.is_main:
@@ -129,22 +129,7 @@ class Engine:
             frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
             if self.env.is_main:
                 log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
-        return components.check_model(spec, module, loaded=True)
-
-    def _check_watched_metrics(self) -> None:
-        """Now that the data is built: a watched metric that this run never produces stops it here
-        (it would watch nothing), e.g. val/top5 with 5 classes or less, or val/* with an empty split."""
-        produced = {name for split in ("val", "test") if self.split_sizes[split] for name in self.task.metric_names(split)}
-        during = {name for name in produced if name.startswith("val/")}
-        watched = [("objective.metric", self.spec.objective.metric, produced),
-                   ("trainer.early_stopping.monitor", self.spec.trainer.early_stopping.monitor, during)]
-        if self.spec.scheduler.monitor is not None:
-            watched.append(("scheduler.monitor", self.spec.scheduler.monitor, during))
-        for key, metric, allowed in watched:
-            if metric is not None and metric not in allowed:
-                raise SpecError(f"{key}: {metric!r} is never produced by this run (dataset splits: "
-                                f"{', '.join(f'{k} {v}' for k, v in self.split_sizes.items())}); "
-                                f"choose one of {', '.join(sorted(allowed)) or '(none: no evaluation split)'}")
+        return fit_checks.check_model(spec, module, loaded=True)
 
     # --- the step loop ------------------------------------------------------------------------
 

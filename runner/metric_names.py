@@ -126,3 +126,19 @@ def _missing(spec: RunSpec, split: str, key: str, off: str | None) -> str:
     else:
         why = "trainer.eval_every_epoch=false and trainer.eval_every_n_steps=0 never evaluate; set one of them"
     return why + (f", or {key}{off}" if off else "")
+
+
+def check_produced(spec: RunSpec, task: tasks.Task, split_sizes: dict[str, int]) -> None:
+    """Once the data is built: a watched metric that this run never produces stops it here (it would watch
+    nothing), e.g. val/top5 with 5 classes or less, or val/* with an empty split."""
+    produced = {name for split in ("val", "test") if split_sizes[split] for name in task.metric_names(split)}
+    during = {name for name in produced if name.startswith("val/")}
+    watched = [("objective.metric", spec.objective.metric, produced),
+               ("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during)]
+    if spec.scheduler.monitor is not None:
+        watched.append(("scheduler.monitor", spec.scheduler.monitor, during))
+    for key, metric, allowed in watched:
+        if metric is not None and metric not in allowed:
+            raise SpecError(f"{key}: {metric!r} is never produced by this run (dataset splits: "
+                            f"{', '.join(f'{k} {v}' for k, v in split_sizes.items())}); "
+                            f"choose one of {', '.join(sorted(allowed)) or '(none: no evaluation split)'}")
