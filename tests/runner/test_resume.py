@@ -202,8 +202,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path:
     assert_as_uninterrupted(tmp_path, db, uninterrupted)
 
 
-# the mechanism that ends runs whose process is gone is helper sweep's (runner/mlflow_store.py)
-@pytest.mark.xfail(strict=False, reason="needs helper sweep's change: dead runs end KILLED at the next start")
+# runner/mlflow_store.py's end_orphaned_runs: the first open of a store ends runs whose process is gone
 def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     killed = cli(["trainer.max_steps=5", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, db,
