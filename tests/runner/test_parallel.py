@@ -121,6 +121,27 @@ def test_gradients_sync_once_per_optimizer_step_under_accumulation(tmp_path: Pat
     assert counts[1] > 0 and counts[4] == counts[1] and counts[1] % 5 == 0
 
 
+def signal_a_worker_at(cmd: list[str], cwd: Path, target: Path, signum: int) -> tuple[int, str, str]:
+    """Start a 2-worker launcher, send `signum` to its second worker once `target` (a checkpoint) exists,
+    and return the launcher's (exit code, stdout, stderr)."""
+    # its own session: a failed assertion below takes the launcher and its workers along (finally)
+    launcher = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 300  # generous: a loaded 2-core machine runs two workers slowly
+        while not target.exists() and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.02)
+        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert target.exists() and len(workers) == 2, (target.exists(), workers)
+        os.kill(workers[1], signum)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    return launcher.returncode, stdout, stderr
+
+
 def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_stopped(tmp_path: Path) -> None:
     args = ["dataset=synthetic", "dataset.size=1200", "model=cnn", "model.norm=false", "dataset.batch_size=16",
             "optimizer=adamw", "trainer.max_steps=60", "trainer.checkpoint_every_n_steps=10", "trainer.keep_checkpoints=10",
@@ -134,23 +155,9 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_if_never_s
     # addresses from the agent's store, and every round failed with "Connection refused")
     cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}",
            f"tracking.uri=sqlite:///{db}"]
-    # its own session: a failed assertion below takes the launcher and its workers along (finally)
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    try:
-        target = tmp_path / "cut" / "checkpoints" / "step-00000020.pt"
-        deadline = time.time() + 300  # generous: a loaded 2-core machine runs two workers slowly
-        while not target.exists() and time.time() < deadline and launcher.poll() is None:
-            time.sleep(0.02)
-        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert target.exists() and len(workers) == 2, (target.exists(), workers)
-        os.kill(workers[1], signal.SIGKILL)
-        stdout, stderr = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 0, stderr
+    returncode, stdout, stderr = signal_a_worker_at(cmd, tmp_path, tmp_path / "cut" / "checkpoints" / "step-00000020.pt",
+                                                    signal.SIGKILL)
+    assert returncode == 0, stderr
     assert "resuming from the newest checkpoint" in stdout + stderr
     assert stdout.count("runner: trained 60 optimizer steps") == 1
     assert_same(final_weights(tmp_path / "cut"), final_weights(tmp_path / "ref"), rtol=0)
@@ -357,22 +364,9 @@ def test_sigterm_to_one_worker_stops_the_group_at_one_step_and_an_elastic_restar
     reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}"], cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr
     cmd = [sys.executable, "-m", "runner", *args, "parallelism.max_restarts=1", f"hydra.run.dir={tmp_path / 'cut'}"]
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    try:
-        target = tmp_path / "cut" / "checkpoints" / "step-00000010.pt"
-        deadline = time.time() + 300
-        while not target.exists() and time.time() < deadline and launcher.poll() is None:
-            time.sleep(0.02)
-        workers = [pid for pid in _children(launcher.pid) if b"runner.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert target.exists() and len(workers) == 2, (target.exists(), workers)
-        os.kill(workers[1], signal.SIGTERM)
-        stdout, stderr = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    assert launcher.returncode == 0, stderr
+    returncode, stdout, stderr = signal_a_worker_at(cmd, tmp_path, tmp_path / "cut" / "checkpoints" / "step-00000010.pt",
+                                                    signal.SIGTERM)
+    assert returncode == 0, stderr
     said = stdout + stderr
     stop = int(said.split("SIGTERM: stopped at step ")[1].split()[0])
     assert 10 <= stop < 80 and f"resuming at step {stop} " in said  # the restart continued from the stop's checkpoint
