@@ -15,7 +15,11 @@ RunSpec = Any
 
 
 def task_class(spec: RunSpec) -> type[tasks.Task]:
-    return tasks.task_class(spec.task.target)
+    cls = tasks.task_class(spec.task.target)
+    if not (isinstance(cls, type) and issubclass(cls, tasks.Task)):  # its metrics and directions would be unknown
+        raise SpecError(f"task._target_: {spec.task.target} is not a task class; name a subclass of runner.tasks.Task "
+                        "(its loss, metrics and their directions), e.g. runner.tasks.Classification")
+    return cls
 
 
 def unit(spec: RunSpec) -> str:
@@ -34,8 +38,9 @@ def with_declared_modes(spec: RunSpec) -> RunSpec:
     es, scheduler = spec.trainer.early_stopping, spec.scheduler
     if es.mode is None and es.monitor is not None:
         es = dataclasses.replace(es, mode=_mode(spec, es.monitor))
-    if scheduler.monitor is not None and "mode" in scheduler.params and scheduler.params["mode"] is None:
-        scheduler = scheduler.with_params({**scheduler.params, "mode": _mode(spec, scheduler.monitor)})
+    if "mode" in scheduler.params and scheduler.params["mode"] is None:  # no monitor: the schedule says so itself
+        mode = _mode(spec, scheduler.monitor) if scheduler.monitor is not None else "min"
+        scheduler = scheduler.with_params({**scheduler.params, "mode": mode})
     return dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, early_stopping=es), scheduler=scheduler)
 
 
@@ -91,6 +96,8 @@ def check_metric_names(spec: RunSpec) -> None:
     """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
     try:
         task_class(spec)
+    except SpecError:
+        raise
     except (ImportError, AttributeError, ValueError):
         return  # a task that cannot be imported: building it says why, in one line naming task._target_
     during, at_end = evaluation_metrics(spec)

@@ -17,6 +17,7 @@ def best(stdout: str, metric: str) -> float:
     return float(stdout.split(f"best {metric}: ")[1].split()[0])
 
 
+@pytest.mark.slow  # CI budget; the CIFAR reader: tests/data/test_cifar.py
 def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> None:
     _write_cifar(tmp_path / "data", per_batch=40)
     # with mixup and cutmix on: soft labels through the classification loss (evaluation stays hard-labelled)
@@ -49,6 +50,7 @@ def _entropy(root: Path, **kwargs) -> float:
     return unigram_entropy(corpus(root=str(root), **kwargs).train.tokens())
 
 
+@pytest.mark.slow  # CI budget; the preset trains in test_experiments_parallel
 def test_gpt_small_learns_the_offline_corpus_below_its_unigram_entropy(tmp_path: Path) -> None:
     """A CI-sized run of the preset: 300k characters of the standard library, 150 steps."""
     data = ["dataset.max_chars=300000", "dataset.block_size=64", "dataset.vocab_size=1024"]

@@ -60,6 +60,7 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
+@pytest.mark.slow  # CI budget; a user's data from the search path under ddp and fsdp: the empty-share cases
 def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_and_fsdp_like_one_process(tmp_path: Path, user_path) -> None:
     """89 sequences at 2 x 4 (and 17 in val and test): the second rank's share of each split's last batch
     is empty, a dict batch whose stand-in must count no token."""

@@ -53,6 +53,8 @@ _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 class SweepFailed(RuntimeError):
     """The sweep stopped on failed trials (one line; each trial's traceback is in its job log)."""
 
+    exit_code = 1
+
 
 @dataclass
 class SweeperSettings:

@@ -25,6 +25,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 class SweepConfigError(ValueError):
     """A sweep that cannot start as configured: one line naming the key, exit code 2."""
 
+    exit_code = 2  # read by the sweeper by attribute: see OptunaSweeper.sweep
+
 
 def sweep_hook(dotpath: str) -> Callable[[F], F]:
     """Declare the SweepHook subclass (`package.module.Class`, imported only when a sweep runs)."""

@@ -27,14 +27,14 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         """A sweep that cannot start (a bad config, a study that cannot be resumed as asked) exits 2,
         one that stops on failed trials exits 1: one line each, as runner's CLI reports errors."""
-        from ._impl import SweepFailed
-        from .hook import SweepConfigError
-
         try:
             return self.sweeper.sweep(arguments)
-        except SweepConfigError as e:
+        except (ValueError, RuntimeError) as e:
+            # SweepConfigError / SweepFailed, told by attribute rather than by class: Hydra's plugin scan
+            # re-executes this package's modules (pkgutil load_module), so a module imported before the scan
+            # may raise a class object other than the one an `except SweepConfigError` here would name
+            code = getattr(e, "exit_code", None)
+            if code is None:
+                raise
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        except SweepFailed as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            sys.exit(code)

@@ -211,7 +211,7 @@ CASES = [
     # --- cli (issue 13): options of every group from the user's search path, and their unknown names
     case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "optimizer=my_sdg"],
          "error: optimizer: unknown option 'my_sdg'; did you mean my_sgd? choose one of adafactor, adagrad, adam, adamw, "
-         "lamb, muon, my_sgd, "),
+         "lamb, lion, muon, my_sgd, "),
     case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "experiment=my_prest"],
          "error: experiment: unknown option 'my_prest'; did you mean my_preset?"),
     # --- cli (issue 13): a component nested in a user's model arguments has its keys checked
@@ -268,7 +268,7 @@ CASES = [
          "error: task.label_smoothing: 0.1 cannot apply: tests.user_pkg.shares.OwnLossNet returns its own loss and no "
          "logits, so the task does not compute the loss; remove task.label_smoothing, or return logits from the model", RUN),
     case("task=regression task.label_smoothing=0.1",
-         "error: task.label_smoothing: 0.1 does not apply to regression (no classes to smooth); remove it or set it to 0", RUN),
+         "error: task.label_smoothing: unknown key; keys under task: _target_"),
     # --- tasks, optimizers and schedules named by _target_ (a user's from tests/user_pkg): keys against the callable
     case("optimizer._target_=tests.user_pkg.training.Lion optimizer.eps=1e-8", "error: optimizer.eps: unknown key for "
          "tests.user_pkg.training.Lion; accepted keys: betas, lr, weight_decay"),
@@ -314,6 +314,41 @@ CASES = [
          "error: task: classification learns from class ids", RUN),
     case("task=language_modeling dataset=digits model=mlp", "error: task: language_modeling learns from token ids per "
          "position", RUN),
+    # --- more keys of the parts named by _target_, the trainer and the objective: one line before the run starts
+    case("scheduler._target_=nope", "error: scheduler._target_: 'nope' is not a dotted path to a callable"),
+    case("task._target_=runner.tasks.Nope", "error: task._target_: cannot import 'runner.tasks.Nope' (AttributeError: "
+         "module 'runner.tasks' has no attribute 'Nope')"),
+    case("optimizer._target_=torch.optim.NoSuch", "error: optimizer._target_: cannot import 'torch.optim.NoSuch'"),
+    case("task._target_=builtins.len", "error: task._target_: builtins.len is not a task class; name a subclass of "
+         "runner.tasks.Task"),
+    case("scheduler=sgdr scheduler.cycle_mult=1.5", "error: scheduler.cycle_mult: 1.5 is not an integer"),
+    case(["optimizer.lr_multipliers={a.*: -1}"], "error: optimizer.lr_multipliers.a.*: -1.0 is out of range; allowed: "
+         "a value >= 0"),
+    case("optimizer.lr_multipliers=3", "error: optimizer.lr_multipliers: 3 is not a mapping; expected one like "
+         "{'backbone.*': 0.1}"),
+    case("optimizer=sgd optimizer.nesterov=maybe", "error: optimizer.nesterov: 'maybe' is not a boolean; use true or false"),
+    case("optimizer=adamw optimizer.betas=[0.9,0.999,0.5]", "error: optimizer.betas: [0.9, 0.999, 0.5] is not allowed; "
+         "give a list of 2 numbers"),
+    case("trainer.early_stopping.mode=up", "error: trainer.early_stopping.mode: 'up' is not allowed; choose one of min, max"),
+    case("trainer.early_stopping.patience=0", "error: trainer.early_stopping.patience: 0 is out of range; allowed: a "
+         "value > 0"),
+    case("trainer.early_stopping.min_delta=-1", "error: trainer.early_stopping.min_delta: -1.0 is out of range; allowed: "
+         "a value >= 0"),
+    case("trainer.log_every_n_steps=0", "error: trainer.log_every_n_steps: 0 is out of range; allowed: a value > 0"),
+    case("trainer.checkpoint_every_n_steps=-1", "error: trainer.checkpoint_every_n_steps: -1 is out of range; allowed: "
+         "a value >= 0"),
+    case("trainer.keep_checkpoints=0", "error: trainer.keep_checkpoints: 0 is out of range; allowed: a value > 0"),
+    case("trainer.eval_every_n_steps=-1", "error: trainer.eval_every_n_steps: -1 is out of range; allowed: a value >= 0"),
+    case("trainer.max_steps=0", "error: trainer.max_steps: 0 is out of range; allowed: a value > 0"),
+    case("trainer.deterministic=maybe", "error: trainer.deterministic: 'maybe' is not a boolean; use true or false"),
+    case("objective.direction=up", "error: objective.direction: 'up' is not allowed; choose one of maximize, minimize"),
+    case("parallelism=fsdp parallelism.max_restarts=-1", "error: parallelism.max_restarts: -1 is out of range; allowed: "
+         "a value >= 0"),
+    case("tracking.run_name=[a]", "error: tracking.run_name: ['a'] is not a string"),
+    case("model.unfreeze_after_epochs=-1", "error: model.unfreeze_after_epochs: -1 is out of range; allowed: a value >= 0"),
+    case("model.freeze=5", "error: model.freeze: 5 is not a list"),
+    case("precision=fp16 precision.init_scale=0", "error: precision.init_scale: 0.0 is out of range; allowed: a value > 0"),
+    case("dataset.num_workers=abc", "error: dataset.num_workers: 'abc' is not an integer; allowed: a value >= 0"),
 ]
 
 

@@ -202,6 +202,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path:
     assert_as_uninterrupted(tmp_path, db, uninterrupted)
 
 
+@pytest.mark.slow  # CI budget; the same mechanism: test_shared_store's SIGKILL case
 # runner/mlflow_store.py's end_orphaned_runs: the first open of a store ends runs whose process is gone
 def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"

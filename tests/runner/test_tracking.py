@@ -80,6 +80,7 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[int]:
 # --- 1. concurrent first use of a fresh store ------------------------------------------------------
 
 
+@pytest.mark.slow  # CI budget; concurrent first opens: tests/hydra_plugins/test_shared_store.py
 @pytest.mark.parametrize("round_", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_four_runs_started_at_once_on_a_fresh_sqlite_store_all_finish(tmp_path: Path, round_: int) -> None:
     procs = [worker(tmp_path, f"run{i}") for i in range(4)]
