@@ -5,6 +5,7 @@ importing torch, MLflow or Optuna; a mistake is one `error: <key>: ...` line and
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import hydra
@@ -32,13 +33,25 @@ def main(cfg: DictConfig) -> float:
     try:
         return run(spec).objective
     except SpecError as e:
+        _to_job_log(f"error: {e}")
         fail(str(e))
     except (Diverged, NonFiniteCheckpoint, CheckpointWriteError) as e:  # the run failed, not the input
+        _to_job_log(f"error: {e}")
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except WorkersFailed as e:
+        _to_job_log(f"runner: {e}")
         print(f"runner: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _to_job_log(line: str) -> None:
+    """The line also in the job's own log file (Hydra's file handler on the root logger): a sweep's trial log
+    then says why the trial failed. The console gets it once, from the print that follows."""
+    record = logging.makeLogRecord({"name": "runner", "levelno": logging.ERROR, "levelname": "ERROR", "msg": line})
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.emit(record)
 
 
 def spec_from_hydra(cfg: DictConfig) -> RunSpec:
