@@ -25,6 +25,19 @@ def tracked(overrides: list[str], run_dir: Path, uri: str) -> Engine:
     return Engine(spec, build_tracker(spec))
 
 
+def ctrl_c_during_step(engine: Engine, step: int) -> Engine:
+    """The engine with Ctrl-C arriving during its optimizer step `step` (counted as the run counts them)."""
+    real_step = engine.train_step
+
+    def interrupted(batches):
+        if engine.progress.step == step - 1:
+            raise KeyboardInterrupt
+        return real_step(batches)
+
+    engine.train_step = interrupted
+    return engine
+
+
 def assert_same_weights(a: Engine, b: Engine, rtol: float) -> None:
     sa, sb = a.module.state_dict(), b.module.state_dict()
     assert sa.keys() == sb.keys()
@@ -86,17 +99,7 @@ def test_interrupted_run_resumes_from_its_run_dir_into_the_same_mlflow_run(tmp_p
 
     full = train(RESUMABLE, tmp_path / "full")
     spec = compose_spec([*FAST, *RESUMABLE], tmp_path / "cut", tracking_uri=sqlite_uri)
-    engine = Engine(spec, build_tracker(spec))
-    real_step = engine.train_step
-    calls = {"n": 0}
-
-    def ctrl_c_at_step_25(batches):  # Ctrl-C arrives during the 25th optimizer step
-        calls["n"] += 1
-        if calls["n"] == 25:
-            raise KeyboardInterrupt
-        return real_step(batches)
-
-    engine.train_step = ctrl_c_at_step_25
+    engine = ctrl_c_during_step(Engine(spec, build_tracker(spec)), 25)
     with pytest.raises(KeyboardInterrupt):
         engine.fit()
     client = MlflowClient(sqlite_uri)

@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from runner.mlflow_store import open_client
 from runner.trial import PRUNER_ATTR, RUN_DIR_ATTR, open_storage
 from tests.conftest import run_cli
-from tests.runner.test_engine import tracked
+from tests.runner.test_engine import ctrl_c_during_step, tracked
 from tests.runner.test_parallel import metric_history
 
 
@@ -97,15 +97,7 @@ def test_a_resumed_trial_reports_at_its_optimizer_steps(tmp_path: Path) -> None:
            "model.hidden=[16]", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
            f"trial.storage={journal}", "trial.study_name=s", f"trial.number={number}"]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cut = tracked(run, tmp_path / "run", uri)
-    real_step = cut.train_step
-
-    def ctrl_c_at_step_25(batches):
-        if cut.progress.step == 24:
-            raise KeyboardInterrupt
-        return real_step(batches)
-
-    cut.train_step = ctrl_c_at_step_25
+    cut = ctrl_c_during_step(tracked(run, tmp_path / "run", uri), 25)
     with pytest.raises(KeyboardInterrupt):
         cut.fit()
     tracked([*run, f"trainer.resume={tmp_path / 'run'}"], tmp_path / "run", uri).fit()

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runner.test_engine import tracked
+from tests.runner.test_engine import ctrl_c_during_step, tracked
 from tests.runner.test_parallel import metric_history
 
 RUN = ["trainer.max_steps=20", "trainer.log_every_n_steps=5", "trainer.checkpoint_every_n_steps=7",
@@ -15,15 +15,8 @@ def test_a_resume_from_a_step_between_log_steps_logs_every_value_of_the_uninterr
     full = tracked(RUN, tmp_path / "full", f"sqlite:///{tmp_path}/full.db")
     full.fit()
     uri = f"sqlite:///{tmp_path}/cut.db"
-    cut = tracked(RUN, tmp_path / "cut", uri)
-    real_step = cut.train_step
-
-    def ctrl_c_at_step_15(batches):  # after the checkpoint of step 14, whose window holds steps 11 to 14
-        if cut.progress.step == 14:
-            raise KeyboardInterrupt
-        return real_step(batches)
-
-    cut.train_step = ctrl_c_at_step_15
+    # during step 15, after the checkpoint of step 14, whose window holds steps 11 to 14
+    cut = ctrl_c_during_step(tracked(RUN, tmp_path / "cut", uri), 15)
     with pytest.raises(KeyboardInterrupt):
         cut.fit()
     resumed = tracked([*RUN, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut", uri)
