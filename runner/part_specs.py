@@ -28,19 +28,25 @@ def component_dict(data: Any, key: str) -> dict:
     return data
 
 
+class Component:
+    """What every spec named by `_target_` shares (its dataclass has `target` and `params` fields)."""
+
+    params: dict
+
+    def with_params(self, params: dict):
+        return dataclasses.replace(self, params=dict(params))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+
 @dataclass(frozen=True)
-class TaskSpec:
+class TaskSpec(Component):
     """What the loss and metrics are: a task class named by `_target_` (runner/tasks.py's, or a user's) and
     its own arguments, checked against its signature (conf/task/<name>.yaml)."""
 
     target: str = "runner.tasks.Classification"
     params: dict = field(default_factory=dict)
-
-    def with_params(self, params: dict) -> "TaskSpec":
-        return dataclasses.replace(self, params=dict(params))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.params.get(key, default)
 
     def __to_plain__(self) -> dict:
         return {"_target_": self.target, **self.params}
@@ -52,7 +58,7 @@ class TaskSpec:
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
+class OptimizerSpec(Component):
     """An optimizer class named by `_target_` (torch.optim's, timm's or a user's), called with the parameter
     groups and its own arguments (conf/optimizer/<name>.yaml), plus runner's keys, never passed to it."""
 
@@ -71,12 +77,6 @@ class OptimizerSpec:
         """The optimizer's own lr (nan for a class that names it otherwise)."""
         return float(self.params.get("lr", math.nan))
 
-    def with_params(self, params: dict) -> "OptimizerSpec":
-        return dataclasses.replace(self, params=dict(params))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.params.get(key, default)
-
     def __to_plain__(self) -> dict:
         return {"_target_": self.target, **self.params, "decay_norm_and_bias": self.decay_norm_and_bias,
                 "lr_multipliers": self.lr_multipliers, "impl": self.impl}
@@ -91,7 +91,7 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
-class SchedulerSpec:
+class SchedulerSpec(Component):
     """The lr schedule named by `_target_`: a torch.optim.lr_scheduler class (called with the optimizer), or a
     function of the step returning the lr factor (runner/schedule.py's shapes, or a user's), plus runner's keys."""
 
@@ -99,12 +99,6 @@ class SchedulerSpec:
     params: dict = field(default_factory=dict)
     warmup: float = opt(0.0, "warmup: optimizer steps if >= 1, a fraction of all steps if < 1", ge=0)
     monitor: Optional[str] = opt(None, "the evaluation metric a schedule driven by evaluations (ReduceLROnPlateau) watches")
-
-    def with_params(self, params: dict) -> "SchedulerSpec":
-        return dataclasses.replace(self, params=dict(params))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.params.get(key, default)
 
     def __to_plain__(self) -> dict:
         own = {"warmup": self.warmup or None, "monitor": self.monitor}

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
-from runner.part_specs import OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
+from runner.part_specs import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
 
 __all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
@@ -27,7 +27,7 @@ DIM = 2**31 - 1  # the largest tensor dimension many kernels index; a larger one
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(Component):
     """A model named by `_target_` (a class or function returning an nn.Module) and its own arguments,
     checked against its signature by runner/components.py (conf/model/<name>.yaml)."""
 
@@ -39,9 +39,6 @@ class ModelSpec:
     freeze: tuple[str, ...] = opt((), "globs of parameter names to freeze, e.g. ['backbone.*']")
     unfreeze_after_epochs: Optional[int] = opt(None, "unfreeze `freeze` at the start of this epoch (gradual "
                                                      "unfreezing); null: frozen for the whole run", ge=0)
-
-    def with_params(self, params: dict) -> "ModelSpec":
-        return dataclasses.replace(self, params=dict(params))
 
     def __to_plain__(self) -> dict:
         own = {"weights": self.weights, "freeze": list(self.freeze), "unfreeze_after_epochs": self.unfreeze_after_epochs}
@@ -60,7 +57,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
+class DatasetSpec(Component):
     """A dataset builder named by `_target_` and its own arguments (conf/dataset/<name>.yaml), plus the
     loader's keys, which are runner's: the builder never sees them."""
 
@@ -69,12 +66,6 @@ class DatasetSpec:
     batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
     params: dict = field(default_factory=dict)
-
-    def with_params(self, params: dict) -> "DatasetSpec":
-        return dataclasses.replace(self, params=dict(params))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.params.get(key, default)
 
     def __to_plain__(self) -> dict:
         return {"_target_": self.target, "batch_size": self.batch_size, "num_workers": self.num_workers, **self.params}
