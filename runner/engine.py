@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runner import checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, tasks
+from runner import checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -117,6 +117,8 @@ class Engine:
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
             self._load_state(resume_state)
+        self.profiler = profiling.build(spec, self.env, self.device, self.tracker, self.optimizer, self.total_steps,
+                                        self.progress.step)  # trainer.profile; otherwise a no-op
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
@@ -144,6 +146,7 @@ class Engine:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
                 stop = self._train()
+                self.profiler.finish()
                 if not stop.pruned:
                     self._finish_training()
             self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
@@ -178,7 +181,7 @@ class Engine:
                 if unfrozen and self.env.is_main:
                     log.info("epoch %d: unfroze %d parameter tensors (%s)", p.epoch, len(unfrozen),
                              ", ".join(self.spec.model.freeze))
-            for micro_batches in optimizer_steps(self.train_loader, self.accum):
+            for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
                 lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
@@ -221,19 +224,25 @@ class Engine:
         # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
         # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
-        scale = self.env.world / max(parallel.global_count(sum(counts), self.device), 1)
-        losses = []
+        losses, phase = [], self.profiler.phase  # phase: no-op contexts unless this step is profiled
+        with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
+            scale = self.env.world / max(parallel.global_count(sum(counts), self.device), 1)
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
-                loss = self._loss_sum(self._prepare(batch, train=True), count)
-                self.precision.backward(loss * scale)
+                with phase.to_device:
+                    batch = self._prepare(batch, train=True)
+                with phase.forward:
+                    loss = self._loss_sum(batch, count)
+                with phase.backward:
+                    self.precision.backward(loss * scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
-        if self.precision.step(self.optimizer):
-            self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase.optimizer:
+            grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
+            if self.precision.step(self.optimizer):
+                self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, sum(counts), grad_norm
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:

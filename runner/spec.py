@@ -140,6 +140,9 @@ class TrainerSpec:
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
     compile: bool = opt(False, "torch.compile the model")
+    profile: bool = opt(False, "profile a window of training steps: trace, step-time shares and advice (runner/profiling.py)")
+    profile_skip_steps: int = opt(5, "trainer.profile: steps left out before the window (warm-up, compilation)", ge=0)
+    profile_steps: int = opt(10, "trainer.profile: optimizer steps in the profiled window", gt=0)
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     max_non_finite_steps: int = opt(3, "stop the run after this many consecutive optimizer steps with a non-finite "
                                        "loss (fp16 skips them through its loss scaler); 1 stops at the first", gt=0)

@@ -349,6 +349,10 @@ CASES = [
     case("model.freeze=5", "error: model.freeze: 5 is not a list"),
     case("precision=fp16 precision.init_scale=0", "error: precision.init_scale: 0.0 is out of range; allowed: a value > 0"),
     case("dataset.num_workers=abc", "error: dataset.num_workers: 'abc' is not an integer; allowed: a value >= 0"),
+    # --- the profiler (trainer.profile, runner/profiling.py)
+    case("trainer.profile=true trainer.profile_steps=0", "error: trainer.profile_steps: 0 is out of range; allowed: a value > 0"),
+    case("trainer.profile_skip_steps=-1", "error: trainer.profile_skip_steps: -1 is out of range; allowed: a value >= 0"),
+    case("trainer.profile=sometimes", "error: trainer.profile: 'sometimes' is not a boolean; use true or false"),
 ]
 
 
