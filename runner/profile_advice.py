@@ -33,7 +33,10 @@ class Figures:
     steps: int                      # optimizer steps in the window
     window_s: float                 # their wall time together
     phase_s: dict[str, float]       # PHASES -> wall seconds over the window (device synchronised on CUDA)
-    communication_s: float = 0.0    # collectives found in the trace; they overlap other phases (backward)
+    # collectives in the trace: those inside forward/backward/optimizer (the gradients' all-reduce, FSDP's
+    # gathers; they overlap those phases), and those outside every phase (the ranks' per-step vote; in "other")
+    communication_s: float = 0.0
+    between_comm_s: float = 0.0
     gpu_busy_s: float | None = None  # kernels and copies running on the GPU (their union); None: no GPU
     h2d_copy_s: float | None = None  # host-to-device copies on the GPU; None: no GPU
 
@@ -51,6 +54,10 @@ class Figures:
         if self.gpu_busy_s is None or self.window_s <= 0:
             return None
         return max(0.0, 1.0 - self.gpu_busy_s / self.window_s)
+
+    @property
+    def between_comm_share(self) -> float:
+        return min(self.between_comm_s / self.window_s, self.share("other")) if self.window_s > 0 else 0.0
 
     def shares(self) -> dict[str, float]:
         """The figures logged to MLflow (fractions of step time; gpu_idle of the window)."""
@@ -130,15 +137,20 @@ def advise(fig: Figures, setup: Setup) -> list[str]:
 
     comm = fig.communication_share
     if setup.world > 1 and comm >= COMMUNICATION_SHARE:
-        say(comm, f"communication ({setup.parallelism}, {setup.world} ranks) is {_pct(comm)} of step time: raise "
-                  f"accumulation.steps (now {setup.accumulation}; gradients are synchronised once per optimizer step) "
-                  f"or dataset.batch_size (now {setup.batch_size}) so each synchronisation serves more samples")
+        if setup.parallelism == "fsdp":  # parameters are gathered for every micro-step, whatever the accumulation
+            fix = (f"raise dataset.batch_size (now {setup.batch_size}) so each gather serves more samples, or use "
+                   f"parallelism=ddp if the model and its optimizer state fit on one device")
+        else:
+            fix = (f"raise accumulation.steps (now {setup.accumulation}; gradients are synchronised once per "
+                   f"optimizer step) or dataset.batch_size (now {setup.batch_size}) so each synchronisation serves "
+                   f"more samples")
+        say(comm, f"communication ({setup.parallelism}, {setup.world} ranks) is {_pct(comm)} of step time: {fix}")
 
-    waiting = fig.share("rank_sync")
+    waiting = fig.share("rank_sync") + fig.between_comm_share
     if setup.world > 1 and waiting >= RANK_WAIT_SHARE:
-        say(waiting, f"ranks wait for each other {_pct(waiting)} of step time at the step's first all-reduce: one rank "
-                     f"is slower (uneven data loading, another job on its device or CPUs); compare the ranks' traces "
-                     f"in <run_dir>/profile")
+        say(waiting, f"the step's small collectives outside backward (its sample count, the ranks' stop vote) take "
+                     f"{_pct(waiting)} of step time: mostly ranks waiting for a slower one (uneven data loading, "
+                     f"another job on its device or CPUs); compare the ranks' traces in <run_dir>/profile")
 
     to_device = fig.share("to_device")
     if to_device >= TO_DEVICE_SHARE:
@@ -146,7 +158,7 @@ def advise(fig: Figures, setup: Setup) -> list[str]:
                        f"samples small on the host (e.g. uint8 images, normalised on the device) or the dataset on "
                        f"the device (small tensor datasets are put there automatically)")
 
-    other = fig.share("other")
+    other = fig.share("other") - fig.between_comm_share  # those collectives are advised on above
     if other >= OTHER_SHARE:
         say(other, f"{_pct(other)} of step time is spent between the phases (logging every {setup.log_every} steps, "
                    f"evaluation, checkpoints, collectives between steps, Python in the loop; the trace shows which): "
@@ -164,10 +176,13 @@ def report(fig: Figures, setup: Setup, first_step: int, rank: int = 0) -> str:
             continue  # one process waits for no one
         lines.append(f"  {LABELS[phase]:<17} {_pct(fig.share(phase)):>6}")
     lines.append(f"  {'other':<17} {_pct(fig.share('other')):>6}  (between the phases: logging, evaluation, "
-                 f"checkpoints, the ranks' stop vote, Python)")
+                 f"checkpoints, Python)")
+    if fig.between_comm_s:
+        lines.append(f"    {'collectives':<15} {_pct(fig.between_comm_share):>6}  (of other: the ranks' per-step vote, "
+                     f"any collective between the phases)")
     if setup.world > 1 or fig.communication_s:
-        lines.append(f"  {'communication':<17} {_pct(fig.communication_share):>6}  (collectives in the trace; "
-                     f"they overlap backward)")
+        lines.append(f"  {'communication':<17} {_pct(fig.communication_share):>6}  (collectives inside the phases, "
+                     f"e.g. the gradients' all-reduce; they overlap backward)")
     if fig.h2d_copy_s is not None:
         lines.append(f"  {'host-to-device':<17} {_pct(fig.h2d_copy_s / fig.window_s if fig.window_s else 0):>6}  "
                      f"(copies on the GPU, in the trace)")

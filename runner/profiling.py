@@ -33,9 +33,10 @@ from runner.tracking import Tracker
 log = logging.getLogger(__name__)
 
 _OFF = contextlib.nullcontext()  # reusable: entering it has no state
-# Collectives as torch.profiler names them: c10d ops (gloo:all_reduce, nccl:all_reduce, c10d::allgather_),
-# NCCL kernels (ncclDevKernel_AllReduce_...) and FSDP2's own labels (FSDP::all_gather, FSDP::post_backward_reduce)
-_COMMUNICATION = re.compile(r"all_?reduce|reduce_?scatter|all_?gather|broadcast|^nccl|^gloo", re.IGNORECASE)
+# Collectives as torch.profiler names them: c10d ops (c10d::allreduce_, gloo:all_reduce, nccl:all_reduce, and
+# record_param_comms around them) and NCCL kernels (ncclDevKernel_AllReduce_...). By namespace, not by words
+# like "broadcast": aten::broadcast_tensors is arithmetic.
+_COMMUNICATION = re.compile(r"^(c10d::|gloo:|nccl|record_param_comms)")
 _END = object()
 
 
@@ -103,6 +104,7 @@ class WindowProfiler:
         self.prof: torch.profiler.profile | None = None
         self.opened_at = 0.0
         self.figures: profile_advice.Figures | None = None
+        self._trace: torch.profiler.profile | None = None  # the closed window's profiler, exported by finish()
 
     def steps(self, groups: Iterable) -> Iterator:
         """The engine's optimizer steps, the window opened and closed at step boundaries."""
@@ -184,11 +186,14 @@ class WindowProfiler:
         on_gpu = self.device.type == "cuda"
         # on a GPU the collectives' kernels; gloo (CPU) runs them as host ops
         comm = [e for e in gpu if _COMMUNICATION.search(e.name)] or [e for e in events if _COMMUNICATION.search(e.name)]
+        labels = [e for e in events if e.name.startswith("runner/")]  # the phases, as _Timed labels them
         self.figures = profile_advice.Figures(
             steps=self.started - self.skip, window_s=window_s, phase_s=dict(self.totals),
-            communication_s=_union_s(comm),
-            gpu_busy_s=_union_s(gpu) if on_gpu else None,
-            h2d_copy_s=_union_s([e for e in gpu if "HtoD" in e.name]) if on_gpu else None)
+            communication_s=_overlap_s(comm, [e for e in labels if e.name != "runner/rank_sync"]),
+            between_comm_s=_union_s(comm) - _overlap_s(comm, labels),
+            # no device events at all means the trace missed them (CUPTI unavailable), not an idle GPU
+            gpu_busy_s=_union_s(gpu) if on_gpu and gpu else None,
+            h2d_copy_s=_union_s([e for e in gpu if "HtoD" in e.name]) if on_gpu and gpu else None)
         self._trace = prof
 
 
@@ -199,16 +204,27 @@ def build(spec: RunSpec, env: DistEnv, device: torch.device, tracker: Tracker, o
     return WindowProfiler(spec, env, device, tracker, optimizer, total_steps, start_step)
 
 
+def _spans(events: list) -> list[tuple[float, float]]:
+    """The time the events cover, as disjoint sorted spans (overlapping ones, e.g. on several threads, merged)."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 def _union_s(events: list) -> float:
-    """Seconds covered by at least one of the events (overlapping ones, e.g. on several threads, count once)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    total, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total / 1e6  # the profiler's clock is in microseconds
+    return sum(b - a for a, b in _spans(events)) / 1e6  # the profiler's clock is in microseconds
+
+
+def _overlap_s(events: list, others: list) -> float:
+    """Seconds covered both by one of `events` and by one of `others`."""
+    total, theirs = 0.0, _spans(others)
+    for a, b in _spans(events):
+        total += sum(max(0.0, min(b, d) - max(a, c)) for c, d in theirs)
+    return total / 1e6
 
 
 def _setup(spec: RunSpec, env: DistEnv, device: torch.device, optimizer: torch.optim.Optimizer) -> profile_advice.Setup:

@@ -80,8 +80,24 @@ def test_communication_and_waiting_ranks_are_advised_only_with_several_ranks() -
     fig = figures(communication_s=0.3, rank_sync=0.2, backward=0.3)
     advice = pa.advise(fig, Setup(parallelism="ddp", world=2, accumulation=1, batch_size=8))
     assert advice[0].startswith("communication (ddp, 2 ranks) is 30% of step time: raise accumulation.steps (now 1;")
-    assert advice[1].startswith("ranks wait for each other 20% of step time")
+    assert advice[1].startswith("the step's small collectives outside backward (its sample count, the ranks' stop vote) "
+                                "take 20% of step time")
     assert pa.advise(fig, Setup()) == []  # one process: these figures mean nothing to change
+    # FSDP gathers the parameters for every micro-step: accumulation would not cut that
+    [fsdp, _] = pa.advise(fig, Setup(parallelism="fsdp", world=2, accumulation=1, batch_size=8))
+    assert fsdp.startswith("communication (fsdp, 2 ranks) is 30% of step time: raise dataset.batch_size (now 8)")
+    assert "accumulation" not in fsdp
+
+
+def test_collectives_between_the_phases_count_as_waiting_for_ranks_not_as_loop_overhead() -> None:
+    """The ranks' per-step vote lies outside every phase, in "other": where one rank waits for a slower one."""
+    fig = figures(rank_sync=0.1, forward=0.1, backward=0.2, between_comm_s=0.3)  # other: 0.45, 0.3 of it collectives
+    advice = pa.advise(fig, Setup(parallelism="ddp", world=2))
+    assert len(advice) == 1 and advice[0].startswith("the step's small collectives outside backward (its sample count, "
+                                                     "the ranks' stop vote) take 40% of step time")
+    assert "    collectives        30%  (of other" in pa.report(fig, Setup(parallelism="ddp", world=2), first_step=0)
+    loop = pa.advise(figures(rank_sync=0.1, forward=0.1, backward=0.2), Setup(parallelism="ddp", world=2))
+    assert any(line.startswith("45% of step time is spent between the phases") for line in loop)
 
 
 def test_the_costliest_advice_comes_first_and_a_healthy_window_gets_none() -> None:
