@@ -80,8 +80,8 @@ def test_communication_and_waiting_ranks_are_advised_only_with_several_ranks() -
     fig = figures(communication_s=0.3, rank_sync=0.2, backward=0.3)
     advice = pa.advise(fig, Setup(parallelism="ddp", world=2, accumulation=1, batch_size=8))
     assert advice[0].startswith("communication (ddp, 2 ranks) is 30% of step time: raise accumulation.steps (now 1;")
-    assert advice[1].startswith("the step's small collectives outside backward (its sample count, the ranks' stop vote) "
-                                "take 20% of step time")
+    assert advice[1].startswith("the step's small collectives outside backward (its sample count, the ranks' "
+                                "stop vote) take 20% of step time")
     assert pa.advise(fig, Setup()) == []  # one process: these figures mean nothing to change
     # FSDP gathers the parameters for every micro-step: accumulation would not cut that
     [fsdp, _] = pa.advise(fig, Setup(parallelism="fsdp", world=2, accumulation=1, batch_size=8))
