@@ -117,13 +117,14 @@ class WindowProfiler:
                     self._close()
                 group = self._fetch(it)
                 if group is _END:
-                    return
+                    return  # the epoch ended: an open window goes on into the next one
                 self.started += 1
                 yield group
-        finally:
+        except BaseException:
             # the step loop broke off (its last step, early stopping) or failed: the window ends here
             if self.prof is not None:
                 self._close()
+            raise
 
     def finish(self) -> None:
         """Training ended normally: report the window (rank 0) and write this rank's trace."""

@@ -17,9 +17,10 @@ from tests.conftest import REPO, compose_spec, run_cli
 from tests.runner.test_engine import FAST, ctrl_c_during_step
 
 SEARCH = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
-# each sample sleeps 2 ms: 16 ms of waiting for a batch of 8, against well under 1 ms of compute on a tiny MLP
-DATA_BOUND = [SEARCH, "dataset=slow_samples", "model.hidden=[8]", "trainer.max_steps=5", "trainer.profile=true",
-              "trainer.profile_skip_steps=2", "trainer.profile_steps=3", *FAST]
+# each sample sleeps 2 ms: 16 ms of waiting for a batch of 8, against well under 1 ms of compute on a tiny MLP.
+# 64 samples: 8 steps an epoch, so the window (steps 7-9) goes on across the epoch's end.
+DATA_BOUND = [SEARCH, "dataset=slow_samples", "model.hidden=[8]", "trainer.max_steps=9", "trainer.profile=true",
+              "trainer.profile_skip_steps=6", "trainer.profile_steps=3", *FAST]
 WORKERS = re.compile(r"data loading is (\d+)% of step time: "
                      r"raise dataset\.num_workers \(now 0; this machine has \d+ CPUs\)")
 
@@ -47,18 +48,19 @@ def test_a_data_bound_run_is_advised_more_workers_with_its_measured_share(tmp_pa
     tracker = Recorded()
     Engine(compose_spec(DATA_BOUND, tmp_path / "run"), tracker).fit()
     report = report_of(tmp_path / "run")
-    assert report.startswith("profile of 3 optimizer step(s) (steps 3-5, rank 0, cpu)")
+    assert report.startswith("profile of 3 optimizer step(s) (steps 7-9, rank 0, cpu)")
     shown = WORKERS.search(report)
     assert shown, report
     [(step, data)] = tracker.metrics["profile/data"]
-    assert step == 5 and data >= profile_advice.DATA_SHARE
+    assert step == 9 and data >= profile_advice.DATA_SHARE
     assert int(shown.group(1)) == round(data * 100)  # the advice quotes the logged measurement
     profile = tmp_path / "run" / "profile"
     assert tracker.artifacts[:2] == [profile / "profile_report.txt", profile / "profile_rank0.pt.trace.json"]
     trace = json.loads((profile / "profile_rank0.pt.trace.json").read_text())
     labels = [e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("runner/")]
-    for phase in ("data", "to_device", "forward", "backward", "optimizer"):
+    for phase in ("to_device", "forward", "backward", "optimizer"):
         assert labels.count(f"runner/{phase}") == 3, phase  # one per profiled step, and only those
+    assert labels.count("runner/data") == 4  # and the fetch that found the end of the epoch
 
 
 def test_a_compute_bound_run_is_not_advised_workers_and_a_short_run_is_profiled_at_its_end(tmp_path: Path) -> None:
@@ -100,7 +102,7 @@ def test_a_run_interrupted_inside_the_window_leaves_no_profiler_running(tmp_path
             super().stop()
 
     monkeypatch.setattr(torch.profiler, "profile", Counted)
-    engine = ctrl_c_during_step(Engine(compose_spec(DATA_BOUND, tmp_path / "run")), step=4)  # the window: steps 3-5
+    engine = ctrl_c_during_step(Engine(compose_spec(DATA_BOUND, tmp_path / "run")), step=8)  # the window: steps 7-9
     with pytest.raises(KeyboardInterrupt):
         engine.fit()
     assert calls == ["start", "stop"]
