@@ -17,7 +17,7 @@ from tests.conftest import REPO, compose_spec, run_cli
 from tests.runner.test_engine import FAST, ctrl_c_during_step
 
 SEARCH = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
-# each sample sleeps 2 ms: 16 ms of waiting for a batch of 8, against well under 1 ms of compute on a tiny MLP.
+# each sample sleeps 4 ms: 32 ms of waiting for a batch of 8, against well under 1 ms of compute on a tiny MLP.
 # 64 samples: 8 steps an epoch, so the window (steps 7-9) goes on across the epoch's end.
 DATA_BOUND = [SEARCH, "dataset=slow_samples", "model.hidden=[8]", "trainer.max_steps=9", "trainer.profile=true",
               "trainer.profile_skip_steps=6", "trainer.profile_steps=3", *FAST]
