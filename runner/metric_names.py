@@ -57,8 +57,18 @@ def fraction(spec: RunSpec, split: str) -> float:
 
 
 def split_metrics(spec: RunSpec, split: str) -> set[str]:
-    """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes)."""
-    return {f"{split}/{name}" for name in task_class(spec).metrics}
+    """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes),
+    and those of the averaged weights (val/ema/acc)."""
+    names = {f"{split}/{name}" for name in task_class(spec).metrics}
+    return names | averaged(spec, names)
+
+
+def averaged(spec: RunSpec, names: set[str]) -> set[str]:
+    """`val/acc` -> `val/ema/acc`, `val/swa/acc`: the same metrics of the weights each averaging that is on
+    keeps (runner/averaging.py), with the same direction (`tasks.direction` reads the last part)."""
+    kinds = [kind for kind, on in (("ema", spec.trainer.ema.decay is not None),
+                                   ("swa", spec.trainer.swa.start_epoch is not None)) if on]
+    return {f"{split}/{kind}/{name}" for split, _, name in (n.partition("/") for n in names) for kind in kinds}
 
 
 def has_split(spec: RunSpec, split: str) -> bool:
@@ -139,6 +149,7 @@ def check_produced(spec: RunSpec, task: tasks.Task, split_sizes: dict[str, int])
     """Once the data is built: a watched metric that this run never produces stops it here (it would watch
     nothing), e.g. val/top5 with 5 classes or less, or val/* with an empty split."""
     produced = {name for split in ("val", "test") if split_sizes[split] for name in task.metric_names(split)}
+    produced |= averaged(spec, produced)
     during = {name for name in produced if name.startswith("val/")}
     watched = [("objective.metric", spec.objective.metric, produced),
                ("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during)]
