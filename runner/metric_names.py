@@ -63,6 +63,9 @@ def split_metrics(spec: RunSpec, split: str) -> set[str]:
     return names | averaged(spec, names)
 
 
+_AVERAGING_KEYS = {"ema": "trainer.ema.decay (e.g. 0.999)", "swa": "trainer.swa.start_epoch"}
+
+
 def averaged(spec: RunSpec, names: set[str]) -> set[str]:
     """`val/acc` -> `val/ema/acc`, `val/swa/acc`: the same metrics of the weights each averaging that is on
     keeps (runner/averaging.py), with the same direction (`tasks.direction` reads the last part)."""
@@ -127,7 +130,12 @@ def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], s
     choose = f"choose one of {', '.join(sorted(allowed))}" if allowed else ""
     if value in end_only:
         raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
-    split = value.split("/")[0]
+    split, _, name = value.partition("/")
+    kind, _, base = name.partition("/")
+    declared = split_metrics(spec, split) if split in ("val", "test") else set()
+    if kind in _AVERAGING_KEYS and value not in declared and f"{split}/{base}" in declared:  # that averaging is off
+        raise SpecError(f"{key}: {value!r} is a metric of the {kind.upper()} weights, which this run does not keep; set "
+                        f"{_AVERAGING_KEYS[kind]}, or watch {split}/{base}")
     if value in split_metrics(spec, "val") | split_metrics(spec, "test") or not allowed:
         fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
         raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")

@@ -1,0 +1,127 @@
+"""Weight averaging (runner/averaging.py): EMA and SWA equal hand computations from the recorded raw
+weights, are evaluated and logged beside them, and survive an interrupted run exactly."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner import checkpoint
+from runner.engine import Engine
+from tests.conftest import compose_spec
+from tests.runner.test_engine import ctrl_c_during_step, tracked
+
+TINY = ["model.hidden=[16]", "dataset.batch_size=256", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]
+
+
+def recording(engine: Engine) -> list[dict[str, torch.Tensor]]:
+    """The module's weights before the first optimizer step and after every one (as the loop counts them)."""
+    seen = [{k: v.detach().clone() for k, v in engine.module.state_dict().items()}]
+    real = engine.train_step
+
+    def step(micro_batches):
+        out = real(micro_batches)
+        seen.append({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+        return out
+
+    engine.train_step = step
+    return seen
+
+
+def assert_close_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("warmup, accum", [(False, 1), (True, 2)])
+def test_ema_equals_the_hand_computed_average_of_the_weights_after_each_optimizer_step(tmp_path: Path, warmup: bool,
+                                                                                       accum: int) -> None:
+    decay = 0.9  # with warm-up, every step here is inside it: (1 + t) / (10 + t) < 0.9 up to t = 80
+    engine = Engine(compose_spec([*TINY, "trainer.max_steps=6", f"trainer.ema.decay={decay}",
+                                  f"trainer.ema.warmup={str(warmup).lower()}", f"+accum={accum}"], tmp_path / "run"))
+    seen = recording(engine)
+    engine.fit()
+    assert len(seen) == 7  # one update per optimizer step, not per micro-batch
+    ema = {k: v.clone() for k, v in seen[0].items()}
+    for t, weights in enumerate(seen[1:], start=1):
+        d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+        ema = {k: d * ema[k] + (1 - d) * weights[k] for k in ema}
+    saved = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert saved["averages"]["ema"]["count"] == 6
+    assert_close_weights(saved["averages"]["ema"]["values"], ema)
+    assert_close_weights(saved["model"], seen[-1])  # the raw weights are checkpointed as they are, beside the EMA
+    assert not any(torch.allclose(ema[k], seen[-1][k]) for k in ema)  # the average is not the raw weights
+
+
+def test_swa_is_the_mean_of_the_end_of_epoch_weights_and_swalr_anneals_to_its_lr(tmp_path: Path) -> None:
+    engine = Engine(compose_spec([*TINY, "trainer.max_epochs=3", "trainer.swa.start_epoch=1", "trainer.swa.lr=0.002",
+                                  "trainer.log_every_n_steps=1", "optimizer.lr=0.01"], tmp_path / "run"))
+    seen = recording(engine)
+    engine.fit()
+    per_epoch = engine.steps_per_epoch
+    ends = [seen[per_epoch * (epoch + 1)] for epoch in (1, 2)]  # the ends of epochs 1 and 2 (from 0)
+    swa = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["averages"]["swa"]
+    assert swa["count"] == 2
+    assert_close_weights(swa["values"], {k: (ends[0][k] + ends[1][k]) / 2 for k in ends[0]})
+    lrs = [lr for _, lr in engine.monitor.history["lr"]]
+    assert lrs[per_epoch] == pytest.approx(0.01)  # the first SWA step still uses the run's own lr
+    assert lrs[2 * per_epoch:] == pytest.approx([0.002] * per_epoch)  # annealed within anneal_epochs=1, then held
+
+
+# --- MLflow and resume ---------------------------------------------------------------------------------
+
+AVERAGED = [*TINY, "trainer.max_epochs=3", "trainer.eval_every_epoch=true", "trainer.checkpoint_every_n_steps=4",
+            "trainer.ema.decay=0.8", "trainer.swa.start_epoch=1", "objective.metric=val/ema/acc",
+            "model.dropout=0.2"]
+
+
+def averaged_metrics(client, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    run = client.get_run(run_id)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+            for key in run.data.metrics if "/ema/" in key or "/swa/" in key or key.startswith(("val/", "test/"))}
+
+
+def hand_val_loss(engine: Engine, weights: dict[str, torch.Tensor]) -> float:
+    """Mean cross-entropy of `weights` over the validation split, computed here without the engine's evaluation."""
+    module = engine.module
+    raw = {k: v.clone() for k, v in module.state_dict().items()}
+    module.load_state_dict(weights)
+    module.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, labels in engine.eval_loaders["val"]:
+            total += torch.nn.functional.cross_entropy(module(inputs), labels, reduction="sum").item()
+            count += len(labels)
+    module.load_state_dict(raw)
+    return total / count
+
+
+def test_averaged_weights_are_logged_evaluated_and_resumed_exactly(tmp_path: Path, sqlite_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    full = tracked(AVERAGED, tmp_path / "full", sqlite_uri)
+    result = full.fit()
+    client = MlflowClient(sqlite_uri)
+    logged = averaged_metrics(client, full.tracker.run_id)
+    assert {"val/ema/loss", "val/ema/acc", "val/swa/acc", "test/ema/acc", "test/swa/loss"} <= set(logged)
+    assert [s for s, _ in logged["val/swa/acc"]] == [s for s, _ in logged["val/acc"]][1:]  # from epoch 1's end on
+    ema = checkpoint.load(tmp_path / "full" / "checkpoints" / "last.pt")["averages"]["ema"]["values"]
+    assert logged["val/ema/loss"][-1][1] == pytest.approx(hand_val_loss(full, ema), rel=1e-6)
+    assert logged["val/ema/loss"][-1][1] != pytest.approx(logged["val/loss"][-1][1], rel=1e-3)
+    assert result.objective == max(v for _, v in logged["val/ema/acc"])  # objective.metric=val/ema/acc
+
+    cut = ctrl_c_during_step(tracked(AVERAGED, tmp_path / "cut", sqlite_uri), 14)  # after epoch 1's SWA update
+    with pytest.raises(KeyboardInterrupt):
+        cut.fit()
+    resumed = tracked([*AVERAGED, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut", sqlite_uri)
+    assert resumed.progress.step == 12 and resumed.averages.swa.count == 1
+    resumed.fit()
+    assert averaged_metrics(client, cut.tracker.run_id) == logged
+    want = checkpoint.load(tmp_path / "full" / "checkpoints" / "last.pt")["averages"]
+    got = checkpoint.load(tmp_path / "cut" / "checkpoints" / "last.pt")["averages"]
+    for kind in ("ema", "swa"):
+        assert got[kind]["count"] == want[kind]["count"]
+        for key, value in want[kind]["values"].items():
+            assert torch.equal(got[kind]["values"][key], value), (kind, key)
