@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -83,7 +85,8 @@ class Averages:
 
     def __init__(self, spec: RunSpec, engine: Any):
         self.engine, self.ema_spec, self.swa_spec = engine, spec.trainer.ema, spec.trainer.swa
-        tensors = self._tensors = _named_tensors(engine.module)  # the module's own, updated in place
+        on = self.ema_spec.decay is not None or self.swa_spec.start_epoch is not None
+        tensors = self._tensors = _named_tensors(engine.module) if on else {}  # the module's own, updated in place
         self.ema = Average("ema", tensors) if self.ema_spec.decay is not None else None
         self.swa = Average("swa", tensors) if self.swa_spec.start_epoch is not None else None
         if self.swa is not None:
@@ -180,9 +183,15 @@ class SwaSchedule:
         if self.engine.progress.epoch < self.spec.start_epoch:
             self.base.step()
             return
-        if self.swalr is None:
-            self.swalr = self._make()
-        self.swalr.step()
+        if self.swalr is not None:
+            self.swalr.step()
+            return
+        self.swalr = self._make()
+        with warnings.catch_warnings():
+            # made after this step's optimizer step: torch cannot know that it ran (the base schedule being
+            # plateau, nothing had wrapped optimizer.step to record it) and would warn of the wrong order
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"), UserWarning)
+            self.swalr.step()
 
     def _make(self) -> SWALR:
         groups = self.engine.optimizer.param_groups
