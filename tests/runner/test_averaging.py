@@ -70,6 +70,18 @@ def test_swa_is_the_mean_of_the_end_of_epoch_weights_and_swalr_anneals_to_its_lr
     assert lrs[2 * per_epoch:] == pytest.approx([0.002] * per_epoch)  # annealed within anneal_epochs=1, then held
 
 
+def test_averaged_metrics_are_declared_for_the_objective_early_stopping_and_plateau(tmp_path: Path) -> None:
+    from runner.spec import produced_metrics
+    from tests.runner.test_cli import preflight_ok
+
+    args = ["trainer.ema.decay=0.99", "trainer.swa.start_epoch=2", "objective.metric=val/ema/acc",
+            "trainer.early_stopping.monitor=val/swa/loss", "scheduler=plateau", "scheduler.monitor=val/ema/loss"]
+    preflight_ok(args)
+    produced = produced_metrics(compose_spec(args, tmp_path))
+    assert {"val/ema/acc", "val/ema/loss", "val/swa/top5", "test/ema/acc", "test/swa/loss"} <= produced
+    assert not any("/ema/" in m or "/swa/" in m for m in produced_metrics(compose_spec([], tmp_path)))
+
+
 # --- MLflow and resume ---------------------------------------------------------------------------------
 
 AVERAGED = [*TINY, "trainer.max_epochs=3", "trainer.eval_every_epoch=true", "trainer.checkpoint_every_n_steps=4",
