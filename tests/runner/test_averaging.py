@@ -84,7 +84,8 @@ def test_averaged_metrics_are_declared_for_the_objective_early_stopping_and_plat
 
 # --- MLflow and resume ---------------------------------------------------------------------------------
 
-AVERAGED = [*TINY, "trainer.max_epochs=3", "trainer.eval_every_epoch=true", "trainer.checkpoint_every_n_steps=4",
+AVERAGED = [*TINY, "dataset.batch_size=512", "trainer.max_epochs=3", "trainer.eval_every_epoch=true",
+            "trainer.checkpoint_every_n_steps=2",
             "trainer.ema.decay=0.8", "trainer.swa.start_epoch=1", "objective.metric=val/ema/acc",
             "model.dropout=0.2"]
 
@@ -124,11 +125,12 @@ def test_averaged_weights_are_logged_evaluated_and_resumed_exactly(tmp_path: Pat
     assert logged["val/ema/loss"][-1][1] != pytest.approx(logged["val/loss"][-1][1], rel=1e-3)
     assert result.objective == max(v for _, v in logged["val/ema/acc"])  # objective.metric=val/ema/acc
 
-    cut = ctrl_c_during_step(tracked(AVERAGED, tmp_path / "cut", sqlite_uri), 14)  # after epoch 1's SWA update
+    # 3 steps an epoch: stopped in step 9, resumed from step 8, after epoch 1's end and its SWA update
+    cut = ctrl_c_during_step(tracked(AVERAGED, tmp_path / "cut", sqlite_uri), 9)
     with pytest.raises(KeyboardInterrupt):
         cut.fit()
     resumed = tracked([*AVERAGED, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut", sqlite_uri)
-    assert resumed.progress.step == 12 and resumed.averages.swa.count == 1
+    assert resumed.progress.step == 8 and resumed.averages.swa.count == 1
     resumed.fit()
     assert averaged_metrics(client, cut.tracker.run_id) == logged
     want = checkpoint.load(tmp_path / "full" / "checkpoints" / "last.pt")["averages"]
