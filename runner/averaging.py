@@ -125,7 +125,8 @@ class Averages:
         """The end of training: BatchNorm statistics recomputed for the SWA weights over the training data."""
         if self.swa is None or not self.swa.count or not _has_batchnorm(self.engine.module):
             return
-        with self._swapped_in(self.swa, keep=True):
+        buffers = {name for name, _ in self.engine.module.named_buffers()} & set(self.swa.values)
+        with self._swapped_in(self.swa, keep=buffers):
             _recompute_batchnorm(self.engine)
 
     def state_dict(self) -> dict | None:
@@ -149,11 +150,11 @@ class Averages:
     def _active(self) -> list[Average]:
         return [a for a in (self.ema, self.swa) if a is not None and (a.kind == "ema" or a.count)]
 
-
     @contextlib.contextmanager
-    def _swapped_in(self, average: Average, keep: bool = False) -> Iterator[None]:
-        """The averaged weights in the model, the raw ones back afterwards; `keep`: what the model's
-        buffers hold at the end goes back into the average (update_bn's statistics)."""
+    def _swapped_in(self, average: Average, keep: set[str] = frozenset()) -> Iterator[None]:
+        """The averaged weights in the model, the raw ones back afterwards; what the tensors named in
+        `keep` hold at the end goes back into the average (update_bn's statistics; not the parameters,
+        which a bf16 model would hand back rounded)."""
         tensors = self._tensors
         with torch.no_grad():
             raw = {name: _local(t).detach().clone() for name, t in tensors.items()}
@@ -161,9 +162,8 @@ class Averages:
                 _local(tensors[name]).copy_(value)
             try:
                 yield
-                if keep:
-                    for name, value in average.values.items():
-                        value.copy_(_local(tensors[name]))
+                for name in keep:
+                    average.values[name].copy_(_local(tensors[name]))
             finally:
                 for name, value in raw.items():
                     _local(tensors[name]).copy_(value)
