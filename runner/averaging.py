@@ -178,6 +178,10 @@ class SwaSchedule:
         self.base, self.engine, self.spec = base, engine, spec
         self.anneal_steps = spec.anneal_epochs * steps_per_epoch
         self.swalr: SWALR | None = None
+        for group in engine.optimizer.param_groups:
+            # SWALR adds this key to the groups: set from the start, a checkpoint written before SWA's first
+            # epoch and one written after hold the same keys (loading the optimizer's state compares them)
+            group["swa_lr"] = spec.lr * group.get("lr_multiplier", 1.0)  # multipliers keep their ratio
 
     def step(self) -> None:
         if self.engine.progress.epoch < self.spec.start_epoch:
@@ -194,8 +198,7 @@ class SwaSchedule:
             self.swalr.step()
 
     def _make(self) -> SWALR:
-        groups = self.engine.optimizer.param_groups
-        swa_lr = [self.spec.lr * g.get("lr_multiplier", 1.0) for g in groups]  # multipliers keep their ratio
+        swa_lr = [group["swa_lr"] for group in self.engine.optimizer.param_groups]
         return SWALR(self.engine.optimizer, swa_lr, anneal_epochs=self.anneal_steps, anneal_strategy="cos")
 
     def on_eval(self, metrics: dict[str, float]) -> None:

@@ -86,7 +86,7 @@ def test_averaged_metrics_are_declared_for_the_objective_early_stopping_and_plat
 
 AVERAGED = [*TINY, "dataset.batch_size=512", "trainer.max_epochs=3", "trainer.eval_every_epoch=true",
             "trainer.checkpoint_every_n_steps=2",
-            "trainer.ema.decay=0.8", "trainer.swa.start_epoch=1", "objective.metric=val/ema/acc",
+            "trainer.ema.decay=0.8", "trainer.swa.start_epoch=1", "trainer.swa.lr=0.002", "objective.metric=val/ema/acc",
             "model.dropout=0.2"]
 
 
