@@ -63,8 +63,10 @@ class Average:
         self.count += 1
 
     def reset_to(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Starts over from these weights (nothing taken in yet)."""
         for name, value in self.values.items():
             value.copy_(_local(tensors[name]))
+        self.count = 0
 
     def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict:
         """Full tensors on the CPU (a collective under fsdp: every rank calls it)."""
@@ -136,6 +138,8 @@ class Averages:
         return {a.kind: a.state_dict(self._tensors) for a in (self.ema, self.swa) if a is not None}
 
     def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's averages; None (a checkpoint without them, or a tool that trained and put the
+        starting weights back, such as an lr finder) starts both over from the module's weights."""
         tensors = self._tensors
         for average in (self.ema, self.swa):
             if average is None:

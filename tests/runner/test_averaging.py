@@ -179,8 +179,9 @@ def test_two_ranks_average_like_one_process_with_the_global_batch(tmp_path: Path
     from tests.runner.test_parallel import assert_same
 
     Engine(compose_spec([*PARALLEL, "dataset.batch_size=32"], tmp_path / "single")).fit()
-    proc = run_cli([*PARALLEL, f"parallelism={strategy}", "parallelism.nproc_per_node=2", "dataset.batch_size=16",
-                    f"hydra.run.dir={tmp_path / 'run'}", "tracking=none"], cwd=tmp_path)
+    ranks = [*PARALLEL, f"parallelism={strategy}", "parallelism.nproc_per_node=2", "dataset.batch_size=16", "tracking=none",
+             "trainer.checkpoint_every_n_steps=30", "trainer.keep_checkpoints=10"]
+    proc = run_cli([*ranks, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     want = checkpoint.load(tmp_path / "single" / "checkpoints" / "last.pt")
     got = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")
@@ -189,3 +190,10 @@ def test_two_ranks_average_like_one_process_with_the_global_batch(tmp_path: Path
         assert_same(got["averages"][kind]["values"], want["averages"][kind]["values"])
     assert {k: v for k, v in got["final"].items() if "/ema/" in k or "/swa/" in k} == pytest.approx(
         {k: v for k, v in want["final"].items() if "/ema/" in k or "/swa/" in k}, rel=1e-5)
+    # resumed from step 60 (epoch 2 of 25-step epochs: SWA and SWALR under way), the ranks end with the same averages
+    step_60 = tmp_path / "run" / "checkpoints" / "step-00000060.pt"
+    proc = run_cli([*ranks, f"trainer.resume={step_60}", f"hydra.run.dir={tmp_path / 'resumed'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    resumed = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "last.pt")["averages"]
+    for kind in ("ema", "swa"):
+        assert all(torch.equal(value, resumed[kind]["values"][key]) for key, value in got["averages"][kind]["values"].items())
