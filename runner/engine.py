@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runner import checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
+from runner import averaging, checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -105,6 +105,8 @@ class Engine:
             self.unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
                                             spec.model.unfreeze_after_epochs)
         self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        self.averages = averaging.Averages(spec, self)  # EMA/SWA of the weights; nothing when both are off
+        self.schedule = self.averages.schedule(self.schedule)  # SWALR from SWA's first epoch, with swa.lr
         self.progress = Progress()
         self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
@@ -185,6 +187,7 @@ class Engine:
                 lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
+                self.averages.on_step(p.step)
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
                                          self.split_sizes["train"])
                 self.watch.on_step(p.step, loss_sum)
@@ -203,6 +206,7 @@ class Engine:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
                 p.epoch, p.samples_in_epoch = p.epoch + 1, 0
+                self.averages.on_epoch_end(p.epoch)
                 if trainer.eval_every_epoch and stop is None:
                     with self.monitor.window.paused():
                         stop = self._evaluate_and_watch()
@@ -212,8 +216,9 @@ class Engine:
         """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
         step), test, and write the final checkpoint: a run resumed after this has nothing left to do.
         The run trained to its end: what that validation would decide (stop, prune) no longer matters."""
+        self.averages.finish()
         self._evaluate_and_watch()
-        self.final = self.evaluate("test")
+        self.final = {**self.evaluate("test"), **self.averages.evaluate("test")}
         self.finished = True
         self.save_checkpoint()
 
@@ -304,7 +309,7 @@ class Engine:
             return None
         p.last_eval_step = p.step
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
-        metrics = self.evaluate("val")
+        metrics = {**self.evaluate("val"), **self.averages.evaluate("val")}
         self.model.train()
         if metrics:
             self.schedule.on_eval(metrics)
@@ -321,6 +326,7 @@ class Engine:
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
         log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
+        averages = self.averages.state_dict()  # full tensors: a collective under fsdp
         if not self.env.is_main:
             parallel.barrier()
             return None
@@ -337,6 +343,7 @@ class Engine:
             "monitor": self.monitor.state_dict(),
             "log_windows": log_windows,
             "early_stopping": self.stopping.state_dict(),
+            "averages": averages,
             "finished": self.finished,
             "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
             "final": self.final,
@@ -361,6 +368,7 @@ class Engine:
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
         self.schedule.load_state_dict(state["schedule"])
+        self.averages.load_state_dict(state.get("averages"))
         self.precision.load_state_dict(state["precision"])
         rng = state["rng"]
         checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])

@@ -57,8 +57,21 @@ def fraction(spec: RunSpec, split: str) -> float:
 
 
 def split_metrics(spec: RunSpec, split: str) -> set[str]:
-    """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes)."""
-    return {f"{split}/{name}" for name in task_class(spec).metrics}
+    """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes),
+    and those of the averaged weights (val/ema/acc)."""
+    names = {f"{split}/{name}" for name in task_class(spec).metrics}
+    return names | averaged(spec, names)
+
+
+_AVERAGING_KEYS = {"ema": "trainer.ema.decay (e.g. 0.999)", "swa": "trainer.swa.start_epoch"}
+
+
+def averaged(spec: RunSpec, names: set[str]) -> set[str]:
+    """`val/acc` -> `val/ema/acc`, `val/swa/acc`: the same metrics of the weights each averaging that is on
+    keeps (runner/averaging.py), with the same direction (`tasks.direction` reads the last part)."""
+    kinds = [kind for kind, on in (("ema", spec.trainer.ema.decay is not None),
+                                   ("swa", spec.trainer.swa.start_epoch is not None)) if on]
+    return {f"{split}/{kind}/{name}" for split, _, name in (n.partition("/") for n in names) for kind in kinds}
 
 
 def has_split(spec: RunSpec, split: str) -> bool:
@@ -117,7 +130,12 @@ def _check_metric(key: str, value: str, allowed: set[str], end_only: set[str], s
     choose = f"choose one of {', '.join(sorted(allowed))}" if allowed else ""
     if value in end_only:
         raise SpecError(f"{key}: {value!r} is evaluated only at the end of the run; {choose or _missing(spec, 'val', key, off)}")
-    split = value.split("/")[0]
+    split, _, name = value.partition("/")
+    kind, _, base = name.partition("/")
+    declared = split_metrics(spec, split) if split in ("val", "test") else set()
+    if kind in _AVERAGING_KEYS and value not in declared and f"{split}/{base}" in declared:  # that averaging is off
+        raise SpecError(f"{key}: {value!r} is a metric of the {kind.upper()} weights, which this run does not keep; set "
+                        f"{_AVERAGING_KEYS[kind]}, or watch {split}/{base}")
     if value in split_metrics(spec, "val") | split_metrics(spec, "test") or not allowed:
         fix = _missing(spec, split if split == "test" else "val", key, off) + (f", or {choose}" if choose else "")
         raise SpecError(f"{key}: {value!r} is never evaluated in this run: {fix}")
@@ -139,6 +157,7 @@ def check_produced(spec: RunSpec, task: tasks.Task, split_sizes: dict[str, int])
     """Once the data is built: a watched metric that this run never produces stops it here (it would watch
     nothing), e.g. val/top5 with 5 classes or less, or val/* with an empty split."""
     produced = {name for split in ("val", "test") if split_sizes[split] for name in task.metric_names(split)}
+    produced |= averaged(spec, produced)
     during = {name for name in produced if name.startswith("val/")}
     watched = [("objective.metric", spec.objective.metric, produced),
                ("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during)]

@@ -338,6 +338,19 @@ CASES = [
     case("trainer.checkpoint_every_n_steps=-1", "error: trainer.checkpoint_every_n_steps: -1 is out of range; allowed: "
          "a value >= 0"),
     case("trainer.keep_checkpoints=0", "error: trainer.keep_checkpoints: 0 is out of range; allowed: a value > 0"),
+    # --- weight averaging (helper averaging: runner/averaging.py)
+    case("trainer.ema.decay=1.5", "error: trainer.ema.decay: 1.5 is out of range; allowed: a value > 0 and < 1"),
+    case("trainer.ema.decay=0", "error: trainer.ema.decay: 0.0 is out of range; allowed: a value > 0 and < 1"),
+    case("trainer.ema.warmup=true", "error: trainer.ema.warmup: true needs trainer.ema.decay (the EMA it warms up)"),
+    case("trainer.swa.lr=0.05", "error: trainer.swa.lr: 0.05 needs trainer.swa.start_epoch (the epoch SWA starts)"),
+    case("trainer.max_epochs=3 trainer.swa.start_epoch=3", "error: trainer.swa.start_epoch: 3 is never reached "
+         "(trainer.max_epochs=3 ends with epoch 2); allowed: 0 to 2"),
+    case("trainer.max_steps=30 trainer.swa.start_epoch=1", "error: trainer.swa.start_epoch: 1 is never reached: the run "
+         "trains 30 steps, 1 complete epoch(s) of 20 steps; allowed: 0 to 0", RUN),
+    case("objective.metric=val/ema/acc", "error: objective.metric: 'val/ema/acc' is a metric of the EMA weights, which "
+         "this run does not keep; set trainer.ema.decay (e.g. 0.999), or watch val/acc"),
+    case("trainer.early_stopping.monitor=val/swa/loss", "error: trainer.early_stopping.monitor: 'val/swa/loss' is a "
+         "metric of the SWA weights, which this run does not keep; set trainer.swa.start_epoch"),
     case("trainer.eval_every_n_steps=-1", "error: trainer.eval_every_n_steps: -1 is out of range; allowed: a value >= 0"),
     case("trainer.max_steps=0", "error: trainer.max_steps: 0 is out of range; allowed: a value > 0"),
     case("trainer.deterministic=maybe", "error: trainer.deterministic: 'maybe' is not a boolean; use true or false"),
