@@ -13,19 +13,19 @@ import math
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from runner import averaging, checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
+from runner import averaging, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
 from runner.tasks import batches
+from runner.engine_checkpoints import EngineCheckpoints, Progress
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.optim import build_optimizer
 from runner.parallel import DistEnv, pick_device
 from runner.precision import Precision
 from runner.schedule import build_scheduler
-from runner.resume import starts_over, typed_keys
+from runner.resume import typed_keys
 from runner.rng import seed_everything
 from runner.spec import RunSpec, SpecError
 from runner.stopping import Stop, Stopping
@@ -35,16 +35,6 @@ from runner.trial import open_trial, pruned
 log = logging.getLogger(__name__)
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it has no state
-
-
-@dataclass
-class Progress:
-    """Where the run is: saved in checkpoints as the data position."""
-
-    step: int = 0              # optimizer steps taken
-    epoch: int = 0
-    samples_in_epoch: int = 0  # samples of this epoch already trained on, all ranks together
-    last_eval_step: int = -1   # one evaluation per step, whatever asks for it
 
 
 @dataclass
@@ -58,7 +48,7 @@ class RunResult:
     samples_per_s: float = 0.0  # training samples (all ranks) per second of the whole run
 
 
-class Engine:
+class Engine(EngineCheckpoints):
     def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None):
         spec = components.resolved_spec(spec, typed_keys(spec.overrides))
         self.spec = spec
@@ -319,79 +309,6 @@ class Engine:
             self.monitor.say(stop.reason)
         return stop
 
-    # --- checkpoints ----------------------------------------------------------------------------
-
-    def save_checkpoint(self) -> Path | None:
-        self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
-        model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
-        rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
-        log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
-        averages = self.averages.state_dict()  # full tensors: a collective under fsdp
-        if not self.env.is_main:
-            parallel.barrier()
-            return None
-        # metrics up to this step are stored before the checkpoint exists: a kill after it loses none
-        self.tracker.flush()
-        state = {
-            "spec": self.spec.to_yaml(),
-            "model": model_state,
-            "optimizer": optim_state,
-            "schedule": self.schedule.state_dict(),
-            "precision": self.precision.state_dict(),
-            "rng": rng,
-            "progress": vars(self.progress).copy(),
-            "monitor": self.monitor.state_dict(),
-            "log_windows": log_windows,
-            "early_stopping": self.stopping.state_dict(),
-            "averages": averages,
-            "finished": self.finished,
-            "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
-            "final": self.final,
-            "mlflow_run_id": self.tracker.run_id or "",
-        }
-        path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
-                               self.spec.trainer.keep_checkpoints)
-        parallel.barrier()
-        return path
-
-    def _read_checkpoint(self, where: str) -> dict | None:
-        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
-        state = None
-        if self.env.is_main and not starts_over(Path(where)):
-            path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
-            state["path"] = str(path)
-        return parallel.broadcast_object(state)
-
-    def _load_state(self, state: dict) -> None:
-        try:
-            parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
-        self.schedule.load_state_dict(state["schedule"])
-        self.averages.load_state_dict(state.get("averages"))
-        self.precision.load_state_dict(state["precision"])
-        rng = state["rng"]
-        checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])
-        self.progress = Progress(**state["progress"])
-        if self.unfreezer is not None and state.get("unfreezer"):
-            self.unfreezer.load_state_dict(state["unfreezer"])
-        self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
-        self.monitor.window.load_state_dict(state.get("log_windows", []), self.env.rank, self.env.world, self.device)
-        self.stopping.load_state_dict(state.get("early_stopping") or state["monitor"])
-        # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
-        self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.stopping.stopped_early)
-        self.final = dict(state.get("final") or {})
-        source_run = state.get("mlflow_run_id") or ""
-        if _inside(Path(state["path"]), Path(self.spec.run_dir)):
-            self.resume_run_id = source_run or None  # continuing this run directory: reattach to its run
-        else:  # another run's checkpoint starts a new run, which names where it came from
-            self.resumed_from = {"runner.resumed_from_checkpoint": state["path"]}
-            if source_run:
-                self.resumed_from["runner.resumed_from_run"] = source_run
-        log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
-                 self.progress.epoch, self.progress.samples_in_epoch, state["path"])
-
-
 def _finetune_call(key: str, fn, *args):
     """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
     not weights) becomes one line naming the key."""
@@ -401,7 +318,3 @@ def _finetune_call(key: str, fn, *args):
         raise
     except ValueError as e:
         raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    return path.resolve().is_relative_to(directory.resolve())
