@@ -139,7 +139,10 @@ class TrainerSpec:
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
-    compile: bool = opt(False, "torch.compile the model")
+    compile: Literal[False, True, "default", "reduce-overhead", "max-autotune"] = opt(
+        False, "torch.compile the model in this mode (true: default); runner/compiling.py")
+    peak_tflops: Optional[float] = opt(None, "peak TFLOP/s of one device at this precision, for MFU; null: from the "
+                                             "table of known GPUs (runner/flops.py), none on a CPU", gt=0)
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     max_non_finite_steps: int = opt(3, "stop the run after this many consecutive optimizer steps with a non-finite "
                                        "loss (fp16 skips them through its loss scaler); 1 stops at the first", gt=0)
