@@ -42,27 +42,23 @@ def dynamic_batch(inputs: Any, labels: Any = None) -> None:
 
 class _Compilations:
     """Counts, in this process, every compilation torch starts: a traced frame, a backward graph
-    compiled at its first use, a CUDA graph recorded. One instance, registered once."""
+    compiled at its first use, a CUDA graph recording."""
 
     def __init__(self) -> None:
         self.started = 0
+
+    def watch(self) -> "_Compilations":
+        """Registered again where it is missing: torch._dynamo.reset() clears every callback."""
         handler = getattr(getattr(torch, "_dynamo", None), "callback_handler", None)
-        self.available = handler is not None
-        if self.available:
+        if handler is not None and self._start not in handler.start_callbacks:
             handler.register_start_callback(self._start)
+        return self
 
     def _start(self, _args: Any) -> None:
         self.started += 1
 
 
-_COMPILATIONS: _Compilations | None = None
-
-
-def compilations() -> _Compilations:
-    global _COMPILATIONS
-    if _COMPILATIONS is None:
-        _COMPILATIONS = _Compilations()
-    return _COMPILATIONS
+_COMPILATIONS = _Compilations()
 
 
 class CompileClock:
@@ -71,7 +67,7 @@ class CompileClock:
     counts, also one of a model that compiles parts of itself with trainer.compile=false."""
 
     def __init__(self) -> None:
-        self.events = compilations()
+        self.events = _COMPILATIONS.watch()
         self.seconds = 0.0             # wall time of the steps that compiled, this process
         self.steps: list[int] = []     # which steps those were
         self._start, self._seen = 0.0, 0
