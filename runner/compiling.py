@@ -1,21 +1,26 @@
-"""torch.compile for the engine: the mode trainer.compile names, one graph for every batch size, and
-which optimizer steps compiled, so their time is reported apart from the throughput.
+"""torch.compile for the engine: the mode trainer.compile names, no recompile for a batch of another
+size, and which optimizer steps compiled, so their time is reported apart from the throughput.
 
-A ragged last batch (and an evaluation split's, and a rank's two-sample stand-in for an empty share)
-must not recompile the model. The batch dimension of every input is marked dynamic before each call
-(`torch._dynamo.maybe_mark_dynamic`), so the first compile already makes one graph for any batch size.
-Padding the batch instead would change what a BatchNorm sees and a model's own loss; dropping it would
-change the data. `maybe_` rather than `mark_dynamic`: a model whose code fixes the batch size is compiled
-for it (and recompiled for a ragged batch) instead of failing. A batch of exactly one sample is still
-compiled once more (torch specialises sizes 0 and 1); that step is then timed apart like any compile.
+A ragged last batch (of the training split, of an evaluation split, a rank's two-sample stand-in for
+an empty share) must not recompile the model. Such a batch, one whose first dimension is not the
+configured micro-batch, runs the same model uncompiled (`for_batch`): the compiled graph keeps static
+shapes, which give the fastest kernels, one CUDA graph and autotuning for the real size, and the odd
+batch (one a epoch) costs one eager step. The alternatives lose more: a batch dimension marked dynamic
+compiles slower code for every step (measured on a CPU: 3.8-4.9 ms a step against 1.4-3.0 static for
+the digits MLP), padding changes what a BatchNorm sees and a model's own loss, dropping the batch
+changes the data. A sequence length that varies from batch to batch still recompiles once, after which
+torch keeps that dimension dynamic.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from runner.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +38,19 @@ def compile_model(model: torch.nn.Module, mode: bool | str, device: torch.device
     return torch.compile(model, mode=None if mode in (True, "default") else mode, backend=BACKEND)
 
 
-def dynamic_batch(inputs: Any, labels: Any = None) -> None:
-    """Marks dimension 0 of every tensor the model is called with as a batch of any size (before the call)."""
-    for value in (*(inputs.values() if isinstance(inputs, dict) else (inputs,)), labels):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(value, 0)
+def for_batch(model: torch.nn.Module, inputs: Any, spec: "RunSpec") -> torch.nn.Module:
+    """The compiled model for a full micro-batch (dataset.batch_size samples); the same model uncompiled
+    (the same parameters) for a batch of any other size, so that it compiles nothing new."""
+    original = getattr(model, "_orig_mod", None)  # what torch.compile wrapped
+    if original is None:
+        return model
+    first = next(iter(inputs.values())) if isinstance(inputs, dict) and inputs else inputs
+    if not isinstance(first, torch.Tensor) or not first.dim():
+        return model
+    full = spec.dataset.batch_size
+    # precision=fp8 pads a batch of class labels to a multiple of 16 rows (runner/precision.py)
+    padded = -(-full // 16) * 16 if spec.precision.name == "fp8" else full
+    return model if first.shape[0] in (full, padded) else original
 
 
 class _Compilations:

@@ -252,10 +252,9 @@ class Engine:
         return batch
 
     def _forward(self, batch: tasks.Batch):
-        if self.spec.trainer.compile is not False:  # one graph for every batch size: no recompile for a ragged one
-            compiling.dynamic_batch(batch.inputs, batch.labels if self.pass_labels else None)
+        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
         with self.precision.autocast():
-            return batches.call_model(self.model, batch, self.pass_labels)
+            return batches.call_model(model, batch, self.pass_labels)
 
     def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
         """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under

@@ -26,6 +26,18 @@ def test_each_compile_mode_is_accepted_and_reaches_torch_compile(tmp_path: Path,
     assert [kw["mode"] for kw in asked] == [None, None, "reduce-overhead", "max-autotune"]  # false: not compiled
 
 
+def test_only_a_full_micro_batch_runs_compiled(tmp_path: Path) -> None:
+    inner = nn.Linear(3, 2)
+    compiled = torch.compile(inner)  # nothing is compiled before its first call
+    spec = compose_spec(["dataset.batch_size=8"], tmp_path)
+    assert compiling.for_batch(compiled, torch.zeros(8, 3), spec) is compiled
+    assert compiling.for_batch(compiled, torch.zeros(5, 3), spec) is inner  # ragged: the same module, uncompiled
+    assert compiling.for_batch(compiled, {"input_ids": torch.zeros(5, 4)}, spec) is inner
+    assert compiling.for_batch(inner, torch.zeros(5, 3), spec) is inner  # trainer.compile=false
+    fp8 = compose_spec(["dataset.batch_size=50", "precision=fp8"], tmp_path)  # padded to 64 rows
+    assert [compiling.for_batch(compiled, torch.zeros(n, 3), fp8) is compiled for n in (50, 64, 48)] == [True, True, False]
+
+
 # inductor generates and builds C++ for the CPU (about a minute on a busy machine): slow. The eager
 # backend runs the same Dynamo tracing and shape guards, so the fast case keeps the property in CI.
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
