@@ -79,6 +79,7 @@ def test_a_ragged_last_batch_does_not_recompile_and_the_compiling_step_leaves_th
     assert sizes == [512, 512, 233, 512]
     assert [s for s in compiled_at if s is not None] and {s for s in compiled_at if s is not None} == {1}
     assert engine.monitor.compile_clock.steps == [1]
+    assert "in 1 step(s) that compiled (step 1); not counted in throughput" in engine.monitor.compile_clock.summary()
     history = engine.monitor.history
     assert [s for s, _ in history["compile/seconds"]] == [2, 4]
     assert all(seconds >= 100 for _, seconds in history["compile/seconds"]) and result.compile_seconds >= 100
