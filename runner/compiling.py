@@ -92,6 +92,8 @@ class CompileClock:
         """The step's seconds when it compiled, else None."""
         if self.events.started == self._seen:
             return None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the step's own kernels belong to it, not to the next, timed step
         seconds = time.perf_counter() - self._start
         self.seconds += seconds
         self.steps.append(step)

@@ -2,8 +2,9 @@
 
 The window keeps each step's loss sum (a device tensor: no sync per step) and unit count, and the
 seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
-counts training time only; a step that compiled is `exclude`d from it (its loss still counts). The window is part of a checkpoint (every rank's own), so a resumed run
-logs exactly the values the uninterrupted run logs, whatever step the checkpoint was written at.
+counts training time only; a step that compiled is `exclude`d from it (its loss still counts). The
+window is part of a checkpoint (every rank's own), so a resumed run logs exactly the values the
+uninterrupted run logs, whatever step the checkpoint was written at.
 """
 from __future__ import annotations
 
