@@ -4,12 +4,11 @@ size, and which optimizer steps compiled, so their time is reported apart from t
 A ragged last batch (of the training split, of an evaluation split, a rank's two-sample stand-in for
 an empty share) must not recompile the model. Such a batch, one whose first dimension is not the
 configured micro-batch, runs the same model uncompiled (`for_batch`): the compiled graph keeps static
-shapes, which give the fastest kernels, one CUDA graph and autotuning for the real size, and the odd
-batch (one a epoch) costs one eager step. The alternatives lose more: a batch dimension marked dynamic
-compiles slower code for every step (measured on a CPU: 3.8-4.9 ms a step against 1.4-3.0 static for
-the digits MLP), padding changes what a BatchNorm sees and a model's own loss, dropping the batch
-changes the data. A sequence length that varies from batch to batch still recompiles once, after which
-torch keeps that dimension dynamic.
+shapes (kernels specialised to the size, one CUDA graph for reduce-overhead, max-autotune tuned for the
+real size), and the odd batch, one an epoch, costs one eager step. The alternatives cost more: a batch
+dimension marked dynamic makes every step run code compiled for any size; padding changes what a
+BatchNorm sees and a model's own loss; dropping the batch changes the data. A sequence length that
+varies from batch to batch still recompiles once, after which torch keeps that dimension dynamic.
 """
 from __future__ import annotations
 
