@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from runner import averaging, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
+from runner import compiling, flops
 from runner.tasks import batches
 from runner.engine_checkpoints import EngineCheckpoints, Progress
 from runner.loader import make_loader, on_device, optimizer_steps
@@ -46,6 +47,9 @@ class RunResult:
     steps: int
     seconds: float
     samples_per_s: float = 0.0  # training samples (all ranks) per second of the whole run
+    tflops: float | None = None  # achieved TFLOP/s per device over the timed training steps (runner/flops.py)
+    mfu: float | None = None     # tflops / the device's peak; None where no peak is known
+    compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
 
 
 class Engine(EngineCheckpoints):
@@ -81,13 +85,14 @@ class Engine(EngineCheckpoints):
 
         self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
         self.pass_labels = batches.accepts_labels(self.module)
-        batches.check_loss_options(self.module, self.task, self._prepare(batches.split_batch(
-            self.train_loader.collate_fn.stand_in()), train=False), self.pass_labels, spec.model.target)
+        stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
+        batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
+        flop_rate = flops.measure(self.module, stand_in, self.task.count(stand_in.labels), spec, self.device,
+                                  self.pass_labels, self.env.world)  # before the wrap: FSDP shards in place
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
-        if spec.trainer.compile:
-            self.model = torch.compile(self.model)
+        self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
         self.unfreezer = None
         if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
@@ -101,6 +106,7 @@ class Engine(EngineCheckpoints):
         self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
                                self.env.is_main, self.trial)
+        self.monitor.flop_rate = flop_rate
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
         self.stop_vote = preemption.StopVote(self.env.distributed)
@@ -155,9 +161,10 @@ class Engine(EngineCheckpoints):
             raise
         if stop.pruned:
             raise pruned(stop.reason)  # how a job tells the sweeper its trial was pruned
-        seconds = time.perf_counter() - started
+        seconds, rates = time.perf_counter() - started, self.monitor.run_rates()
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
-                         self.progress.step, seconds, self.monitor.samples_seen / seconds)
+                         self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
+                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds)
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
@@ -175,6 +182,7 @@ class Engine(EngineCheckpoints):
                              ", ".join(self.spec.model.freeze))
             for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
                 lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
+                self.monitor.step_starts()
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
                 self.averages.on_step(p.step)
@@ -248,8 +256,9 @@ class Engine(EngineCheckpoints):
         return batch
 
     def _forward(self, batch: tasks.Batch):
+        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
         with self.precision.autocast():
-            return batches.call_model(self.model, batch, self.pass_labels)
+            return batches.call_model(model, batch, self.pass_labels)
 
     def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
         """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under

@@ -59,10 +59,11 @@ def convert(tp: Any, value: Any, key: str, meta: Any = None) -> Any:
             return None
         inner = [a for a in args if a is not type(None)][0]
         return convert(inner, value, key, meta)
-    if origin is Literal:
-        if value not in args:
-            raise SpecError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, args))}")
-        return value
+    if origin is Literal:  # a bool only for a bool: 1 == True, but trainer.compile=1 is no choice it offers
+        for choice in args:
+            if value == choice and isinstance(value, bool) == isinstance(choice, bool):
+                return choice
+        raise SpecError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(_choice, args))}")
     if origin is dict:  # dict[str, float]: e.g. lr multipliers by parameter-name pattern
         if not isinstance(value, dict):
             raise SpecError(f"{key}: {value!r} is not a mapping; expected one like {{'backbone.*': 0.1}}")
@@ -101,6 +102,10 @@ def convert(tp: Any, value: Any, key: str, meta: Any = None) -> Any:
             raise SpecError(f"{key}: {value!r} is not a string")
         return value
     raise TypeError(f"spec field {key} has an unsupported type {tp}")
+
+
+def _choice(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)  # as typed in YAML: true, false
 
 
 def _range_text(meta: Any) -> str:

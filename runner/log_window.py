@@ -2,8 +2,9 @@
 
 The window keeps each step's loss sum (a device tensor: no sync per step) and unit count, and the
 seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
-counts training time only. The window is part of a checkpoint (every rank's own), so a resumed run
-logs exactly the values the uninterrupted run logs, whatever step the checkpoint was written at.
+counts training time only; a step that compiled is `exclude`d from it (its loss still counts). The
+window is part of a checkpoint (every rank's own), so a resumed run logs exactly the values the
+uninterrupted run logs, whatever step the checkpoint was written at.
 """
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ class LogWindow:
         self.losses: list[torch.Tensor] = []
         self.counts: list[int] = []
         self.seconds = 0.0         # training time of the window before `_since`
+        self.untimed = 0           # units of steps whose time is not throughput (they compiled)
         self._since: float | None = time.perf_counter()  # None while paused
 
     def add(self, loss_sum: torch.Tensor, count: int) -> None:
         self.losses.append(loss_sum)
         self.counts.append(count)
+
+    def exclude(self, seconds: float, count: int) -> None:
+        """A step of `count` units that took `seconds` (it compiled) leaves the throughput, not the loss."""
+        self.seconds -= seconds
+        self.untimed += count
 
     def start(self) -> None:
         """Training starts (or goes on after a resume) now: the set-up before it is not training time."""
@@ -40,13 +47,15 @@ class LogWindow:
             self._since = time.perf_counter()
 
     def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-              device: torch.device) -> tuple[float, int, float]:
-        """The window's loss sum and unit count over all ranks and its training seconds; a new window starts."""
+              device: torch.device) -> tuple[float, int, float, int]:
+        """The window's loss sum and unit count over all ranks, its training seconds, and the units
+        those seconds timed (all ranks; the count less the steps that compiled); a new window starts."""
         loss = torch.stack(self.losses).sum()
-        loss, count = reduce_sum([loss, torch.tensor(float(sum(self.counts)), device=device)])
+        total = sum(self.counts)
+        loss, count, timed = reduce_sum([loss, *torch.tensor([float(total), float(total - self.untimed)], device=device)])
         seconds = self._elapsed()
-        self.losses, self.counts, self.seconds, self._since = [], [], 0.0, time.perf_counter()
-        return loss.item(), int(count.item()), seconds
+        self.losses, self.counts, self.seconds, self.untimed, self._since = [], [], 0.0, 0, time.perf_counter()
+        return loss.item(), int(count.item()), seconds, int(timed.item())
 
     def _elapsed(self) -> float:
         return self.seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
@@ -54,7 +63,7 @@ class LogWindow:
     def state_dict(self) -> dict:
         """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
         return {"losses": [t.detach().cpu() for t in self.losses], "counts": list(self.counts),
-                "seconds": self._elapsed()}
+                "seconds": self._elapsed(), "untimed": self.untimed}
 
     def load_state_dict(self, states: list[dict], rank: int, world: int, device: torch.device) -> None:
         """Every rank's saved window (none in a checkpoint from before windows were saved). Resumed on
@@ -63,3 +72,4 @@ class LogWindow:
         self.losses = [t.to(device) for state in mine for t in state["losses"]]
         self.counts = [int(c) for state in mine for c in state["counts"]]
         self.seconds, self._since = max((float(s["seconds"]) for s in mine), default=0.0), time.perf_counter()
+        self.untimed = sum(int(s.get("untimed", 0)) for s in mine)

@@ -96,7 +96,11 @@ def evaluation_metrics(spec: RunSpec) -> tuple[set[str], set[str]]:
 def produced_metrics(spec: RunSpec) -> set[str]:
     """Every metric name the run will log (without importing torch). memory/max_allocated_gib is
     included only for trainer.device=cuda: with device=auto it depends on the machine."""
-    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit(spec)}_per_s", "objective"}
+    names = {"train/loss", "lr", "grad_norm", "epoch", f"throughput/{unit(spec)}_per_s", "throughput/tflops", "objective"}
+    if spec.trainer.peak_tflops is not None:  # else only on a GPU the table knows (runner/flops.py)
+        names.add("throughput/mfu")
+    if spec.trainer.compile is not False:
+        names.add("compile/seconds")
     if spec.precision.name == "fp16":
         names.add("fp16/skipped_steps")
     if spec.trainer.device == "cuda":

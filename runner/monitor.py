@@ -17,6 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from runner import metric_names
+from runner.compiling import CompileClock
+from runner.flops import FlopRate
 from runner.log_window import LogWindow
 from runner.spec import RunSpec
 from runner.tracking import Tracker
@@ -96,25 +98,39 @@ class Monitor:
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.window = LogWindow()
         self.samples_seen = 0  # all ranks, in this process: the throughput summary
+        self.compile_clock = CompileClock()
+        self.flop_rate = FlopRate(None, None)  # the engine sets the run's (runner/flops.py)
+        self.timed = [0, 0.0]  # units and seconds of every closed window's timed steps, this process
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not (show and is_main), leave=False)
 
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
 
+    def step_starts(self) -> None:
+        """Called before each optimizer step: a step that compiles is timed apart."""
+        self.compile_clock.step_starts()
+
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
                 lrs: dict[str, float], skipped_steps: int) -> None:
         """`loss_sum` and `samples` are this rank's; the logged train/loss is the mean over all ranks.
         `lrs` are the rates this step used (`learning_rates`)."""
         self.window.add(loss_sum, samples)  # summed on log steps: no tensor op per step
+        compiled = self.compile_clock.step_ended(step)
+        if compiled is not None:
+            self.window.exclude(compiled, samples)
         self.bar.update(1)
         if not self.is_log_step(step):
             return
-        loss, count, seconds = self.window.close(self.reduce_sum, loss_sum.device)
+        loss, count, seconds, timed = self.window.close(self.reduce_sum, loss_sum.device)
         self.samples_seen += count
         throughput = f"throughput/{self.unit}_per_s"
-        metrics = {"train/loss": loss / max(count, 1), **lrs, throughput: count / max(seconds, 1e-9),
-                   "epoch": step / self.steps_per_epoch}
+        metrics = {"train/loss": loss / max(count, 1), **lrs, "epoch": step / self.steps_per_epoch}
+        if timed:  # a window of only steps that compiled has no honest throughput
+            metrics.update({throughput: timed / max(seconds, 1e-9), **self.flop_rate.metrics(timed, seconds)})
+            self.timed = [self.timed[0] + timed, self.timed[1] + seconds]
+        if self.compile_clock.steps:
+            metrics["compile/seconds"] = self.compile_clock.seconds
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm.item()
         if self.spec.precision.name == "fp16":
@@ -122,7 +138,12 @@ class Monitor:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self._record(metrics, step)
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **{f"{self.unit}_s": f"{metrics[throughput]:.0f}"})
+        speed = {f"{self.unit}_s": f"{metrics[throughput]:.0f}"} if throughput in metrics else {}
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **speed)
+
+    def run_rates(self) -> dict[str, float]:
+        """TFLOP/s per device and MFU over every timed training step of this process (the run's summary)."""
+        return self.flop_rate.metrics(*self.timed)
 
     def on_eval(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         if not metrics:  # an empty split: nothing to report
@@ -169,6 +190,8 @@ class Monitor:
 
     def close(self) -> None:
         self.bar.close()
+        if self.compile_clock.steps:
+            self.say(self.compile_clock.summary())
 
     def _record(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log_metrics(metrics, step)
@@ -177,12 +200,13 @@ class Monitor:
 
     def state_dict(self) -> dict:
         """The main rank's record (best values, history); each rank's logging window is saved apart."""
-        return {"best": self.best, "best_step": self.best_step,
+        return {"best": self.best, "best_step": self.best_step, "compile_seconds": self.compile_clock.seconds,
                 "history": {k: [list(p) for p in v] for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         self.best, self.best_step = dict(state["best"]), dict(state["best_step"])
         self.history = {k: [(int(s), float(v)) for s, v in pts] for k, pts in state["history"].items()}
+        self.compile_clock.seconds = float(state.get("compile_seconds", 0.0))  # the run's total goes on
         self.bar.update(step)
 
 

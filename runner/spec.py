@@ -161,7 +161,10 @@ class TrainerSpec:
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
-    compile: bool = opt(False, "torch.compile the model")
+    compile: Literal[False, True, "default", "reduce-overhead", "max-autotune"] = opt(
+        False, "torch.compile the model in this mode (true: default); runner/compiling.py")
+    peak_tflops: Optional[float] = opt(None, "peak TFLOP/s of one device at this precision, for MFU; null: from the "
+                                             "table of known GPUs (runner/flops.py), none on a CPU", gt=0)
     profile: bool = opt(False, "profile a window of training steps: trace, step-time shares and advice (runner/profiling.py)")
     profile_skip_steps: int = opt(5, "trainer.profile: steps left out before the window (warm-up, compilation)", ge=0)
     profile_steps: int = opt(10, "trainer.profile: optimizer steps in the profiled window", gt=0)

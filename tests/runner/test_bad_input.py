@@ -133,7 +133,6 @@ CASES = [
     case("trainer.max_steps=1.5", "error: trainer.max_steps: 1.5 is not an integer"),
     case("trainer.device=tpu", "error: trainer.device: 'tpu' is not allowed; choose one of auto, cpu, cuda"),
     case("trainer.progress_bar=maybe", "error: trainer.progress_bar: 'maybe' is not allowed; choose one of auto, on, off"),
-    case("trainer.compile=maybe", "error: trainer.compile: 'maybe' is not a boolean; use true or false"),
     case("trainer.max_non_finite_steps=0", "error: trainer.max_non_finite_steps: 0 is out of range; allowed: a value > 0"),
     case("scheduler=warmup_cosine scheduler.warmup=-1", "error: scheduler.warmup: -1.0 is out of range"),
     case("scheduler=step scheduler.gamma=inf", "error: scheduler.gamma: inf is not a finite number"),
@@ -366,6 +365,13 @@ CASES = [
     case("trainer.profile=true trainer.profile_steps=0", "error: trainer.profile_steps: 0 is out of range; allowed: a value > 0"),
     case("trainer.profile_skip_steps=-1", "error: trainer.profile_skip_steps: -1 is out of range; allowed: a value >= 0"),
     case("trainer.profile=sometimes", "error: trainer.profile: 'sometimes' is not a boolean; use true or false"),
+    # --- compile modes and MFU (helper "speed", issue 15)
+    case("trainer.compile=maybe", "error: trainer.compile: 'maybe' is not allowed; choose one of false, true, default, "
+                                  "reduce-overhead, max-autotune"),
+    case("trainer.compile=1", "error: trainer.compile: 1 is not allowed; choose one of false, true, default, "
+                              "reduce-overhead, max-autotune"),
+    case("trainer.peak_tflops=0", "error: trainer.peak_tflops: 0.0 is out of range; allowed: a value > 0"),
+    case("trainer.peak_tflops=fast", "error: trainer.peak_tflops: 'fast' is not a number; allowed: a value > 0"),
 ]
 
 

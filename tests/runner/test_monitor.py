@@ -1,11 +1,12 @@
 """What the run reports, read back from MLflow: the learning rate each step used, and throughput
-that counts training time only."""
+(samples/s, TFLOP/s, MFU) that counts training time only."""
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.runner.test_engine import tracked
+from tests.runner.test_flops import mlp_step_by_hand
 from tests.runner.test_parallel import metric_history
 
 QUIET = ["trainer.progress_bar=off", "trainer.eval_every_epoch=false", "model.hidden=[16]"]
@@ -36,7 +37,7 @@ def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path
     real_clock = time.perf_counter
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset["s"])
     engine = tracked(["trainer.max_steps=12", "trainer.log_every_n_steps=4", "trainer.eval_every_n_steps=2",
-                      "trainer.checkpoint_every_n_steps=3", *QUIET], tmp_path / "run", sqlite_uri)
+                      "trainer.checkpoint_every_n_steps=3", "trainer.peak_tflops=0.5", *QUIET], tmp_path / "run", sqlite_uri)
     real_step, real_eval, real_save = engine.train_step, engine.evaluate, engine.save_checkpoint
     step_seconds: list[float] = []
 
@@ -55,10 +56,19 @@ def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path
     monkeypatch.setattr(engine, "train_step", timed_step)
     monkeypatch.setattr(engine, "evaluate", slow(real_eval))
     monkeypatch.setattr(engine, "save_checkpoint", slow(real_save))
-    engine.fit()
-    logged = metric_history(tmp_path / "mlflow.db")["throughput/samples_per_s"]
+    result = engine.fit()
+    history = metric_history(tmp_path / "mlflow.db")
+    logged = history["throughput/samples_per_s"]
     assert [s for s, _ in logged] == [4, 8, 12]
     for step, samples_per_s in logged:
         window = 4 * 64 / samples_per_s  # the seconds the window was timed at
         steps = sum(step_seconds[step - 4:step])
         assert steps <= window < steps + 50, (step, window, steps)  # each window held 2 validations of 100 s
+    # TFLOP/s and MFU of the same windows: digits (8x8) through an MLP 64-16-10, FLOPs per sample by hand
+    per_sample = mlp_step_by_hand(1, [64, 16, 10])
+    assert [s for s, _ in history["throughput/tflops"]] == [s for s, _ in history["throughput/mfu"]] == [4, 8, 12]
+    for (_, samples_per_s), (_, tflops), (_, mfu) in zip(logged, history["throughput/tflops"], history["throughput/mfu"]):
+        assert tflops > 0 and tflops == pytest.approx(per_sample * samples_per_s / 1e12, rel=1e-9)
+        assert mfu == pytest.approx(tflops / 0.5, rel=1e-9)
+    assert result.tflops > 0 and result.mfu == pytest.approx(result.tflops / 0.5, rel=1e-9)
+    assert "compile/seconds" not in history  # nothing compiled

@@ -135,7 +135,7 @@ def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, 
     assert resumed.returncode == 0, resumed.stderr
     [(status, history, _)] = mlflow_record(db).values()  # one MLflow run: the same one, finished
     assert status == "FINISHED"
-    timing = {"throughput/samples_per_s"}
+    timing = {"throughput/samples_per_s", "throughput/tflops"}
     assert {k: v for k, v in history.items() if k not in timing} == {k: v for k, v in want_history.items() if k not in timing}
     assert [s for s, _ in history["throughput/samples_per_s"]] == [s for s, _ in want_history["throughput/samples_per_s"]]
     got = weights(tmp_path / "run")
@@ -171,7 +171,7 @@ def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_pa
 
 # --- records: a kill before the first checkpoint, SIGTERM/SIGHUP, run directories in use --------------
 
-TIMING = {"throughput/samples_per_s"}
+TIMING = {"throughput/samples_per_s", "throughput/tflops"}
 
 
 def assert_as_uninterrupted(tmp_path: Path, db: Path, uninterrupted: tuple) -> None:

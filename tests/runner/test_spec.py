@@ -106,7 +106,7 @@ def test_kernel_names_live_in_the_spec_type_alone() -> None:
 
 
 def test_produced_metrics_follow_the_splits_the_precision_and_the_evaluation_schedule(tmp_path: Path) -> None:
-    base = {"train/loss", "lr", "grad_norm", "epoch", "throughput/samples_per_s", "objective"}
+    base = {"train/loss", "lr", "grad_norm", "epoch", "throughput/samples_per_s", "throughput/tflops", "objective"}
     evals = {"val/loss", "val/acc", "val/top5", "test/loss", "test/acc", "test/top5"}
     assert produced_metrics(compose_spec([], tmp_path)) == base | evals
     assert produced_metrics(compose_spec(["precision=fp16"], tmp_path)) == base | evals | {"fp16/skipped_steps"}
