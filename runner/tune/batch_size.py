@@ -4,7 +4,8 @@ throughput knee, the smallest micro-batch within tune.knee_tolerance of the best
 The micro-batch doubles from 2 while it fits (on a GPU until out of memory or tune.max_batch_size; on a
 CPU, where running out of memory is not an error one can recover from, until throughput stops rising),
 then a binary search between the last fit and the first failure. Each candidate runs one untimed and
-tune.steps_per_candidate timed optimizer steps of the engine's own train_step. Out of memory is caught,
+tune.steps_per_candidate timed optimizer steps (more, up to 10x, while they take under 0.2 s) of the
+engine's own train_step; a candidate's rate is its median step's. Out of memory is caught,
 the candidate's tensors dropped (gradients, partial optimizer state) and the cache emptied before the
 next. Under ddp/fsdp the probe steps hold back the gradient all-reduce (as accumulation's micro-steps
 do), so one rank running out does not leave the others waiting in a collective; every rank then takes
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +29,7 @@ from runner.tune.probing import free_memory, probing, step_batches
 log = logging.getLogger(__name__)
 
 START = 2  # a BatchNorm in training refuses a batch of one
+MIN_SECONDS = 0.2  # a candidate's timed steps go on (up to 10x tune.steps_per_candidate) until they took this long
 
 
 @dataclass
@@ -165,13 +168,16 @@ def _timed(engine, steps: int) -> float | None:
     (failed,) = parallel.all_reduce_max([torch.tensor(float(out_of_memory), device=device)])
     if failed:
         return None
-    _synchronize(device)
-    started = time.perf_counter()
-    for _ in range(steps):
+    times = []
+    while len(times) < steps or (sum(times) < MIN_SECONDS and len(times) < 10 * steps):
+        _synchronize(device)
+        started = time.perf_counter()
         engine.train_step(next(batches))
-    _synchronize(device)
-    (seconds,) = parallel.all_reduce_max([torch.tensor(time.perf_counter() - started, device=device)])
-    return engine.train_loader.batch_sampler.global_batch * steps / max(float(seconds), 1e-9)
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    # the median step: a pause of the machine (another process, a collection) moves it little
+    (seconds,) = parallel.all_reduce_max([torch.tensor(statistics.median(times), device=device)])
+    return engine.train_loader.batch_sampler.global_batch / max(float(seconds), 1e-9)
 
 
 def _no_sync(engine):

@@ -2,10 +2,12 @@
 one optimizer step of the run each, until the loss diverges; then the weights and optimizer are put back.
 
 The loss a step computes is that of the weights the previous step's lr made, so each point pairs a loss
-with the lr before it. The curve is smoothed by an exponential moving average (bias-corrected, so its
-first points are not pulled towards 0); the sweep stops once that exceeds tune.diverge_factor x its best,
-or the loss is not finite. The suggestion is where the smoothed loss falls fastest against log(lr),
-before its minimum: far enough below divergence to train stably, high enough to train fast.
+with the lr before it. The sweep smooths the loss as it goes by an exponential moving average (bias-corrected, so its
+first points are not pulled towards 0) and stops once that exceeds tune.diverge_factor x its best, or
+the loss is not finite. Such an average lags: by beta/(1-beta) steps, a factor of 2.5 in lr at the
+defaults. So the analysis smooths the recorded curve again, forwards and then backwards (no lag), and
+suggests where that falls fastest against log(lr), before its minimum: far enough below divergence to
+train stably, high enough to train fast. Its minimum is where the loss starts to rise: divergence begins.
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ class LrCurve:
     smoothed: list[float] = field(default_factory=list)
     diverged_at: float | None = None                     # the lr of the point that tripped the divergence rule
     stop_reason: str = "reached tune.max_lr"
+    smoothing: float = 0.0
+
+    def finite(self) -> tuple[list[float], list[float]]:
+        """The points with a finite loss, and their loss smoothed without lag."""
+        points = [(lr, loss) for lr, loss in zip(self.lrs, self.losses) if math.isfinite(loss)]
+        lrs = [lr for lr, _ in points]
+        return lrs, zero_lag([loss for _, loss in points], self.smoothing)
 
 
 @dataclass
@@ -48,9 +57,23 @@ def schedule(min_lr: float, max_lr: float, steps: int) -> list[float]:
     return [min_lr * (max_lr / min_lr) ** (i / (steps - 1)) for i in range(steps)]
 
 
+def ema(values: list[float], beta: float) -> list[float]:
+    """The bias-corrected exponential moving average."""
+    out, average = [], 0.0
+    for n, value in enumerate(values, 1):
+        average = beta * average + (1 - beta) * value
+        out.append(average / (1 - beta ** n))
+    return out
+
+
+def zero_lag(values: list[float], beta: float) -> list[float]:
+    """The moving average run forwards, then backwards over that: smooth as one pass, without its lag."""
+    return ema(ema(values, beta)[::-1], beta)[::-1]
+
+
 def sweep(step: Callable[[float], float], lrs: list[float], smoothing: float, diverge_factor: float) -> LrCurve:
     """Runs `step(lr)` (the mean loss of the weights before that step) for each lr until divergence."""
-    curve = LrCurve()
+    curve = LrCurve(smoothing=smoothing)
     average, best, previous = 0.0, math.inf, None
     for lr in lrs:
         loss = step(lr)
@@ -75,13 +98,12 @@ def sweep(step: Callable[[float], float], lrs: list[float], smoothing: float, di
 
 
 def suggest(curve: LrCurve) -> LrSuggestion:
-    """The steepest descent of the smoothed loss against log(lr), before its minimum."""
-    finite = [i for i, s in enumerate(curve.smoothed) if math.isfinite(s)]
-    if len(finite) < 3:
-        raise SpecError(f"tune.min_lr: the loss diverged within {len(curve.smoothed)} steps of the sweep; lower "
+    """The steepest descent of the loss smoothed without lag against log(lr), before its minimum."""
+    lrs, smoothed = curve.finite()
+    if len(lrs) < 3:
+        raise SpecError(f"tune.min_lr: the loss diverged within {len(curve.lrs)} steps of the sweep; lower "
                         f"tune.min_lr (the sweep started at {curve.lrs[0] if curve.lrs else math.nan:g})")
-    x = np.log(np.array([curve.lrs[i] for i in finite]))
-    y = np.array([curve.smoothed[i] for i in finite])
+    x, y = np.log(np.array(lrs)), np.array(smoothed)
     lowest = int(np.argmin(y))
     slopes = np.gradient(y, x)
     start = min(len(y) // 10, max(lowest - 2, 0))  # the first points carry the smoothing's start-up
@@ -133,10 +155,10 @@ def describe(spec: RunSpec, curve: LrCurve, s: LrSuggestion) -> list[str]:
     end = f"{curve.stop_reason} at lr {curve.diverged_at:.2g}" if curve.diverged_at else curve.stop_reason
     lines = [f"lr_find: {len(curve.lrs)} steps from lr {curve.lrs[0]:.2g} to {curve.lrs[-1]:.2g}; stopped: {end}",
              f"  {s.reason} at lr {s.steepest_lr:.2g}" + (f" ({s.slope:.3g} per e-fold of lr)" if s.slope else ""),
-             f"  lowest smoothed loss {s.lowest_loss:.4g} at lr {s.lowest_lr:.2g}"]
+             f"  lowest smoothed loss {s.lowest_loss:.4g} at lr {s.lowest_lr:.2g}: above it the loss rises"]
     if s.diverged_at:
-        lines.append(f"  margin: the suggestion is {s.diverged_at / s.lr:.3g}x below divergence "
-                     f"(lr {s.diverged_at:.2g}) and {s.lowest_lr / s.lr:.3g}x below the lowest loss")
+        lines.append(f"  margin: the suggestion is {s.lowest_lr / s.lr:.3g}x below where divergence begins (lr "
+                     f"{s.lowest_lr:.2g}) and {s.diverged_at / s.lr:.3g}x below where the sweep stopped (lr {s.diverged_at:.2g})")
     else:
         lines.append(f"  margin: no divergence up to tune.max_lr={curve.lrs[-1]:.2g}; the suggestion is "
                      f"{s.lowest_lr / s.lr:.3g}x below the lowest loss")
@@ -153,14 +175,13 @@ def plot(curve: LrCurve, s: LrSuggestion, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     try:
-        finite = [(lr, loss) for lr, loss in zip(curve.lrs, curve.losses) if math.isfinite(loss)]
-        ax.plot(*zip(*finite), color="0.75", lw=1, label="loss")
-        smooth = [(lr, v) for lr, v in zip(curve.lrs, curve.smoothed) if math.isfinite(v)]
-        ax.plot(*zip(*smooth), color="C0", lw=2, label="smoothed loss")
+        lrs, smoothed = curve.finite()
+        ax.plot(lrs, [loss for loss in curve.losses if math.isfinite(loss)], color="0.75", lw=1, label="loss")
+        ax.plot(lrs, smoothed, color="C0", lw=2, label="smoothed loss")
         ax.axvline(s.lr, color="C2", ls="--", label=f"suggested lr {s.lr:g}")
         if s.diverged_at:
             ax.axvline(s.diverged_at, color="C3", ls=":", label=f"diverged at {s.diverged_at:.2g}")
-        values = [v for _, v in smooth]
+        values = smoothed
         top = min(max(values), 2 * values[0] - s.lowest_loss) if values[0] > s.lowest_loss else max(values)
         span = max(top - s.lowest_loss, 1e-12)
         ax.set_ylim(s.lowest_loss - 0.1 * span, top + 0.1 * span)  # the divergence's spike would flatten the rest
@@ -170,6 +191,7 @@ def plot(curve: LrCurve, s: LrSuggestion, path: Path) -> Path:
         ax.set_title("lr_find")
         ax.legend()
         fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)

@@ -1,6 +1,6 @@
 """What the finders share: the engine driven step by step with the lr or batch a finder sets, and everything
-those steps change (weights, optimizer and loss-scaler state, the schedule, the random streams, the data
-position) saved before and put back after, to the bit.
+those steps change (weights, optimizer and loss-scaler state, the random streams, the data position) saved before and put
+back after, to the bit; the run's schedule is held still meanwhile (the finder sets the lr).
 
 A finder calls the engine's own `train_step`, so whatever a training step does for the run's task,
 precision, accumulation and ddp/fsdp, a probe step does alike.
@@ -26,7 +26,6 @@ class Snapshot:
     def __init__(self, engine) -> None:
         self.model = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         self.optimizer = copy.deepcopy(engine.optimizer.state_dict())
-        self.schedule = copy.deepcopy(engine.schedule.state_dict())
         # the scaler whole: an out-of-memory error between its unscale and its update leaves it mid-step,
         # which its state_dict does not record
         self.scaler = copy.deepcopy(engine.precision.scaler)
@@ -37,7 +36,6 @@ class Snapshot:
         engine.optimizer.zero_grad(set_to_none=True)
         engine.module.load_state_dict(self.model)
         engine.optimizer.load_state_dict(self.optimizer)
-        engine.schedule.load_state_dict(self.schedule)
         engine.precision.scaler = copy.deepcopy(self.scaler)
         engine.precision.skipped_steps = self.skipped_steps
         set_rng_state(self.rng)
