@@ -5,9 +5,10 @@ The loss a step computes is that of the weights the previous step's lr made, so 
 with the lr before it. The sweep smooths the loss as it goes by an exponential moving average (bias-corrected, so its
 first points are not pulled towards 0) and stops once that exceeds tune.diverge_factor x its best, or
 the loss is not finite. Such an average lags: by beta/(1-beta) steps, a factor of 2.5 in lr at the
-defaults. So the analysis smooths the recorded curve again, forwards and then backwards (no lag), and
-suggests where that falls fastest against log(lr), before its minimum: far enough below divergence to
-train stably, high enough to train fast. Its minimum is where the loss starts to rise: divergence begins.
+defaults. So the analysis smooths the recorded curve again by a window centred on each point, as long as
+the average's memory (no lag), and suggests where that falls fastest against log(lr), before its
+minimum: far enough below divergence to train stably, high enough to train fast. Its minimum is where
+the loss starts to rise: divergence begins.
 """
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ class LrCurve:
     diverged_at: float | None = None                     # the lr of the point that tripped the divergence rule
     stop_reason: str = "reached tune.max_lr"
     smoothing: float = 0.0
+    diverge_factor: float = math.inf
 
     def finite(self) -> tuple[list[float], list[float]]:
-        """The points with a finite loss, and their loss smoothed without lag."""
+        """The points with a finite loss, and their loss smoothed without lag (centred)."""
         points = [(lr, loss) for lr, loss in zip(self.lrs, self.losses) if math.isfinite(loss)]
-        lrs = [lr for lr, _ in points]
-        return lrs, zero_lag([loss for _, loss in points], self.smoothing)
+        # the divergence's losses capped where the sweep's rule stops: a blow-up's thousands would
+        # otherwise lift the points half a window before it
+        cap = self.diverge_factor * min((s for s in self.smoothed if math.isfinite(s)), default=math.inf)
+        return [lr for lr, _ in points], centred([min(loss, cap) for _, loss in points], self.smoothing)
 
 
 @dataclass
@@ -57,23 +61,21 @@ def schedule(min_lr: float, max_lr: float, steps: int) -> list[float]:
     return [min_lr * (max_lr / min_lr) ** (i / (steps - 1)) for i in range(steps)]
 
 
-def ema(values: list[float], beta: float) -> list[float]:
-    """The bias-corrected exponential moving average."""
-    out, average = [], 0.0
-    for n, value in enumerate(values, 1):
-        average = beta * average + (1 - beta) * value
-        out.append(average / (1 - beta ** n))
+def centred(values: list[float], beta: float) -> list[float]:
+    """The mean over a window centred on each point, as long as the moving average's memory (beta/(1-beta)
+    points): as smooth, without its lag, and a point's neighbours only move it (the divergence's losses
+    reach back half a window, not over the whole curve)."""
+    half = round(beta / (1 - beta) / 2)
+    out = []
+    for i in range(len(values)):
+        window = values[max(i - half, 0):i + half + 1]
+        out.append(sum(window) / len(window))
     return out
-
-
-def zero_lag(values: list[float], beta: float) -> list[float]:
-    """The moving average run forwards, then backwards over that: smooth as one pass, without its lag."""
-    return ema(ema(values, beta)[::-1], beta)[::-1]
 
 
 def sweep(step: Callable[[float], float], lrs: list[float], smoothing: float, diverge_factor: float) -> LrCurve:
     """Runs `step(lr)` (the mean loss of the weights before that step) for each lr until divergence."""
-    curve = LrCurve(smoothing=smoothing)
+    curve = LrCurve(smoothing=smoothing, diverge_factor=diverge_factor)
     average, best, previous = 0.0, math.inf, None
     for lr in lrs:
         loss = step(lr)
@@ -129,10 +131,15 @@ def find_lr(engine, tune: TuneSpec) -> LrCurve:
         engine.model.train()
         batches = step_batches(engine)
 
+        taken = iter(range(1, tune.steps + 1))
+
         def step(lr: float) -> float:
             set_base_lr(engine, lr)
             loss_sum, count, _ = engine.train_step(next(batches))
-            return mean_loss(loss_sum, count, engine.device)
+            loss, n = mean_loss(loss_sum, count, engine.device), next(taken)
+            if n % 50 == 0 and engine.env.is_main:  # a long sweep shows it is moving
+                log.info("lr_find: step %d of at most %d, lr %.2g, loss %.4g", n, tune.steps, lr, loss)
+            return loss
 
         curve = sweep(step, lrs, tune.smoothing, tune.diverge_factor)
     return curve
@@ -142,12 +149,12 @@ def peak_note(spec: RunSpec) -> str:
     """What optimizer.lr is to the run's schedule: every schedule scales it, some rise to it."""
     name = spec.scheduler.target.rsplit(".", 1)[-1]
     if name in ("onecycle", "OneCycleLR"):
-        return f"the peak scheduler={name} rises to from base_lr_ratio x peak"
+        return "the peak of the one-cycle schedule, which rises to it from base_lr_ratio x peak"
     if name in ("cyclic", "CyclicLR"):
-        return f"the peak of each cycle of scheduler={name}"
+        return "the peak of each cycle of the cyclic schedule"
     if spec.scheduler.warmup:
-        return f"the peak {name} reaches after its warmup of {spec.scheduler.warmup:g}"
-    return f"the lr {name} starts from"
+        return f"the peak the schedule ({name}) reaches after its warmup (scheduler.warmup={spec.scheduler.warmup:g})"
+    return f"the lr the schedule ({name}) starts from"
 
 
 def describe(spec: RunSpec, curve: LrCurve, s: LrSuggestion) -> list[str]:

@@ -42,7 +42,7 @@ def test_lr_find_on_least_squares_sees_divergence_begin_at_2_over_L_and_suggests
     curve = lr_find.find_lr(engine, engine.spec.tune)
     found = lr_find.suggest(curve)
     assert curve.diverged_at is not None and curve.stop_reason.startswith("the smoothed loss passed 4 x")
-    assert 0.8 * diverges < found.lowest_lr < 1.25 * diverges  # where the loss turns up: divergence begins
+    assert 0.7 * diverges < found.lowest_lr < 1.5 * diverges  # where the loss turns up: divergence begins
     assert diverges < curve.diverged_at < 6 * diverges          # the stop rule needs the loss 4x up: later
     assert found.lr < 0.5 * diverges and found.lr == float(f"{found.steepest_lr:.2g}")
     assert found.slope < 0
@@ -53,8 +53,10 @@ def test_the_sweep_stops_at_the_first_non_finite_loss_and_pairs_each_loss_with_t
     curve = lr_find.sweep(lambda lr: next(losses), [1, 2, 3, 4, 5, 6], smoothing=0.0, diverge_factor=4)
     assert curve.lrs == [1, 2, 3, 4] and curve.losses[:3] == [4.0, 3.0, 2.0] and math.isnan(curve.losses[3])
     assert curve.diverged_at == 4 and curve.stop_reason == "the loss stopped being finite"
-    smoothed = lr_find.ema([4.0, 2.0], 0.5)
-    assert smoothed == [4.0, (0.25 * 4 + 0.5 * 2) / 0.75]  # bias-corrected: the first value is the loss itself
+    losses = iter([9.0, 4.0, 2.0, 100.0])
+    curve = lr_find.sweep(lambda lr: next(losses), [1, 2, 3, 4], smoothing=0.5, diverge_factor=4)
+    # bias-corrected: the first value is the loss itself; 100 lifts the average past 4 x its best
+    assert curve.smoothed[:2] == [4.0, (0.25 * 4 + 0.5 * 2) / 0.75] and curve.diverged_at == 3
 
 
 def test_lr_find_puts_weights_optimizer_and_random_streams_back_bitwise(tmp_path: Path) -> None:
@@ -87,7 +89,7 @@ def test_lr_find_with_apply_trains_as_the_printed_override_would_and_records_it(
     tuned = run_in_process(spec, DistEnv())
     out = capsys.readouterr().out
     override = next(line for line in out.splitlines() if "suggested: " in line).split("suggested: ")[1].split()[0]
-    assert override.startswith("optimizer.lr=") and "the peak scheduler=onecycle rises to" in out
+    assert override.startswith("optimizer.lr=") and "the peak of the one-cycle schedule" in out
     lr = float(override.split("=")[1])
     written = RunSpec.from_yaml((tmp_path / "tuned" / "spec.yaml").read_text())
     assert written.optimizer.lr == lr and written.tune.name is None  # what was trained, the finder off
