@@ -98,6 +98,8 @@ def mean_loss(loss_sum: torch.Tensor, count: int, device: torch.device) -> float
 
 
 def free_memory(device: torch.device) -> None:
-    gc.collect()
+    """A GPU's memory handed back to its cache, and the cache emptied (a failed step's tensors may sit in
+    reference cycles); on a CPU, freeing is the reference counts' job."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
