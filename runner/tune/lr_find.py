@@ -6,8 +6,8 @@ with the lr before it. The sweep smooths the loss as it goes by an exponential m
 first points are not pulled towards 0) and stops once that exceeds tune.diverge_factor x its best, or
 the loss is not finite. Such an average lags: by beta/(1-beta) steps, a factor of 2.5 in lr at the
 defaults. So the analysis smooths the recorded curve again by a window centred on each point, as long as
-the average's memory (no lag), and suggests where that falls fastest against log(lr), before its
-minimum: far enough below divergence to train stably, high enough to train fast. Its minimum is where
+the average's memory (no lag), and suggests where that falls fastest against log(lr) (its slope averaged
+over the same window), before its minimum: far enough below divergence to train stably, high enough to train fast. Its minimum is where
 the loss starts to rise: divergence begins.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def suggest(curve: LrCurve) -> LrSuggestion:
                         f"tune.min_lr (the sweep started at {curve.lrs[0] if curve.lrs else math.nan:g})")
     x, y = np.log(np.array(lrs)), np.array(smoothed)
     lowest = int(np.argmin(y))
-    slopes = np.gradient(y, x)
+    slopes = np.array(centred(list(np.gradient(y, x)), curve.smoothing))  # a derivative multiplies the noise
     start = min(len(y) // 10, max(lowest - 2, 0))  # the first points carry the smoothing's start-up
     if lowest - start >= 2:
         steepest = start + int(np.argmin(slopes[start:lowest + 1]))
