@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from runner.tune.probing import free_memory, probing, step_batches
 log = logging.getLogger(__name__)
 
 START = 2  # a BatchNorm in training refuses a batch of one
-MIN_SECONDS = 0.2  # a candidate's timed steps go on (up to 10x tune.steps_per_candidate) until they took this long
+MIN_SECONDS = 0.2  # a candidate takes enough timed steps (up to 10x tune.steps_per_candidate) to last this long
 
 
 @dataclass
@@ -151,25 +152,18 @@ def find_batch_size(engine, tune: TuneSpec, until_oom: bool | None = None) -> Ba
 
 
 def _timed(engine, steps: int) -> float | None:
-    """Samples/s of `steps` full micro-batch steps after an untimed one; None when any rank ran out of memory."""
+    """Samples/s of full micro-batch steps after two untimed ones; None when any rank ran out of memory.
+    Every rank takes the same number of steps (their collectives pair up): each verdict and count is agreed."""
     device, batches = engine.device, step_batches(engine, full_only=True)
-    out_of_memory = False
-    try:
-        for _ in range(2):  # the second step runs with the optimizer's state allocated: the peak
-            with _no_sync(engine):  # gradients kept local: no collective to strand the other ranks in
-                engine.train_step(next(batches))
-    except torch.OutOfMemoryError:
-        out_of_memory = True  # the error (and the tensors its frames hold) is released when this block ends
-    finally:
-        parallel.sync_gradients(engine.model, sync=True)
-    if out_of_memory:
-        engine.optimizer.zero_grad(set_to_none=True)
-        free_memory(device)
-    (failed,) = parallel.all_reduce_max([torch.tensor(float(out_of_memory), device=device)])
-    if failed:
-        return None
+    for _ in range(2):  # the second step runs with the optimizer's state allocated: the peak
+        started = time.perf_counter()
+        if not _fits(engine, next(batches)):
+            return None
+    # enough timed steps for MIN_SECONDS, judged by the slowest rank's untimed step
+    (untimed,) = parallel.all_reduce_max([torch.tensor(time.perf_counter() - started, device=device)])
+    count = min(max(steps, math.ceil(MIN_SECONDS / max(float(untimed), 1e-9))), 10 * steps)
     times = []
-    while len(times) < steps or (sum(times) < MIN_SECONDS and len(times) < 10 * steps):
+    for _ in range(count):
         _synchronize(device)
         started = time.perf_counter()
         engine.train_step(next(batches))
@@ -178,6 +172,23 @@ def _timed(engine, steps: int) -> float | None:
     # the median step: a pause of the machine (another process, a collection) moves it little
     (seconds,) = parallel.all_reduce_max([torch.tensor(statistics.median(times), device=device)])
     return engine.train_loader.batch_sampler.global_batch / max(float(seconds), 1e-9)
+
+
+def _fits(engine, batch: list) -> bool:
+    """One step, gradients kept local (no collective to strand the other ranks in); whether it fitted on every rank."""
+    out_of_memory = False
+    try:
+        with _no_sync(engine):
+            engine.train_step(batch)
+    except torch.OutOfMemoryError:
+        out_of_memory = True  # the error (and the tensors its frames hold) is released when this block ends
+    finally:
+        parallel.sync_gradients(engine.model, sync=True)
+    if out_of_memory:
+        engine.optimizer.zero_grad(set_to_none=True)
+        free_memory(engine.device)
+    (failed,) = parallel.all_reduce_max([torch.tensor(float(out_of_memory), device=engine.device)])
+    return not failed
 
 
 def _no_sync(engine):
