@@ -2,13 +2,14 @@
 one optimizer step of the run each, until the loss diverges; then the weights and optimizer are put back.
 
 The loss a step computes is that of the weights the previous step's lr made, so each point pairs a loss
-with the lr before it. The sweep smooths the loss as it goes by an exponential moving average (bias-corrected, so its
-first points are not pulled towards 0) and stops once that exceeds tune.diverge_factor x its best, or
-the loss is not finite. Such an average lags: by beta/(1-beta) steps, a factor of 2.5 in lr at the
-defaults. So the analysis smooths the recorded curve again by a window centred on each point, as long as
-the average's memory (no lag), and suggests where that falls fastest against log(lr) (its slope averaged
-over the same window), before its minimum: far enough below divergence to train stably, high enough to train fast. Its minimum is where
-the loss starts to rise: divergence begins.
+with the lr before it. The sweep smooths the loss as it goes by an exponential moving average
+(bias-corrected, so its first points are not pulled towards 0) and stops once that exceeds
+tune.diverge_factor x its best, or the loss is not finite. Such an average lags: by beta/(1-beta) steps,
+a factor of 2.5 in lr at the defaults. So the analysis smooths the recorded curve again by a window
+centred on each point, as long as the average's memory (no lag), and suggests where that falls fastest
+against log(lr) (its slope averaged over the same window), before its minimum: far enough below
+divergence to train stably, high enough to train fast. The minimum is where the loss starts to rise:
+where divergence begins.
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def suggest(curve: LrCurve) -> LrSuggestion:
     x, y = np.log(np.array(lrs)), np.array(smoothed)
     lowest = int(np.argmin(y))
     slopes = np.array(centred(list(np.gradient(y, x)), curve.smoothing))  # a derivative multiplies the noise
-    start = min(len(y) // 10, max(lowest - 2, 0))  # the first points carry the smoothing's start-up
+    start = min(len(y) // 10, max(lowest - 2, 0))  # the first points' windows are cut short
     if lowest - start >= 2:
         steepest = start + int(np.argmin(slopes[start:lowest + 1]))
         lr, slope = float(np.exp(x[steepest])), float(slopes[steepest])
