@@ -80,7 +80,14 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
 
 
 def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
-    engine = Engine(spec, build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec)), env)
+    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec))
+    if spec.tune.name and not spec.trainer.resume:  # a resumed run trains on with what its finder found
+        from runner import tune
+
+        spec, tracker = tune.run_finder(spec, env, tracker)
+        if spec is None:  # tune.apply=false: found and reported, nothing to train
+            return tune.NOTHING_TRAINED
+    engine = Engine(spec, tracker, env)
     result = engine.fit()
     if env.is_main:
         (Path(spec.run_dir) / RESULT_FILE).write_text(yaml.safe_dump(dataclasses.asdict(result)))

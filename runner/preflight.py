@@ -255,6 +255,8 @@ def unknown_key_message(key: str, cfg: DictConfig) -> str:
     if not key.startswith("hydra."):
         plain.pop("hydra", None)
     parent, _, leaf = key.rpartition(".")
+    if "." not in key and key not in plain and key in registry.groups():  # `tune.min_lr=...` with no tune= chosen
+        return f"{key}: no {key} option is chosen, so it has no keys; choose one first: {key}=<{'|'.join(registry.options(key))}>"
     if parent in OPTION_GROUPS and isinstance(plain.get(parent), dict):
         meta = _spec_field(parent, leaf)
         if meta is not None:  # a spec key that the chosen option does not take

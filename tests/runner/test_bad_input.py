@@ -372,6 +372,24 @@ CASES = [
                               "reduce-overhead, max-autotune"),
     case("trainer.peak_tflops=0", "error: trainer.peak_tflops: 0.0 is out of range; allowed: a value > 0"),
     case("trainer.peak_tflops=fast", "error: trainer.peak_tflops: 'fast' is not a number; allowed: a value > 0"),
+    # --- issue 15, the finders (helper finders): tune=lr_find, tune=batch_size
+    case("tune=lr_fnd", "error: tune: unknown option 'lr_fnd'; did you mean lr_find? choose one of batch_size, lr_find"),
+    case("tune.min_lr=1e-5", "error: tune: no tune option is chosen, so it has no keys; choose one first: "
+         "tune=<batch_size|lr_find>"),
+    case("tune=lr_find tune.min_lr=1 tune.max_lr=0.1", "error: tune.min_lr: 1 is not below tune.max_lr (0.1); the sweep "
+         "rises from min_lr to max_lr"),
+    case("tune=lr_find tune.smoothing=1", "error: tune.smoothing: 1.0 is out of range; allowed: a value >= 0 and < 1"),
+    case("tune=lr_find tune.steps=5", "error: tune.steps: 5 is out of range; allowed: a value >= 10 and <= 100000"),
+    case("tune=lr_find tune.diverge_factor=1", "error: tune.diverge_factor: 1.0 is out of range; allowed: a value > 1"),
+    case("tune=lr_find tune.keep_global_batch=true", "error: tune.keep_global_batch: unknown key; keys under tune: apply, "
+         "diverge_factor, max_lr, min_lr, name, smoothing, steps"),
+    case("tune=batch_size tune.max_batch_size=1", "error: tune.max_batch_size: 1 is out of range; allowed: a value >= 2"),
+    case("tune=batch_size tune.pick=max", "error: tune.pick: 'max' is not allowed; choose one of knee, largest"),
+    case("tune=batch_size tune.knee_tolerance=1", "error: tune.knee_tolerance: 1.0 is out of range; allowed: a value >= 0 "
+         "and < 1"),
+    # a sweep that diverges at once has no curve to read: found when it runs, before its MLflow run exists
+    case("tune=lr_find tune.min_lr=1e6 tune.max_lr=1e7 tune.steps=10 optimizer=sgd", "error: tune.min_lr: the "
+         "loss diverged within 2 steps of the sweep; lower tune.min_lr (the sweep started at 1e+06)", RUN),
 ]
 
 
