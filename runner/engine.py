@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from runner import checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, tasks
+from runner import activation_checkpointing, checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, tasks
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -93,6 +93,7 @@ class Engine:
         self.pass_labels = batches.accepts_labels(self.module)
         batches.check_loss_options(self.module, self.task, self._prepare(batches.split_batch(
             self.train_loader.collate_fn.stand_in()), train=False), self.pass_labels, spec.model.target)
+        activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)  # before any wrap
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
