@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from runner import activation_checkpointing, checkpoint, components, finetune, fit_checks, metric_names, parallel, preemption, tasks
+from runner import (activation_checkpointing, checkpoint, components, finetune, fit_checks, memory_estimate, metric_names,
+                    parallel, preemption, tasks)
 from runner.tasks import batches
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -99,7 +100,7 @@ class Engine:
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
         if spec.trainer.compile:
             self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
+        self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
         self.unfreezer = None
         if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
             # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
@@ -144,6 +145,9 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
+                if self.spec.trainer.memory_estimate:
+                    memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
+                                           self.progress.step, self.train_loader, self._micro_loss)
                 stop = self._train()
                 if not stop.pruned:
                     self._finish_training()
@@ -236,6 +240,10 @@ class Engine:
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, sum(counts), grad_norm
+
+    def _micro_loss(self, raw) -> torch.Tensor:
+        batch = self._prepare(batches.split_batch(raw), train=True)
+        return self._loss_sum(batch, 0 if batch.empty else self.task.count(batch.labels))
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
         batch = self.precision.prepare_batch(batches.to_device(batch, self.device))
