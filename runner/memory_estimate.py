@@ -15,7 +15,6 @@ change when it will not fit.
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -165,7 +164,6 @@ def measure_activations(module: nn.Module, micro_step: Callable[[], torch.Tensor
     for p, grad in zip(module.parameters(), grads):
         p.grad = grad
     set_rng_state(rng)
-    gc.collect()
     return max(kept, 0)
 
 

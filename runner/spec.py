@@ -258,10 +258,11 @@ class RunSpec:
         if par.sync_batchnorm and par.name == "single":
             raise SpecError("parallelism.sync_batchnorm: true needs several processes but parallelism=single runs one "
                             "(its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp")
-        fsdp_only = [f"{k}={str(v).lower()}" for k, v, default in (("reshard_after_forward", par.reshard_after_forward, True),
-                                                                  ("cpu_offload", par.cpu_offload, False)) if v != default]
+        fsdp_only = [(k, v) for k, v, default in (("reshard_after_forward", par.reshard_after_forward, True),
+                                                  ("cpu_offload", par.cpu_offload, False)) if v != default]
         if fsdp_only and par.name != "fsdp":
-            raise SpecError(f"parallelism.{fsdp_only[0]}: an fsdp option, but parallelism={par.name}; "
+            key, value = fsdp_only[0]
+            raise SpecError(f"parallelism.{key}: {str(value).lower()} is an fsdp option, but parallelism={par.name}; "
                             "use parallelism=fsdp or drop it")
         if par.node_rank >= par.nnodes:
             raise SpecError(f"parallelism.node_rank: {par.node_rank} is out of range; allowed: 0 to nnodes-1 ({par.nnodes - 1})")

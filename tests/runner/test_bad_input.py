@@ -349,6 +349,20 @@ CASES = [
     case("model.freeze=5", "error: model.freeze: 5 is not a list"),
     case("precision=fp16 precision.init_scale=0", "error: precision.init_scale: 0.0 is out of range; allowed: a value > 0"),
     case("dataset.num_workers=abc", "error: dataset.num_workers: 'abc' is not an integer; allowed: a value >= 0"),
+    # --- issue 15 (helper memory): activation checkpointing, sync_batchnorm, fsdp's memory options
+    case("trainer.activation_checkpointing=some", "error: trainer.activation_checkpointing: 'some' is not allowed; "
+         "choose one of none, full, selective"),
+    case(["model._target_=tests.user_pkg.blocks.Flat", "trainer.activation_checkpointing=full"],
+         "error: trainer.activation_checkpointing: full found no repeated blocks in Flat (no child module with parameters "
+         "in a Sequential or ModuleList); use trainer.activation_checkpointing=none", RUN),
+    case("parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm: true needs several processes but "
+         "parallelism=single runs one (its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp"),
+    case("parallelism=ddp parallelism.cpu_offload=true", "error: parallelism.cpu_offload: parallelism=ddp has no cpu_offload"),
+    case("parallelism=ddp +parallelism.reshard_after_forward=false", "error: parallelism.reshard_after_forward: false is an "
+         "fsdp option, but parallelism=ddp; use parallelism=fsdp or drop it"),
+    case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
+         "use true or false"),
+    case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
 ]
 
 
