@@ -111,19 +111,24 @@ def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: to
 def estimate(module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
              micro_step: Callable[[], torch.Tensor] | None, micro_batch: int) -> Figures:
     """This rank's figures; `micro_step` returns one micro-batch's loss (its forward pass), None: not measured."""
-    params = [parallel.local_tensor_of(p) for p in module.parameters()]
-    trainable = [parallel.local_tensor_of(p) for p in module.parameters() if p.requires_grad]
+    # what fsdp's cpu_offload keeps on the CPU does not count against a GPU
+    params = [p for p in map(parallel.local_tensor_of, module.parameters()) if p.device.type == device.type]
+    trainable = [p for p in map(parallel.local_tensor_of, module.parameters()) if p.requires_grad
+                 and p.device.type == device.type]
     activations = measure_activations(module, micro_step, device) if micro_step is not None else None
-    return Figures(rank, str(device), _bytes(params), _bytes(trainable), optimizer_state_bytes(optimizer),
+    return Figures(rank, str(device), _bytes(params), _bytes(trainable), optimizer_state_bytes(optimizer, device.type),
                    type(optimizer).__name__, activations, micro_batch, available_bytes(device))
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
-    """Bytes of the per-parameter state `optimizer` will keep, from its type and group settings."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str | None = None) -> int | None:
+    """Bytes of the per-parameter state `optimizer` will keep (on `device_type`: beside its parameter),
+    from its type and group settings."""
     name, total = type(optimizer).__name__, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
             p = parallel.local_tensor_of(p)
+            if device_type is not None and p.device.type != device_type:
+                continue
             if name in _ADAM_LIKE:
                 per = 1 if name == "Lion" else 3 if group.get("amsgrad") else 2
             elif name == "SGD":

@@ -1,8 +1,9 @@
 """`parallelism.sync_batchnorm`: BatchNorm statistics over the global batch of all ranks.
 
-On a GPU this is torch.nn.SyncBatchNorm. torch refuses SyncBatchNorm on CPU tensors (and DDP on CPU modules), so on the CPU
-(gloo) the same statistics are computed here from two differentiable all-reduces (the sum, then the
-squared deviations from the global mean); the backward pass sums their gradients over ranks, as
+On a GPU this is torch.nn.SyncBatchNorm. torch refuses SyncBatchNorm on CPU tensors (and DDP refuses
+it in a CPU model), so on the CPU (gloo) each BatchNorm layer keeps its class and gets a forward that
+computes the same statistics from two differentiable all-reduces (the sum, then the squared
+deviations from the global mean); the backward pass sums their gradients over ranks, as
 SyncBatchNorm's does.
 """
 from __future__ import annotations

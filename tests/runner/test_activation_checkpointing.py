@@ -76,3 +76,18 @@ def test_a_run_with_accumulation_trains_the_same_weights_to_the_bit(tmp_path: Pa
         weights[mode] = engine.module.state_dict()
     for mode in ("selective", "full"):
         assert all(torch.equal(weights["none"][k], weights[mode][k]) for k in weights["none"]), mode
+
+
+@pytest.mark.slow  # compiling costs tens of seconds on a CPU; in CI the eager runs above keep the property
+@pytest.mark.parametrize("model", [LM, ["model=cnn", "model.norm=true", "model.channels=[4,8]", "trainer.progress_bar=off"]],
+                         ids=["gpt", "cnn with BatchNorm"])
+def test_a_compiled_run_with_checkpointing_trains_like_one_without(tmp_path: Path, model: list[str]) -> None:
+    common = [*model, "+accum=2", "trainer.max_steps=3", "trainer.compile=true", "trainer.eval_every_epoch=false"]
+    weights = {}
+    for mode in ("none", "selective", "full"):
+        engine = Engine(compose([*common, f"trainer.activation_checkpointing={mode}"], tmp_path / mode))
+        engine.fit()
+        weights[mode] = engine.module.state_dict()
+    for mode in ("selective", "full"):  # BatchNorm's statistics included: moved once per step
+        for key in weights["none"]:
+            torch.testing.assert_close(weights[mode][key], weights["none"][key], rtol=1e-5, atol=1e-6, msg=key)
