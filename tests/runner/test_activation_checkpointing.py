@@ -68,14 +68,13 @@ def test_a_model_without_blocks_is_refused_naming_the_key() -> None:
 
 def test_a_run_with_accumulation_trains_the_same_weights_to_the_bit(tmp_path: Path) -> None:
     """Through the engine: language modelling with padded tokens, two micro-batches per step, dropout."""
-    common = [*LM, "+accum=2", "model.dropout=0.1", "trainer.max_steps=3"]
+    common = [*LM, "+accum=2", "model.dropout=0.1", "trainer.max_steps=2", "trainer.eval_every_epoch=false"]
     weights = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "full"):  # selective's own: the module-level test above
         engine = Engine(compose([*common, f"trainer.activation_checkpointing={mode}"], tmp_path / mode))
         engine.fit()
         weights[mode] = engine.module.state_dict()
-    for mode in ("selective", "full"):
-        assert all(torch.equal(weights["none"][k], weights[mode][k]) for k in weights["none"]), mode
+    assert all(torch.equal(weights["none"][k], weights["full"][k]) for k in weights["none"])
 
 
 @pytest.mark.slow  # compiling costs tens of seconds on a CPU; in CI the eager runs above keep the property
