@@ -7,7 +7,8 @@ hits each alike. Every mode trains the same model from the same seed. Figures ar
 
 On CUDA: the GPT-2 small shape (124M parameters, 1024 tokens) in bf16 autocast. Without a GPU: a small
 GPT on the CPU, where activations are glibc's count of bytes in use (runner/memory_estimate.py) and a
-step's time is dominated by other costs than on a GPU; the output says which device it ran on.
+step's time is the process's CPU time (all its threads), which other processes on a shared machine
+disturb less than wall time; the output says which device it ran on.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ class Case:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         before_step = memory_estimate.held_bytes(self.device)
-        started = time.perf_counter()
+        clock = time.perf_counter if cuda else time.process_time
+        started = clock()
         with autocast:
             logits = self.model(self.inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), self.targets.flatten())
@@ -63,7 +65,7 @@ class Case:
         self.optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
         if record:
             self.times.append(seconds)
             self.activations.append(kept)
@@ -92,7 +94,8 @@ def main() -> None:
     params = sum(p.numel() for p in cases["none"].model.parameters())
     print(f"activation checkpointing on {where}: GPT {params / 1e6:.1f}M parameters, batch {batch} x {length} tokens"
           + (", bf16 autocast" if device.type == "cuda" else " (small shapes: no GPU here), fp32"))
-    print(f"{args.rounds} rounds x {args.steps} steps per mode; medians")
+    clock = "wall time" if device.type == "cuda" else "CPU time of this process"
+    print(f"{args.rounds} rounds x {args.steps} steps per mode; medians; step time is {clock}")
     header = f"{'mode':<10} {'activations':>12} {'vs none':>8} {'step time':>10} {'vs none':>8}"
     print(header + (f" {'peak step memory':>17}" if device.type == "cuda" else ""))
     base_act = statistics.median(cases["none"].activations)

@@ -147,7 +147,7 @@ class Engine:
             else:
                 if self.spec.trainer.memory_estimate:
                     memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
-                                           self.progress.step, self.train_loader, self._micro_loss)
+                                           self.train_loader, self._micro_loss)
                 stop = self._train()
                 if not stop.pruned:
                     self._finish_training()

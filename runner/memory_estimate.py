@@ -63,10 +63,12 @@ class Figures:
                 f"{_mib(self.gradients)}, optimizer state {optimizer}, activations {activations}; total "
                 f"{_mib(self.total)} of {has}: {verdict}")
 
-    def metrics(self) -> dict[str, float]:
+    def tags(self) -> dict[str, str]:
+        """MLflow tags, not metrics: a measurement of the machine, which a run resumed in place measures
+        anew (a tag is replaced; a metric would add points to the history that equals an uninterrupted run's)."""
         values = {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                   "activations": self.activations, "total": self.total, "available": self.available}
-        return {f"memory/{k}_mib": v / MiB for k, v in values.items() if v is not None}
+        return {f"memory.{k}_mib": f"{v / MiB:.3f}" for k, v in values.items() if v is not None}
 
 
 def advice(figures: Figures, spec) -> str:
@@ -89,9 +91,9 @@ def advice(figures: Figures, spec) -> str:
 
 
 def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, env, tracker,
-           step: int, loader, loss_of: Callable) -> Figures:
+           loader, loss_of: Callable) -> Figures:
     """Every rank measures its own figures; the main rank logs one line per rank (and the advice when one
-    will not fit), and its own figures to MLflow. `loss_of(raw_batch)` is one micro-batch's loss."""
+    will not fit), and its own figures to MLflow as tags. `loss_of(raw_batch)` is one micro-batch's loss."""
     state = loader.generator.get_state() if loader.generator is not None else None
     raw = next(iter(loader))
     if state is not None:  # the loader's own seed stream, as if this batch had never been drawn
@@ -104,7 +106,7 @@ def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: to
         short = [one for one in everyone if not one.fits]
         if short:
             log.warning("%s", advice(max(short, key=lambda f: f.total), spec))
-        tracker.log_metrics(figures.metrics(), step)
+        tracker.set_tags(figures.tags())
     return figures
 
 

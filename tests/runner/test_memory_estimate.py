@@ -2,6 +2,7 @@
 advice, and that measuring leaves training untouched."""
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ from runner.engine import Engine
 from runner.memory_estimate import Figures
 from runner.tracking import build_tracker
 from tests.conftest import compose_spec
-from tests.runner.test_parallel import metric_history
 
 # 10*20+20 + 20*4+4 = 304 fp32 parameters: 1216 bytes
 KNOWN = lambda: nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 4))  # noqa: E731
@@ -85,7 +85,9 @@ def test_measuring_before_training_changes_nothing_and_is_logged(tmp_path: Path)
         engine.fit()
         weights[measured] = engine.module.state_dict()
     assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
-    logged = metric_history(tmp_path / "mlflow.db")
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        tags = dict(con.execute("select key, value from tags where key like 'memory.%'"))
     params = sum(v.numel() * 4 for k, v in weights[True].items() if "running" not in k and "num_batches" not in k)
-    assert logged["memory/parameters_mib"] == [(0, pytest.approx(params / 2**20))]
-    assert logged["memory/activations_mib"][0][1] > 0
+    assert float(tags["memory.parameters_mib"]) == pytest.approx(params / 2**20, abs=1e-3)
+    assert float(tags["memory.optimizer_mib"]) == pytest.approx(2 * params / 2**20, abs=1e-3)  # adam: two moments
+    assert float(tags["memory.activations_mib"]) > 0 and "memory.available_mib" in tags
