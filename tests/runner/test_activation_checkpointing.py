@@ -13,7 +13,7 @@ from runner.models.cnn import CNN
 from runner.models.gpt import GPT
 from runner.spec import SpecError
 from tests.test_open_world import LM, compose
-from tests.user_pkg.blocks import Tower
+from tests.user_pkg.blocks import Flat, Tower
 
 
 def _step(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, mode: str):
@@ -61,8 +61,8 @@ def test_checkpointing_recomputes_and_keeps_parameter_names() -> None:
 
 def test_a_model_without_blocks_is_refused_naming_the_key() -> None:
     with pytest.raises(SpecError) as e:
-        activation_checkpointing.apply(torch.nn.Linear(4, 2), "full")
-    assert str(e.value) == ("trainer.activation_checkpointing: full found no repeated blocks in Linear (no child module "
+        activation_checkpointing.apply(Flat((1, 8, 8), 10), "full")  # a user's model of plain attributes
+    assert str(e.value) == ("trainer.activation_checkpointing: full found no repeated blocks in Flat (no child module "
                             "with parameters in a Sequential or ModuleList); use trainer.activation_checkpointing=none")
 
 

@@ -352,9 +352,6 @@ CASES = [
     # --- issue 15 (helper memory): activation checkpointing, sync_batchnorm, fsdp's memory options
     case("trainer.activation_checkpointing=some", "error: trainer.activation_checkpointing: 'some' is not allowed; "
          "choose one of none, full, selective"),
-    case(["model._target_=tests.user_pkg.blocks.Flat", "trainer.activation_checkpointing=full"],
-         "error: trainer.activation_checkpointing: full found no repeated blocks in Flat (no child module with parameters "
-         "in a Sequential or ModuleList); use trainer.activation_checkpointing=none", RUN),
     case("parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm: true needs several processes but "
          "parallelism=single runs one (its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp"),
     case("parallelism=ddp parallelism.cpu_offload=true", "error: parallelism.cpu_offload: parallelism=ddp has no cpu_offload"),

@@ -2,7 +2,6 @@
 advice, and that measuring leaves training untouched."""
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from torch import nn
 from runner import memory_estimate
 from runner.engine import Engine
 from runner.memory_estimate import Figures
-from runner.tracking import build_tracker
+from runner.tracking import NullTracker
 from tests.conftest import compose_spec
 
 # 10*20+20 + 20*4+4 = 304 fp32 parameters: 1216 bytes
@@ -73,21 +72,27 @@ def test_a_run_that_will_not_fit_is_told_what_to_change() -> None:
         "parallelism=fsdp (shards parameters, gradients and optimizer state)")
 
 
+class RecordingTracker(NullTracker):
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
 def test_measuring_before_training_changes_nothing_and_is_logged(tmp_path: Path) -> None:
-    """BatchNorm statistics and dropout draw from what the measuring micro-step touches."""
+    """BatchNorm statistics and dropout draw from what the measuring micro-step touches. (The tags reach
+    MLflow through Tracker.set_tags, as the world_size tags do: test_parallel reads those back.)"""
     common = ["model=cnn", "model.channels=[4,8]", "model.norm=true", "model.dropout=0.3",
               "trainer.max_steps=3", "trainer.eval_every_epoch=false", "trainer.progress_bar=off"]
-    weights = {}
+    weights, tracker = {}, RecordingTracker()
     for measured in (True, False):
-        spec = compose_spec([*common, f"trainer.memory_estimate={str(measured).lower()}"], tmp_path / str(measured),
-                            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}" if measured else None)
-        engine = Engine(spec, build_tracker(spec))
+        spec = compose_spec([*common, f"trainer.memory_estimate={str(measured).lower()}"], tmp_path / str(measured))
+        engine = Engine(spec, tracker if measured else None)
         engine.fit()
         weights[measured] = engine.module.state_dict()
     assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
-    with sqlite3.connect(tmp_path / "mlflow.db") as con:
-        tags = dict(con.execute("select key, value from tags where key like 'memory.%'"))
     params = sum(v.numel() * 4 for k, v in weights[True].items() if "running" not in k and "num_batches" not in k)
-    assert float(tags["memory.parameters_mib"]) == pytest.approx(params / 2**20, abs=1e-3)
-    assert float(tags["memory.optimizer_mib"]) == pytest.approx(2 * params / 2**20, abs=1e-3)  # adam: two moments
-    assert float(tags["memory.activations_mib"]) > 0 and "memory.available_mib" in tags
+    assert float(tracker.tags["memory.parameters_mib"]) == pytest.approx(params / 2**20, abs=1e-3)
+    assert float(tracker.tags["memory.optimizer_mib"]) == pytest.approx(2 * params / 2**20, abs=1e-3)  # adam: 2 moments
+    assert float(tracker.tags["memory.activations_mib"]) > 0 and "memory.available_mib" in tracker.tags
