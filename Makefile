@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-hpo ui clean
+.PHONY: install run test test-all bench bench-hpo bench-memory ui clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,9 @@ bench: install          ## engine vs a hand-written loop: median optimizer-step 
 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
 	$(PY) -m runner.bench_hpo
+
+bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
+	$(PY) -m runner.bench_memory
 
 ui: install             ## the MLflow UI over the local store; open the experiment link each run prints
 	@echo "runs table: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning (each run prints its own link)"

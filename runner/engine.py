@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner import averaging, components, finetune, fit_checks, metric_names, parallel, preemption, profiling, tasks
+from runner import (activation_checkpointing, averaging, components, finetune, fit_checks, memory_estimate, metric_names,
+                    parallel, preemption, profiling, tasks)
 from runner import compiling, flops
 from runner.tasks import batches
 from runner.engine_checkpoints import EngineCheckpoints, Progress
@@ -89,11 +90,13 @@ class Engine(EngineCheckpoints):
         batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
         flop_rate = flops.measure(self.module, stand_in, self.task.count(stand_in.labels), spec, self.device,
                                   self.pass_labels, self.env.world)  # before the wrap: FSDP shards in place
+        # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
+        activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
-        self.optimizer = build_optimizer(spec.optimizer, self.module, self.device)
+        self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
         self.unfreezer = None
         if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
             # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
@@ -143,6 +146,9 @@ class Engine(EngineCheckpoints):
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
+                if self.spec.trainer.memory_estimate:
+                    memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
+                                           self.train_loader, self._micro_loss)
                 stop = self._train()
                 self.profiler.finish()
                 if not stop.pruned:
@@ -247,6 +253,15 @@ class Engine(EngineCheckpoints):
                 self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, sum(counts), grad_norm
+
+    def _micro_loss(self, raw) -> torch.Tensor:
+        """The memory estimate's micro-step, eager even under trainer.compile: a compilation here would fall
+        outside the steps the compile clock times (and eager activations bound the compiled ones from above)."""
+        batch = self._prepare(batches.split_batch(raw), train=True)
+        count = 0 if batch.empty else self.task.count(batch.labels)
+        with self.precision.autocast():
+            output = batches.call_model(getattr(self.model, "_orig_mod", self.model), batch, self.pass_labels)
+        return batches.loss_sum(output, batch, count, self.task, self.spec.model.target)
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
         batch = self.precision.prepare_batch(batches.to_device(batch, self.device))

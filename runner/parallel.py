@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -72,15 +73,23 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
     """DDP replicates the model; FSDP2 shards each block's parameters, then the root's."""
     if spec.name == "single" or not env.distributed:
         return module
+    if spec.sync_batchnorm:  # before the wrap, so that DDP/FSDP register the synchronised layers
+        from runner import sync_batchnorm
+
+        sync_batchnorm.convert(module, device)
     if spec.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # pinned host memory speeds the copies to a GPU; without one there is nothing to pin for
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if spec.cpu_offload else OffloadPolicy()
+    fully_shard = functools.partial(fully_shard, reshard_after_forward=spec.reshard_after_forward,
+                                    offload_policy=offload)
     blocks = shard_blocks(module)
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if param_dtype else []
     for norm in norms:
@@ -92,6 +101,11 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
             fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     return module
+
+
+def parameter_device(spec: ParallelismSpec, device: torch.device) -> torch.device:
+    """Where the parameters live once wrapped (and so where the optimizer steps): the CPU under fsdp's cpu_offload."""
+    return torch.device("cpu") if spec.name == "fsdp" and spec.cpu_offload else device
 
 
 def shard_blocks(module: nn.Module) -> list[nn.Module]:
@@ -195,6 +209,11 @@ def barrier() -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2 grad norms), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_tensor_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of a DTensor (an FSDP2 shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:

@@ -109,6 +109,11 @@ class ParallelismSpec:
     rdzv_endpoint: str = opt("127.0.0.1:29400", "host:port of the c10d rendezvous (node 0's address) when nnodes > 1")
     rdzv_timeout: float = opt(120.0, "seconds to wait for every node to join before giving up", gt=0)
     max_restarts: int = opt(0, "elastic restarts of the worker group after a worker dies (resumes from the last checkpoint)", ge=0)
+    sync_batchnorm: bool = opt(False, "BatchNorm statistics over the global batch of all ranks (SyncBatchNorm); ddp/fsdp only")
+    reshard_after_forward: bool = opt(True, "fsdp: free each block's gathered parameters after its forward (false: keep "
+                                            "them until the backward, more memory, one all-gather less per step)")
+    cpu_offload: bool = opt(False, "fsdp: keep parameters, gradients and optimizer state on the CPU (the optimizer "
+                                   "steps there); for a model that does not fit on the devices otherwise")
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,11 @@ class TrainerSpec:
     profile: bool = opt(False, "profile a window of training steps: trace, step-time shares and advice (runner/profiling.py)")
     profile_skip_steps: int = opt(5, "trainer.profile: steps left out before the window (warm-up, compilation)", ge=0)
     profile_steps: int = opt(10, "trainer.profile: optimizer steps in the profiled window", gt=0)
+    activation_checkpointing: Literal["none", "full", "selective"] = opt(
+        "none", "recompute the activations of the model's repeated blocks in the backward pass: full keeps only "
+                "each block's input, selective also keeps its matmul/attention outputs (runner/activation_checkpointing.py)")
+    memory_estimate: bool = opt(True, "before training, log per device the memory of parameters, gradients, optimizer "
+                                      "state and one measured micro-step's activations against what the device has")
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     max_non_finite_steps: int = opt(3, "stop the run after this many consecutive optimizer steps with a non-finite "
                                        "loss (fp16 skips them through its loss scaler); 1 stops at the first", gt=0)
@@ -313,6 +323,15 @@ class RunSpec:
             key, value = ("nnodes", par.nnodes) if par.nnodes > 1 else ("nproc_per_node", par.nproc_per_node)
             raise SpecError(f"parallelism.{key}: {value} needs several processes but parallelism=single runs one; "
                             "add parallelism=ddp or parallelism=fsdp")
+        if par.sync_batchnorm and par.name == "single":
+            raise SpecError("parallelism.sync_batchnorm: true needs several processes but parallelism=single runs one "
+                            "(its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp")
+        fsdp_only = [(k, v) for k, v, default in (("reshard_after_forward", par.reshard_after_forward, True),
+                                                  ("cpu_offload", par.cpu_offload, False)) if v != default]
+        if fsdp_only and par.name != "fsdp":
+            key, value = fsdp_only[0]
+            raise SpecError(f"parallelism.{key}: {str(value).lower()} is an fsdp option, but parallelism={par.name}; "
+                            "use parallelism=fsdp or drop it")
         if par.node_rank >= par.nnodes:
             raise SpecError(f"parallelism.node_rank: {par.node_rank} is out of range; allowed: 0 to nnodes-1 ({par.nnodes - 1})")
         host, _, port = par.rdzv_endpoint.rpartition(":")

@@ -390,6 +390,17 @@ CASES = [
     # a sweep that diverges at once has no curve to read: found when it runs, before its MLflow run exists
     case("tune=lr_find tune.min_lr=1e6 tune.max_lr=1e7 tune.steps=10 optimizer=sgd", "error: tune.min_lr: the "
          "loss diverged within 2 steps of the sweep; lower tune.min_lr (the sweep started at 1e+06)", RUN),
+    # --- issue 15 (helper memory): activation checkpointing, sync_batchnorm, fsdp's memory options
+    case("trainer.activation_checkpointing=some", "error: trainer.activation_checkpointing: 'some' is not allowed; "
+         "choose one of none, full, selective"),
+    case("parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm: true needs several processes but "
+         "parallelism=single runs one (its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp"),
+    case("parallelism=ddp parallelism.cpu_offload=true", "error: parallelism.cpu_offload: parallelism=ddp has no cpu_offload"),
+    case("parallelism=ddp +parallelism.reshard_after_forward=false", "error: parallelism.reshard_after_forward: false is an "
+         "fsdp option, but parallelism=ddp; use parallelism=fsdp or drop it"),
+    case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
+         "use true or false"),
+    case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
 ]
 
 

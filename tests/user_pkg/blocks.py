@@ -31,3 +31,16 @@ class Tower(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class Flat(nn.Module):
+    """No Sequential or ModuleList: nothing for fsdp to shard or activation checkpointing to wrap block by block."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 16):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.hidden = nn.Linear(math.prod(input_shape), width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.hidden(self.flatten(x)).relu())
