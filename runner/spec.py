@@ -140,6 +140,7 @@ class TrainerSpec:
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
     compile: bool = opt(False, "torch.compile the model")
+    channels_last: bool = opt(False, "keep 4-D weights (convolutions) channels-last: faster convolutions under bf16/fp16 on a GPU")
     deterministic: bool = opt(False, "use deterministic algorithms (slower)")
     max_non_finite_steps: int = opt(3, "stop the run after this many consecutive optimizer steps with a non-finite "
                                        "loss (fp16 skips them through its loss scaler); 1 stops at the first", gt=0)
