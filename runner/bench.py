@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = pick_device(workload_spec(args.overrides, 1, Path(".")).trainer.device)
     gpu = device.type == "cuda"
-    where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} threads (no GPU: smaller preset batches)"
+    where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} thread(s) (no GPU: smaller preset batches)"
     print(f"{where}; MLflow on; engine and hand-loop steps alternate; median {args.clock} ms per optimizer step\n"
           f"target: ratio <= {TARGET_RATIO} on steps of {TARGET_FROM_MS:g} ms or more; tiny steps: the overhead column\n")
     print(f"{'workload':<16} {'batch':>6} {'engine ms':>10} {'hand ms':>9} {'ratio':>7} {'overhead us':>12}  target")
