@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-hpo bench-memory ui clean
+.PHONY: install run test test-all bench bench-gpu bench-hpo bench-memory ui clean
 
 install: $(VENV)/.installed
 
@@ -22,8 +22,11 @@ test: install           ## the test suite CI runs (slow tests excluded)
 test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q
 
-bench: install          ## engine vs a hand-written loop: median optimizer-step time and their ratio
-	$(PY) -m runner.bench
+bench: install          ## engine vs a hand-written loop, steps interleaved: digits MLP, CNN, the ResNet and GPT presets; ratio and us overhead
+	$(PY) -m runner.bench $(ARGS)
+
+bench-gpu: install      ## GPT-2 124M tokens/s and MFU; ResNet-18 CIFAR shape samples/s beside a hand loop (small shapes on a CPU)
+	$(PY) -m runner.bench_gpu $(ARGS)
 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
 	$(PY) -m runner.bench_hpo

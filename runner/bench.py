@@ -1,8 +1,10 @@
 """`make bench`: the engine's median optimizer-step time next to a minimal hand-written loop's.
 
-Both train the same model on the same data with the same batch, optimizer and data loader; the
-engine runs with MLflow tracking on. Rounds alternate engine/hand so machine noise hits both, and
-the medians of per-step wall times are compared. Numbers are printed, never asserted.
+For each workload (the tiny digits MLP and CNN, and the presets' ResNet-18 and GPT on data of their
+shape) both train the same model on the same data with the same batch, optimizer, precision and data
+loader, the engine with MLflow tracking on; their steps alternate within one run (runner/bench_workloads.py)
+and the medians of per-step wall times are compared. Where no GPU is available the presets run with
+smaller batches (the table says so). Numbers are printed, never asserted.
 """
 from __future__ import annotations
 
@@ -15,100 +17,66 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from runner.engine import Engine, pick_device, seed_everything
-from runner import components
-from runner.loader import make_loader
-from runner.optim import build_optimizer
-from runner.registry import CONF_DIR
-from runner.spec import RunSpec
-from runner.tracking import build_tracker
+from runner.bench_workloads import WORKLOADS, interleaved, workload_spec
+from runner.parallel import pick_device
 
-CASES = {
-    "digits mlp b64": ["dataset=digits", "model=mlp"],
-    "synthetic cnn b64": ["dataset=synthetic", "model=cnn", "model.norm=false"],
-}
+TARGET_RATIO, TARGET_FROM_MS = 1.02, 5.0  # the engine may cost at most 2% on any step of 5 ms or more
 
 
-def bench_spec(overrides: list[str], steps: int, workdir: Path) -> RunSpec:
-    overrides = [*overrides, f"trainer.max_steps={steps}", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
-                 f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"tracking.artifact_root={workdir}/artifacts",
-                 "tracking.experiment=bench"]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-    cfg["run_dir"] = str(workdir / "run")
-    return RunSpec.from_config(cfg, tuple(overrides))
+def summary(engine_s: list[float], hand_s: list[float]) -> tuple[float, float, float, float]:
+    """Median ms per step of engine and hand loop, their ratio, and the engine's overhead in us per step."""
+    e, h = statistics.median(engine_s) * 1e3, statistics.median(hand_s) * 1e3
+    return e, h, e / h, (e - h) * 1e3
 
 
-def engine_step_times(spec: RunSpec) -> list[float]:
-    engine = Engine(spec, build_tracker(spec))
-    stamps: list[float] = []
-    on_step = engine.monitor.on_step
-
-    def stamped(*args, **kwargs):  # after the whole step, logging included
-        on_step(*args, **kwargs)
-        stamps.append(time.perf_counter())
-
-    engine.monitor.on_step = stamped
-    engine.fit()
-    return _diffs(stamps)
+def verdict(engine_ms: float, hand_ms: float, ratio: float) -> str:
+    if hand_ms < TARGET_FROM_MS:
+        return "tiny"
+    return "ok" if ratio <= TARGET_RATIO else "over"
 
 
-def hand_loop_step_times(spec: RunSpec) -> list[float]:
-    """What a user would write: the same model, optimizer and loader; no tracking, no checks."""
-    seed_everything(spec.seed, False)
-    device = pick_device(spec.trainer.device)
-    data = components.build_data(spec)
-    model = components.build_model(spec, data).to(device)
-    optimizer = build_optimizer(spec.optimizer, model, device)
-    loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0,
-                         pin_memory=device.type == "cuda")
-    stamps: list[float] = []
-    epoch = 0
-    while len(stamps) < spec.trainer.max_steps + 1:
-        loader.batch_sampler.set_epoch(epoch)
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            stamps.append(time.perf_counter())
-            if len(stamps) > spec.trainer.max_steps:
-                break
-        epoch += 1
-    return _diffs(stamps)
-
-
-def _diffs(stamps: list[float]) -> list[float]:
-    return [b - a for a, b in zip(stamps, stamps[1:])]
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating engine/hand rounds")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per round (default: per workload)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per workload)")
+    parser.add_argument("--rounds", type=int, default=2, help="engine runs per workload (each interleaved with the hand loop)")
+    parser.add_argument("--only", default="", help="only the workloads whose name contains this")
     parser.add_argument("--nproc", type=int, default=2, help="workers for the ddp/fsdp lines (1: skip them)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the main thread's CPU time per step (with --threads 1; for a busy machine)")
     parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
-    args = parser.parse_args()
-    device = pick_device(bench_spec(args.overrides, 1, Path(".")).trainer.device)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{'case':<20} {'engine ms/step':>15} {'hand ms/step':>13} {'ratio':>7}   (median of {args.rounds} x {args.steps} steps, {where}, MLflow on)")
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu counts the main thread only: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(workload_spec(args.overrides, 1, Path(".")).trainer.device)
+    gpu = device.type == "cuda"
+    where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} thread(s) (no GPU: smaller preset batches)"
+    print(f"{where}; MLflow on; engine and hand-loop steps alternate; median {args.clock} ms per optimizer step\n"
+          f"target: ratio <= {TARGET_RATIO} on steps of {TARGET_FROM_MS:g} ms or more; tiny steps: the overhead column\n")
+    print(f"{'workload':<16} {'batch':>6} {'engine ms':>10} {'hand ms':>9} {'ratio':>7} {'overhead us':>12}  target")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in CASES.items():
-            engine_times, hand_times = [], []
+        for w in (w for w in WORKLOADS if args.only in w.name):
+            overrides = [*w.overrides, *(() if gpu else w.cpu), *args.overrides]
+            steps = args.steps or (w.steps if gpu else w.cpu_steps or w.steps)
+            warmup = w.warmup if args.warmup is None else args.warmup
+            engine_s, hand_s, batch = [], [], 0
             for r in range(args.rounds):
-                spec = bench_spec([*overrides, *args.overrides], args.steps, Path(tmp) / f"{name.replace(' ', '_')}-{r}")
-                engine_times += engine_step_times(spec)[10:]  # skip warm-up steps
-                hand_times += hand_loop_step_times(spec)[10:]
-            e, h = statistics.median(engine_times) * 1e3, statistics.median(hand_times) * 1e3
-            print(f"{name:<20} {e:>15.3f} {h:>13.3f} {e / h:>7.3f}", flush=True)
+                spec = workload_spec(overrides, warmup + steps, Path(tmp) / f"{w.name}-{r}")
+                e, h, engine = interleaved(spec, clock=clock)
+                engine_s += e[warmup:]
+                hand_s += h[warmup:]
+                batch = engine.spec.dataset.batch_size
+            e, h, ratio, overhead = summary(engine_s, hand_s)
+            print(f"{w.name:<16} {batch:>6} {e:>10.3f} {h:>9.3f} {ratio:>7.3f} {overhead:>12.0f}  {verdict(e, h, ratio)}",
+                  flush=True)
     if args.nproc > 1:
-        bench_parallel(args.steps, 32, args.nproc, args.overrides)
+        bench_parallel(args.steps or 300, 32, args.nproc, args.overrides)
 
 
 PARALLEL_CASE = ["dataset=synthetic", "model=cnn", "model.norm=false", "trainer.eval_every_epoch=false",

@@ -85,6 +85,8 @@ class Engine(EngineCheckpoints):
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
         self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
+        if spec.trainer.channels_last:  # 4-D weights only; a convolution then gives channels-last outputs too
+            self.module = self.module.to(memory_format=torch.channels_last)
         self.pass_labels = batches.accepts_labels(self.module)
         stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
         batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
@@ -235,7 +237,8 @@ class Engine(EngineCheckpoints):
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
         losses, phase = [], self.profiler.phase  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-            scale = self.env.world / max(parallel.global_count(sum(counts), self.device), 1)
+            total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
+            scale = self.env.world / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:

@@ -40,9 +40,12 @@ class Diverged(RuntimeError):
 
 
 class NonFiniteWatch:
-    """Counts consecutive steps with a non-finite loss on the device (no sync per step); `check`
-    reads it (all ranks together) and raises Diverged once the limit was reached. fp16 may see a few
-    such steps that its loss scaler skips; every other precision stops at the first."""
+    """Counts consecutive steps with a non-finite loss; `check` reads the count (all ranks together)
+    and raises Diverged once the limit was reached. fp16 may see a few such steps that its loss scaler
+    skips; every other precision stops at the first.
+
+    A step only hands over its loss sum (a list append: no tensor op, no device sync per step); `check`
+    folds the steps since the last check into the counters on the device in a few tensor ops."""
 
     def __init__(self, spec: RunSpec, device: torch.device):
         self.limit = spec.trainer.max_non_finite_steps if spec.precision.name == "fp16" else 1
@@ -50,14 +53,29 @@ class NonFiniteWatch:
         self.streak = torch.zeros((), device=device, dtype=torch.int64)
         self.worst = torch.zeros((), device=device, dtype=torch.int64)
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+        self.pending: list[torch.Tensor] = []  # loss sums of steps first_pending, first_pending + 1, ...
+        self.first_pending = 0
 
     def on_step(self, step: int, loss_sum: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss_sum)
-        self.streak = (self.streak + 1) * bad
-        self.first_bad = torch.where(self.streak == 1, step, self.first_bad)
-        self.worst = torch.maximum(self.worst, self.streak)
+        if not self.pending:
+            self.first_pending = step
+        self.pending.append(loss_sum)
+
+    def _fold(self) -> None:
+        if not self.pending:
+            return
+        bad = ~torch.isfinite(torch.stack(self.pending))
+        index = torch.arange(len(bad), device=bad.device)
+        last_good = torch.where(bad, -1, index).cummax(0).values  # -1: no finite step yet in this batch
+        # a run of bad steps reaching back to the batch's start continues the streak the last check left
+        streak = (index - last_good) + self.streak * (last_good < 0)
+        starts = torch.where(streak == 1, index + self.first_pending, -1).max()  # the latest run's first step
+        self.first_bad = torch.where(starts >= 0, starts, self.first_bad)
+        self.worst = torch.maximum(self.worst, streak.max())
+        self.streak, self.pending = streak[-1], []
 
     def check(self, reduce_max) -> None:
+        self._fold()
         worst, first = reduce_max([self.worst, self.first_bad])
         if int(worst) >= self.limit:
             opt = self.spec.optimizer

@@ -2,8 +2,8 @@
 
 Python's default for both is to die on the spot, leaving the MLflow run RUNNING and the steps since
 the last checkpoint lost. Instead, while a run trains, a signal is noted and the run stops at the next
-step boundary: every rank agrees on that step (one tiny all-reduce per step, on the CPU), the
-checkpoint of that step is written, the MLflow run ends KILLED, and the process exits with the conventional 128 + signal number. A requeued job (`trainer.resume=<run dir>`)
+step boundary: every rank agrees on that step (a tiny all-reduce on the CPU, at steps all ranks know
+in advance, about twice a second: see StopVote), the checkpoint of that step is written, the MLflow run ends KILLED, and the process exits with the conventional 128 + signal number. A requeued job (`trainer.resume=<run dir>`)
 or an elastic restart then goes on from that step. A signal that comes while the run is not in its
 step loop (building data, the final evaluation) stops it at once, as Ctrl-C does.
 
@@ -17,6 +17,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from typing import Iterator
 
 import torch
@@ -77,17 +78,35 @@ def at_step_boundaries() -> Iterator[None]:
 
 
 class StopVote:
-    """Whether any rank got a stop signal, decided by all ranks at the same step."""
+    """Whether any rank got a stop signal, decided by all ranks at the same step.
 
-    def __init__(self, distributed: bool):
-        self.distributed = distributed
+    Under ddp/fsdp the vote is a collective: one network round trip (far more than a small step takes
+    across nodes). So ranks vote only at steps they all know in advance: each vote also takes the
+    slowest rank's seconds per step since the previous vote, and the next vote comes after about
+    `every_s` seconds of such steps (1 to `max_steps` steps later). The interval is computed from
+    reduced values only, so it is the same on every rank; a signal stops the run within about
+    `every_s` seconds plus one step, well inside a preemption's grace period."""
+
+    def __init__(self, distributed: bool, every_s: float = 0.5, max_steps: int = 100):
+        self.distributed, self.every_s, self.max_steps = distributed, every_s, max_steps
+        self.calls = 0        # step boundaries seen (one call each)
+        self.next_vote = 1    # the boundary of the next vote: the first one votes
+        self.voted_at, self.voted_time = 0, time.perf_counter()
 
     def agreed(self) -> int:
-        """The signal number that stops the run at this step boundary, or 0 (a collective on every rank).
-        The vote is a CPU tensor: the process group's gloo side carries it (runner.parallel gives a CUDA
-        group `cpu:gloo` too), so a GPU never waits for it."""
+        """The signal number that stops the run at this step boundary, or 0 (on vote boundaries a
+        collective on every rank). The vote is a CPU tensor: the process group's gloo side carries it
+        (runner.parallel gives a CUDA group `cpu:gloo` too), so a GPU never waits for it."""
         if not self.distributed:
             return _state["signal"]
-        vote = torch.tensor([_state["signal"]], dtype=torch.int32)
+        self.calls += 1
+        if self.calls < self.next_vote:
+            return 0
+        now = time.perf_counter()
+        vote = torch.tensor([float(_state["signal"]), now - self.voted_time], dtype=torch.float64)
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        return int(vote.item())
+        signum, seconds = int(vote[0]), float(vote[1])
+        per_step = seconds / (self.calls - self.voted_at)
+        self.next_vote = self.calls + min(max(int(self.every_s / max(per_step, 1e-9)), 1), self.max_steps)
+        self.voted_at, self.voted_time = self.calls, now
+        return signum

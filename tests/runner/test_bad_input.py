@@ -118,6 +118,12 @@ CASES = [
     case("dataset=synthetic dataset.shape=[3,0,32]", "error: dataset.shape: [3, 0, 32] is not allowed; every size must be > 0", RUN),
     case("dataset=synthetic dataset.num_classes=1", "error: dataset.num_classes: 1 is out of range; allowed: a value > 1", RUN),
     case("dataset=synthetic dataset.size=1e400", "error: dataset.size: inf is not an integer"),
+    # bench: random token blocks (dataset=synthetic_tokens) and trainer.channels_last
+    case("dataset=synthetic_tokens model=gpt task=language_modeling dataset.vocab_size=1",
+         "error: dataset.vocab_size: 1 is out of range; allowed: an integer >= 2", RUN),
+    case("dataset=synthetic_tokens model=gpt task=language_modeling dataset.val_fraction=0.6 dataset.test_fraction=0.5",
+         "error: dataset.val_fraction: val_fraction + test_fraction must be < 1"),
+    case("trainer.channels_last=sometimes", "error: trainer.channels_last: 'sometimes' is not a boolean; use true or false"),
     case("model.hidden=[0,128]", "error: model.hidden: [0, 128] is not allowed; every width must be > 0", RUN, sub=True),
     case("model.hidden=[-5]", "error: model.hidden: [-5] is not allowed", RUN),
     case("model.hidden=[99999999999]", "error: model: building MLP failed (", RUN),

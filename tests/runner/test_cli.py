@@ -77,7 +77,7 @@ def test_the_readme_command_works_as_typed_on_cpu(tmp_path: Path) -> None:
 def test_every_dataset_option_takes_the_loader_keys(tmp_path: Path, dataset: str) -> None:
     """batch_size and num_workers are runner's keys: an option's YAML need not list them."""
     overrides = [f"dataset={dataset}", "dataset.batch_size=5", "dataset.num_workers=3"]
-    if dataset in ("imdb", "text_classification", "text_lm"):  # token ids: a model that reads them
+    if dataset in ("imdb", "text_classification", "text_lm", "synthetic_tokens"):  # token ids: a model that reads them
         overrides.append("model=gpt")
     preflight_ok([*overrides, "--cfg", "job"])  # the override is accepted (nothing of the data is read)
     spec = components.resolved_spec(compose_spec(overrides, tmp_path / "run"), typed_keys(tuple(overrides)))

@@ -218,3 +218,14 @@ def test_the_divergence_hint_suggests_bf16_only_to_an_fp16_run(tmp_path: Path, p
         watch.check(lambda values: values)
     assert ("precision=bf16 instead of fp16" in str(error.value)) == hint
     assert str(error.value).startswith("the loss is not finite from step 1 on (1 step(s) in a row)")
+
+
+def test_channels_last_keeps_conv_weights_channels_last_and_trains_to_the_same_weights(tmp_path: Path) -> None:
+    """trainer.channels_last changes the memory layout only: the same weights as the default layout."""
+    common = ["dataset=synthetic", "dataset.size=96", "dataset.shape=[3,8,8]", "model=cnn", "dataset.batch_size=16",
+              "trainer.max_steps=3", "tracking=none"]
+    plain = train(common, tmp_path / "plain")
+    last = train([*common, "trainer.channels_last=true"], tmp_path / "last")
+    convs = [p for p in last.module.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous() for p in convs)
+    assert_same_weights(plain, last, rtol=1e-4)
