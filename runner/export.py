@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     source = Path(args.source)
-    out = Path(args.out) if args.out else (source if source.is_dir() else source.parent.parent) / "export"
+    run_dir = source if source.is_dir() else source.parent.parent if source.parent.name == "checkpoints" else source.parent
+    out = Path(args.out) if args.out else run_dir / "export"
     try:
         print(export_checkpoint(source, out))
     except SpecError as e:

@@ -14,10 +14,12 @@ import yaml
 
 from runner import export
 from runner.engine import Engine
-from tests.conftest import REPO, compose_spec
+from runner.spec import SpecError
+from tests.conftest import compose_spec
 
 SHORT = ["trainer.max_steps=2", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]
-MLP = ["model=mlp", "model.hidden=[16]", "dataset.batch_size=8", *SHORT]
+MLP = ["model=mlp", "model.hidden=[16]", "dataset=synthetic", "dataset.shape=[1,4,4]", "dataset.size=80",
+       "dataset.batch_size=8", *SHORT]
 GPT = ["dataset=synthetic_tokens", "dataset.vocab_size=64", "dataset.block_size=16", "dataset.size=40",
        "dataset.batch_size=4", "model=gpt", "model.n_embd=32", "model.n_head=2", "task=language_modeling", *SHORT]
 
@@ -55,10 +57,10 @@ def test_an_mlp_run_exported_reloads_both_ways_to_the_trained_models_outputs(mlp
     assert sorted(p.name for p in out.iterdir()) == ["example_inputs.safetensors", "model.pt2", "model.safetensors",
                                                      "model.yaml"]
     record = yaml.safe_load((out / "model.yaml").read_text())
-    assert record["model"]["input_shape"] == [1, 8, 8] and record["model"]["num_classes"] == 10
+    assert record["model"]["input_shape"] == [1, 4, 4] and record["model"]["num_classes"] == 10
     assert record["source"]["step"] == 2 and record["torch_export"] == "model.pt2"
     inputs = safetensors.torch.load_file(str(out / "example_inputs.safetensors"))
-    assert list(inputs) == ["input"] and inputs["input"].shape == (8, 1, 8, 8)
+    assert list(inputs) == ["input"] and inputs["input"].shape == (8, 1, 4, 4)
     expected = model(**inputs)
     assert torch.equal(rebuilt(out)(**inputs), expected)
     program = torch.export.load(str(out / "model.pt2")).module()
@@ -128,3 +130,31 @@ def test_a_bad_checkpoint_is_one_line_and_writes_nothing(tmp_path: Path, capsys:
     assert export.main([str(path), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == message.format(path=path) + "\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_run_refuses_a_bad_source_before_any_mlflow_run_exists(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    spec = compose_spec([f"trainer.resume={tmp_path / 'missing'}"], tmp_path / "run", f"sqlite:///{db}")
+    with pytest.raises(SpecError, match=r"^trainer.resume: '.*missing' does not exist; give a checkpoint file or a run "
+                                        r"directory$"):
+        export.run(spec)
+    assert not db.exists() and not (tmp_path / "run" / "export").exists()
+
+
+@pytest.mark.slow  # MLflow's start-up; the mlp test keeps what is written, this what reaches MLflow
+def test_run_logs_the_export_as_artifacts_of_a_finished_run_tagged_with_its_source(mlp_run: tuple, tmp_path: Path) -> None:
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = export.run(compose_spec([f"trainer.resume={mlp_run[0]}"], tmp_path / "run", uri))
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["runner.exported_from_checkpoint"] == str(mlp_run[0] / "checkpoints" / "step-00000002.pt")
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    assert logged == {f"export/{p.name}" for p in out.iterdir()}
+    copy = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="export",
+                                                    dst_path=str(tmp_path / "dl"), tracking_uri=uri))
+    inputs = safetensors.torch.load_file(str(copy / "example_inputs.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(rebuilt(copy)(**inputs), mlp_run[1](**inputs))
