@@ -84,6 +84,21 @@ def test_a_gpt_with_tied_weights_exported_reloads_to_the_trained_models_outputs(
     assert torch.equal(loaded(**inputs), model(**inputs))
 
 
+def test_a_model_torch_export_cannot_trace_is_said_in_one_line_and_the_rest_is_written(
+        gpt_run: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("data-dependent control flow\nmore lines of trace")
+
+    monkeypatch.setattr(torch.export, "export", refuse)
+    out = export.export_checkpoint(gpt_run[0], tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["example_inputs.safetensors", "model.safetensors", "model.yaml"]
+    reason = "RuntimeError: data-dependent control flow"
+    assert yaml.safe_load((out / "model.yaml").read_text())["torch_export"] == f"not written: {reason}"
+    said = [r.getMessage() for r in caplog.records if r.name == "runner.export" and r.levelname == "WARNING"]
+    assert said == [f"export: runner.models.gpt.GPT could not be exported as a torch.export program ({reason}); "
+                    "model.safetensors and model.yaml are written"]
+
+
 @pytest.mark.slow  # the fast test above keeps the safetensors path of gpt; the mlp test keeps torch.export
 @torch.no_grad()
 def test_a_gpt_exports_as_a_torch_export_program(gpt_run: tuple, tmp_path: Path) -> None:
