@@ -44,7 +44,8 @@ def run(spec: RunSpec) -> Path:
     from runner.tracking import build_tracker
 
     if not spec.trainer.resume:
-        raise SpecError("trainer.resume: null; mode=export exports a trained model: give trainer.resume=<run dir | checkpoint>")
+        raise SpecError("trainer.resume: null; mode=export exports a trained model: "
+                        "give trainer.resume=<run dir | checkpoint>")
     source = checkpoint.verify(spec.trainer.resume)  # refused in one line before any MLflow run exists
     tracker = build_tracker(spec)
     tracker.start(spec)

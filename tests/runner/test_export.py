@@ -82,6 +82,7 @@ def test_a_gpt_with_tied_weights_exported_reloads_to_the_trained_models_outputs(
     loaded = rebuilt(out)
     assert loaded.lm_head.weight is loaded.wte.weight  # stored once, tied again on load
     assert torch.equal(loaded(**inputs), model(**inputs))
+    assert torch.equal(export.load_exported(out)(**inputs), model(**inputs))  # runner's one-call loader: the same
 
 
 def test_a_model_torch_export_cannot_trace_is_said_in_one_line_and_the_rest_is_written(
