@@ -17,7 +17,7 @@ from runner.engine import Engine
 from runner.spec import SpecError
 from tests.conftest import compose_spec
 
-SHORT = ["trainer.max_steps=2", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]
+SHORT = ["trainer.max_steps=1", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]
 MLP = ["model=mlp", "model.hidden=[16]", "dataset=synthetic", "dataset.shape=[1,4,4]", "dataset.size=80",
        "dataset.batch_size=8", *SHORT]
 GPT = ["dataset=synthetic_tokens", "dataset.vocab_size=64", "dataset.block_size=16", "dataset.size=40",
@@ -58,7 +58,7 @@ def test_an_mlp_run_exported_reloads_both_ways_to_the_trained_models_outputs(mlp
                                                      "model.yaml"]
     record = yaml.safe_load((out / "model.yaml").read_text())
     assert record["model"]["input_shape"] == [1, 4, 4] and record["model"]["num_classes"] == 10
-    assert record["source"]["step"] == 2 and record["torch_export"] == "model.pt2"
+    assert record["source"]["step"] == 1 and record["torch_export"] == "model.pt2"
     inputs = safetensors.torch.load_file(str(out / "example_inputs.safetensors"))
     assert list(inputs) == ["input"] and inputs["input"].shape == (8, 1, 4, 4)
     expected = model(**inputs)
@@ -155,6 +155,11 @@ def test_run_refuses_a_bad_source_before_any_mlflow_run_exists(tmp_path: Path) -
                                         r"directory$"):
         export.run(spec)
     assert not db.exists() and not (tmp_path / "run" / "export").exists()
+    spec = compose_spec([], tmp_path / "run", f"sqlite:///{db}")
+    with pytest.raises(SpecError, match=r"^trainer.resume: null; mode=export exports a trained model: give "
+                                        r"trainer.resume=<run dir \| checkpoint>$"):
+        export.run(spec)
+    assert not db.exists()
 
 
 @pytest.mark.slow  # MLflow's start-up; the mlp test keeps what is written, this what reaches MLflow
@@ -166,7 +171,7 @@ def test_run_logs_the_export_as_artifacts_of_a_finished_run_tagged_with_its_sour
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs(client.search_experiments()[0].experiment_id)
     assert run.info.status == "FINISHED"
-    assert run.data.tags["runner.exported_from_checkpoint"] == str(mlp_run[0] / "checkpoints" / "step-00000002.pt")
+    assert run.data.tags["runner.exported_from_checkpoint"] == str(mlp_run[0] / "checkpoints" / "step-00000001.pt")
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
     assert logged == {f"export/{p.name}" for p in out.iterdir()}
     copy = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="export",
