@@ -16,7 +16,7 @@ from typing import Any
 
 from runner.mlflow_store import DEFAULT_URI
 from runner.preflight import fail
-from runner.reproduce import open_store
+from runner.reproduce import open_store, parse
 from runner.spec import SpecError
 
 # params that differ between any two runs without changing what was trained
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="runner compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="+", help="an experiment name, a sweep's parent run id, or run ids")
     parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_URI),
-                        help=f"the MLflow store (default: {DEFAULT_URI})")
+                        help=f"the MLflow store (default: {DEFAULT_URI}; tracking.uri=... works too)")
     parser.add_argument("--plot", metavar="METRIC", help="save a chart of this metric over steps, e.g. val/loss")
     parser.add_argument("--out", help="the chart's file (default: outputs/compare/<metric>.png)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     try:
         client = open_store(args.uri)
         runs = ranked(select_runs(client, args.targets, args.uri))

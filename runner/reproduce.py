@@ -37,6 +37,16 @@ def open_store(uri: str) -> Any:
     return open_client(uri, end_orphans=False)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; `tracking.uri=X`, the key a run is given its store with, is taken for `--uri X`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    uris = [a.split("=", 1)[1] for a in argv if a.startswith("tracking.uri=")]
+    args = parser.parse_args([a for a in argv if not a.startswith("tracking.uri=")])
+    if uris:
+        args.uri = uris[-1]
+    return args
+
+
 def get_run(client: Any, run_id: str, uri: str) -> Any:
     try:
         return client.get_run(run_id)
@@ -119,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="runner reproduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_id", help="the MLflow run id (its run page, or the run summary, shows it)")
     parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_URI),
-                        help=f"the MLflow store the run is in (default: {DEFAULT_URI})")
+                        help=f"the MLflow store the run is in (default: {DEFAULT_URI}; tracking.uri=... works too)")
     parser.add_argument("--run-dir", help="the new run's directory (default: outputs/reproduce/<id>-<time>)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     try:
         client = open_store(args.uri)
         original = get_run(client, args.run_id, args.uri)
