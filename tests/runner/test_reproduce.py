@@ -13,7 +13,6 @@ from mlflow.tracking import MlflowClient
 from runner import compare, reproduce, run_record
 from runner.launch import run
 from tests.conftest import compose_spec
-from tests.runner.test_tracking import migrated_store, store  # noqa: F401  (fixtures: a store without migrations)
 
 TINY = ["trainer.max_steps=3", "trainer.deterministic=true", "trainer.device=cpu", "trainer.progress_bar=off",
         "trainer.memory_estimate=false"]
