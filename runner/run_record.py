@@ -25,7 +25,7 @@ PACKAGES = ("torch", "torchvision", "runner", "hydra-core", "omegaconf", "optuna
             "timm", "transformers", "tokenizers")
 TAGGED_PACKAGES = ("torch", "torchvision", "runner", "hydra-core", "optuna", "mlflow", "numpy")
 _HASH_LIMIT = 50 * 2**20  # smaller files get a checksum; larger ones, and folders, size and mtime
-_MAX_FILES = 200_000      # a folder holding more is described by its first ones, and says so
+_MAX_FILES = 20_000       # a folder holding more is described by its first ones (and says so): ~50 ms of stat calls
 # dataset params that name files or folders (a user's dataset may use any key ending like these)
 _PATH_KEYS = ("root", "files", "path", "dir", "file", "tokenizer")
 

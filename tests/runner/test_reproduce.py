@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from runner import compare, reproduce, run_record
 from runner.launch import run
-from tests.conftest import compose_spec
+from tests.conftest import REPO, compose_spec
 
 TINY = ["trainer.max_steps=3", "trainer.deterministic=true", "trainer.device=cpu", "trainer.progress_bar=off",
         "trainer.memory_estimate=false"]
@@ -43,6 +43,7 @@ def test_a_run_records_commit_diff_packages_hardware_and_reproduce_reruns_it_to_
     assert tags["version.torch"] == metadata.version("torch") and tags["version.mlflow"] == metadata.version("mlflow")
     assert tags["hardware.gpus"] == "none" or tags["hardware.cuda"] != "none"
     assert tags["data.kind"].startswith("built-in")
+    assert tags["runner.source_commit"] == git(REPO, "rev-parse", "HEAD")  # runner's own checkout is another repo
     diff = Path(client.download_artifacts(run_id, run_record.DIFF_FILE, str(tmp_path))).read_text()
     assert "+lr = 0.2  # uncommitted" in diff and "-lr = 0.1" in diff
     record = json.loads(Path(client.download_artifacts(run_id, run_record.RECORD_FILE, str(tmp_path))).read_text())
@@ -80,6 +81,8 @@ def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
     assert then["data"]["paths"][f"train_file:{table}"]["bytes"] == table.stat().st_size
     assert then["data"]["paths"][f"root:{folder}"]["files"] == 1
     assert reproduce.differences(then, run_record.build(spec)) == []
+    outside = run_record.tags(run_record.build(spec, cwd=tmp_path))  # tmp_path is in no git repository
+    assert outside["git_commit"] == f"none (not a git repository: {tmp_path})" and outside["git_dirty"] == "false"
 
     table.write_text("text,label\nhello,1\nworld,0\n")  # same size, other labels: only the checksum tells
     (folder / "cat" / "b.png").write_bytes(b"y" * 5)
