@@ -39,11 +39,12 @@ def git_state(directory: Path) -> dict[str, Any]:
             return None
         return out.stdout if out.returncode == 0 else None
 
-    top = git("rev-parse", "--show-toplevel")
-    if top is None:
-        return {"repo": None, "commit": None, "diff": ""}
-    return {"repo": top.strip(), "commit": (git("rev-parse", "HEAD") or "").strip() or None,
-            "diff": git("diff", "HEAD") or ""}
+    found = git("rev-parse", "--show-toplevel", "HEAD")  # one call: a repository without commits fails it
+    if found is None:
+        top = git("rev-parse", "--show-toplevel")
+        return {"repo": top.strip() if top else None, "commit": None, "diff": ""}
+    top, commit = found.splitlines()[:2]
+    return {"repo": top, "commit": commit, "diff": git("diff", "HEAD") or ""}
 
 
 def packages() -> dict[str, str]:
@@ -159,7 +160,8 @@ def build(spec: Any, cwd: Path | None = None) -> dict[str, Any]:
 
 def tags(record: dict[str, Any]) -> dict[str, str]:
     git = record["git"]
-    out = {"git_commit": git["commit"] or f"none (not a git repository: {git['cwd']})",
+    unknown = f"none (no commit yet in {git['repo']})" if git["repo"] else f"none (not a git repository: {git['cwd']})"
+    out = {"git_commit": git["commit"] or unknown,
            "git_dirty": "true" if git.get("diff_sha256") else "false"}
     if "runner_source" in git:
         out["runner.source_commit"] = git["runner_source"]["commit"] or "none"
