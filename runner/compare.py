@@ -16,7 +16,7 @@ from typing import Any
 
 from runner.mlflow_store import DEFAULT_URI
 from runner.preflight import fail
-from runner.reproduce import open_store, parse
+from runner.reproduce import find_run, open_store, parse
 from runner.spec import SpecError
 
 # params that differ between any two runs without changing what was trained
@@ -35,13 +35,12 @@ def select_runs(client: Any, targets: list[str], uri: str) -> list[Any]:
             return [r for r in runs if r.info.run_id not in parents]
     runs = []
     for target in targets:
-        try:
-            run = client.get_run(target)
-        except Exception:
+        run = find_run(client, target)
+        if run is None:
             raise SpecError(f"compare: {target}: neither an experiment nor a run id in {uri}; name an experiment "
                             f"(tracking.experiment, default 'runner'), a sweep's parent run or run ids, or pass "
-                            f"--uri with their store") from None
-        children = _search(client, [run.info.experiment_id], f"tags.mlflow.parentRunId = '{target}'")
+                            f"--uri with their store")
+        children = _search(client, [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
         runs.extend(children if len(targets) == 1 and children else [run])
     return runs
 

@@ -47,12 +47,28 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     return args
 
 
-def get_run(client: Any, run_id: str, uri: str) -> Any:
+def find_run(client: Any, run_id: str) -> Any | None:
+    """The run with this id, or with this unique id prefix (as `runner compare` shows ids); None if none."""
     try:
         return client.get_run(run_id)
     except Exception:
+        pass
+    if len(run_id) < 6 or not all(c in "0123456789abcdef" for c in run_id):
+        return None
+    from mlflow.entities import ViewType
+
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    found = [r for r in client.search_runs(experiments, "", ViewType.ALL, max_results=50000)
+             if r.info.run_id.startswith(run_id)] if experiments else []
+    return found[0] if len(found) == 1 else None
+
+
+def get_run(client: Any, run_id: str, uri: str) -> Any:
+    run = find_run(client, run_id)
+    if run is None:
         raise SpecError(f"run id: {run_id}: no such MLflow run in {uri}; copy the id from the run's page or "
-                        f"summary, or pass --uri with the store it was logged to") from None
+                        f"summary, or pass --uri with the store it was logged to")
+    return run
 
 
 def load_artifact(client: Any, run_id: str, name: str) -> str | None:
@@ -135,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = open_store(args.uri)
         original = get_run(client, args.run_id, args.uri)
+        args.run_id = original.info.run_id
         text = load_artifact(client, args.run_id, "spec.yaml")
         if text is None:
             raise SpecError(f"run id: {args.run_id}: the run has no spec.yaml artifact (it was not logged by runner, "

@@ -128,7 +128,8 @@ def test_compare_ranks_runs_by_objective_with_the_differing_params_and_plots_a_m
     lower = [_fake_run(client, experiment, n, lr, v, [v], direction="minimize")
              for n, lr, v in (("b", "0.1", 0.7), ("a", "0.2", 0.2))]
     chart = tmp_path / "chart.png"
-    assert compare.main([*lower, "tracking.uri=" + store, "--plot", "val/loss", "--out", str(chart)]) == 0
+    # a run id, or its first 12 characters as the table shows them
+    assert compare.main([lower[0][:12], lower[1], "tracking.uri=" + store, "--plot", "val/loss", "--out", str(chart)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[1:3]] == ["a", "b"]  # minimize: the lower objective first
     assert lines[3] == f"chart of val/loss: {chart}"
