@@ -90,6 +90,7 @@ def differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
             out.append(f"{what}: {_short(a)} then, {_short(b)} now")
 
     g0, g1 = then.get("git", {}), now.get("git", {})
+    same("working directory (relative data paths resolve against it)", g0.get("cwd"), g1.get("cwd"))
     same("git commit", g0.get("commit"), g1.get("commit"))
     same("uncommitted changes (sha256 of git diff HEAD)", g0.get("diff_sha256"), g1.get("diff_sha256"))
     same("runner's source commit", (g0.get("runner_source") or {}).get("commit"),
