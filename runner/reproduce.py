@@ -74,6 +74,7 @@ def get_run(client: Any, run_id: str, uri: str) -> Any:
 def load_artifact(client: Any, run_id: str, name: str) -> str | None:
     import tempfile
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file read would bury the output
     try:
         with tempfile.TemporaryDirectory() as tmp:
             return Path(client.download_artifacts(run_id, name, tmp)).read_text()
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         args.run_id = original.info.run_id
         text = load_artifact(client, args.run_id, "spec.yaml")
         if text is None:
-            raise SpecError(f"run id: {args.run_id}: the run has no spec.yaml artifact (it was not logged by runner, "
-                            f"or its artifacts are gone); nothing to rerun it from")
+            raise SpecError(f"run id: {args.run_id}: the run has no spec.yaml artifact, so nothing to rerun it from "
+                            f"(a sweep's parent run has none: its jobs are listed by `runner compare {args.run_id}`)")
         spec = RunSpec.from_yaml(text)
     except SpecError as e:
         fail(str(e))
