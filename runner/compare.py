@@ -102,6 +102,7 @@ def plot(client: Any, runs: list[Any], metric: str, out: Path) -> Path:
     histories = {run.info.run_id: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
                  for run in runs}
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,6 +113,7 @@ def plot(client: Any, runs: list[Any], metric: str, out: Path) -> Path:
         if points:
             ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 30 else None,
                     label=f"{run.info.run_name} ({run.info.run_id[:8]})")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.legend(fontsize="small")
