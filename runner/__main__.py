@@ -64,7 +64,15 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
     return RunSpec.from_config(container, tuple(hydra_cfg.overrides.task))
 
 
+# `runner <subcommand> ...`: a first argument Hydra would never take (an override holds `=`)
+SUBCOMMANDS = {"reproduce": "runner.reproduce", "compare": "runner.compare"}
+
+
 def cli() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        import importlib
+
+        sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     run_dir = preflight(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
         sys.argv += shared_run_dir_overrides(run_dir)

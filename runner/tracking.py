@@ -14,11 +14,11 @@ import json
 import logging
 import re
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from runner import run_record
 from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags
 from runner.spec import RunSpec, TrackingSpec
 
@@ -101,7 +101,7 @@ class MlflowTracker:
             self._last_send = time.monotonic()
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
-        tags = {"overrides": " ".join(spec.overrides) or "(none)", "git_commit": _git_commit(),
+        tags = {"overrides": " ".join(spec.overrides) or "(none)",
                 "host": socket.gethostname(), "run_dir": spec.run_dir, **owner_tags()}
         if self.parent_run_id:
             tags["mlflow.parentRunId"] = self.parent_run_id
@@ -117,6 +117,7 @@ class MlflowTracker:
             for i in range(0, len(params), 100):  # MLflow's limit per batch
                 self.client.log_batch(self.run_id, params=params[i:i + 100])
             self.client.log_text(self.run_id, spec.to_yaml(), "spec.yaml")
+            run_record.log(self.client, self.run_id, spec)  # commit, diff, packages, hardware, data: to reproduce it
         except BaseException:
             self.client.set_terminated(self.run_id, status="FAILED")
             raise
@@ -288,14 +289,3 @@ def params_of(spec: RunSpec) -> dict[str, str]:
 def _param_value(value: Any) -> str:
     text = json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
     return text[:6000]  # MLflow's limit
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return (out.stdout.strip() + ("-dirty" if dirty else "")) if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

@@ -407,6 +407,12 @@ CASES = [
     case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
          "use true or false"),
     case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
+    # --- `runner reproduce` and `runner compare` (issue 16, section 3): the store is the matrix's own, empty
+    case("reproduce 0123456789abcdef0123456789abcdef", "error: run id: 0123456789abcdef0123456789abcdef: no such "
+         "MLflow run in sqlite:///"),
+    case("compare no-such-experiment", "error: compare: no-such-experiment: neither an experiment nor a run id in "
+         "sqlite:///"),
+    case("reproduce abc tracking.uri=sqlite:///{tmp}/none.db", "error: --uri: sqlite:///{tmp}/none.db: no MLflow store at"),
 ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,18 +53,7 @@ def worker(root: Path, name: str, first: int = 0, last: int = 4, kill_after: int
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def migrated_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty store MLflow has created once: copying it spares each test MLflow's schema migration."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
-@pytest.fixture
-def store(tmp_path: Path, migrated_store: Path) -> str:
-    shutil.copy(migrated_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path}/mlflow.db"
+# the `store` fixture (a copy of a store MLflow migrated once per session) is in tests/conftest.py
 
 
 def spec_at(tmp_path: Path, run: str = "run", **tracking) -> RunSpec:
