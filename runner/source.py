@@ -41,13 +41,13 @@ def check_at_start(spec) -> None:
     as it needs the MLflow store) and predict.input names something to read."""
     from runner.resume import check_source
 
-    target = spec.trainer.resume
-    if not (not Path(target).exists() and _RUN_ID.fullmatch(target)):
-        check_source(target)
     given = spec.predict.input
     if spec.mode == "predict" and given is not None and not Path(given).exists():
         raise SpecError(f"predict.input: {given!r} does not exist; give a folder of images or a text file with "
                         "one input per line")
+    target = spec.trainer.resume
+    if not (not Path(target).exists() and _RUN_ID.fullmatch(target)):
+        check_source(target)
 
 
 def _run_dir_of(run_id: str, spec) -> str:

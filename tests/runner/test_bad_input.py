@@ -407,6 +407,14 @@ CASES = [
     case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
          "use true or false"),
     case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
+    # --- issue 16 (helper evalpredict): mode=eval|predict on a trained run
+    case("mode=eval", "error: trainer.resume: mode=eval needs a trained run; give trainer.resume=<run dir | "
+         "checkpoint file | MLflow run id>"),
+    case("mode=evaluate", "error: mode: 'evaluate' is not allowed; choose one of train, eval, predict, export"),
+    case("mode=predict trainer.resume={tmp} predict.input={tmp}/no_such_images", "error: predict.input: "
+         "'{tmp}/no_such_images' does not exist; give a folder of images or a text file with one input per line"),
+    case("mode=eval trainer.resume=0123456789abcdef0123456789abcdef", "error: trainer.resume: 0123456789abcdef0123456789"
+         "abcdef is no run directory, checkpoint file or MLflow run in sqlite:///", RUN),
 ]
 
 
