@@ -51,7 +51,10 @@ def source_spec(spec):
     now, typed = spec.to_dict(), typed_keys(spec.overrides)
     for key in typed:
         if key.endswith("."):  # a group choice (dataset=imagefolder): the whole option, not a mix of two
-            merged[key[:-1]] = now[key[:-1]]
+            group = key[:-1]
+            # the loader's keys are the run's, not the option's: the source's batch unless typed now
+            kept = {k: merged[group][k] for k in ("batch_size", "num_workers") if group == "dataset" and f"dataset.{k}" not in typed}
+            merged[group] = {**now[group], **kept}
         elif key.split(".")[0] not in _OWN_KEYS:
             _set(merged, key, _get(now, key))
     merged.update({k: now[k] for k in _OWN_KEYS})
@@ -94,9 +97,9 @@ def evaluate(spec):
 
     started = time.perf_counter()
     spec, path, source_run = source_spec(spec)
+    engine, step = load_engine(spec, path)  # what can be refused is, before this run's records exist
     tracker = tracked(spec, source_run, path, "evaluated")
     try:
-        engine, step = load_engine(spec, path)
         metrics = {}
         for split in spec.eval.splits:
             metrics.update(engine.evaluate(split))

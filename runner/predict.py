@@ -26,9 +26,9 @@ def run(spec):
     from runner.engine import RunResult
 
     spec, path, source_run = source_spec(spec)
+    engine, step = load_engine(spec, path)  # what can be refused is, before this run's records exist
     tracker = tracked(spec, source_run, path, "predicted")
     try:
-        engine, step = load_engine(spec, path)
         rows = list(predictions(engine, spec))
         out = write(rows, Path(spec.run_dir) / f"predictions.{spec.predict.format}")
         tracker.log_artifact(out)

@@ -62,10 +62,14 @@ def test_eval_gives_the_source_runs_logged_metrics_in_a_new_tagged_run(trained: 
     assert got.data.tags["runner.evaluated_checkpoint"] == str(checkpoint.verify(src))
 
 
-def test_eval_on_chosen_splits_only(trained: tuple, tmp_path: Path) -> None:
+def test_eval_on_chosen_splits_of_other_data_given_on_the_command_line(trained: tuple, tmp_path: Path) -> None:
     src, _ = trained
-    result = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]"], tmp_path / "eval"))
-    assert sorted(result.final) == ["test/acc", "test/loss", "test/top5"]
+    same = yaml.safe_load((src / "result.yaml").read_text())  # the source run's own test metrics
+    other = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]", "dataset.split_seed=1"],
+                             tmp_path / "other"))
+    assert sorted(other.final) == ["test/acc", "test/loss", "test/top5"]
+    assert other.final["test/loss"] != same["final"]["test/loss"]  # another test split: the typed key reached the data
+    assert yaml.safe_load((tmp_path / "other" / "spec.yaml").read_text())["dataset"]["split_seed"] == 1
 
 
 def test_predict_on_the_test_split_is_the_argmax_of_the_models_forward(trained: tuple, tmp_path: Path) -> None:
