@@ -27,9 +27,10 @@ def run(spec):
 
     spec, path, source_run = source_spec(spec)
     engine, step = load_engine(spec, path)  # what can be refused is, before this run's records exist
+    rows = predictions(engine, spec)
     tracker = tracked(spec, source_run, path, "predicted")
     try:
-        rows = list(predictions(engine, spec))
+        rows = list(rows)
         out = write(rows, Path(spec.run_dir) / f"predictions.{spec.predict.format}")
         tracker.log_artifact(out)
         tracker.finish("FINISHED")
@@ -42,20 +43,19 @@ def run(spec):
 
 
 def predictions(engine, spec) -> Iterator[dict]:
+    """The rows to write, read lazily; an input this model cannot read is refused here, before any is."""
     given = spec.predict.input
-    language_model = isinstance(engine.task, LanguageModeling)
-    if language_model:
+    if isinstance(engine.task, LanguageModeling):
         if given is None or Path(given).is_dir():
             raise SpecError(f"predict.input: {given!r}: a language model continues prompts; give a text file with one "
                             "prompt a line")
-        yield from generated(engine, spec, Path(given))
-    elif given is None:
-        yield from classified(engine, ((None, raw) for raw in engine.eval_loaders[spec.predict.split]), with_labels=True)
-    elif Path(given).is_dir():
-        yield from classified(engine, image_batches(spec, Path(given)), with_labels=False)
-    else:
-        raise SpecError(f"predict.input: {given!r} is a file; a classifier reads a folder of images (or predict.split "
-                        "with predict.input=null)")
+        return generated(engine, spec, Path(given))
+    if given is None:
+        return classified(engine, ((None, raw) for raw in engine.eval_loaders[spec.predict.split]), with_labels=True)
+    if Path(given).is_dir():
+        return classified(engine, image_batches(spec, Path(given)), with_labels=False)
+    raise SpecError(f"predict.input: {given!r} is a file; a classifier reads a folder of images (or predict.split "
+                    "with predict.input=null)")
 
 
 @torch.no_grad()
@@ -88,10 +88,14 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
     if not files:
         raise SpecError(f"predict.input: {str(folder)!r} holds no images ({', '.join(IMG_EXTENSIONS)})")
     size = spec.dataset.batch_size
-    for start in range(0, len(files), size):
-        chunk = files[start:start + size]
-        images = torch.stack([transform(decode(str(f))) for f in chunk])
-        yield [str(f.relative_to(folder)) for f in chunk], (images, torch.zeros(len(chunk), dtype=torch.long))
+
+    def read() -> Iterator[tuple[list[str], tuple]]:
+        for start in range(0, len(files), size):
+            chunk = files[start:start + size]
+            images = torch.stack([transform(decode(str(f))) for f in chunk])
+            yield [str(f.relative_to(folder)) for f in chunk], (images, torch.zeros(len(chunk), dtype=torch.long))
+
+    return read()
 
 
 def generated(engine, spec, file: Path) -> Iterator[dict]:
