@@ -122,3 +122,34 @@ def test_predict_for_a_language_model_at_temperature_0_is_the_greedy_continuatio
     # sampled: the same seed, the same continuation; top_k=1 is greedy
     g = torch.Generator().manual_seed(0)
     assert generate(model, [1, 2, 3], 5, 1.0, 1, g) == rows[0]["tokens"]
+
+
+@pytest.mark.slow  # CI keeps predict's rows (test_predict_on_the_test_split...) and other data (test_eval_on_chosen_splits...)
+def test_a_folder_of_images_is_predicted_and_another_folder_evaluated(tmp_path: Path) -> None:
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+
+    def image(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(torch.randint(0, 256, (8, 8, 3), generator=gen, dtype=torch.uint8).numpy()).save(path)
+
+    for root in ("imgs", "imgs2"):
+        for split in ("train", "val"):
+            for c in ("cat", "dog"):
+                for i in range(4):
+                    image(tmp_path / root / split / c / f"{i}.png")
+    for i in range(3):
+        image(tmp_path / "new" / f"x{i}.png")
+    data = ["dataset=imagefolder", "dataset.batch_size=4"]
+    run(compose_spec([*data, f"dataset.root={tmp_path / 'imgs'}", *TRAIN[:1], "trainer.progress_bar=off"], tmp_path / "src"))
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", f"predict.input={tmp_path / 'new'}"],
+                     tmp_path / "pred"))
+    rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
+    assert [r["id"] for r in rows] == ["x0.png", "x1.png", "x2.png"]
+    assert all(abs(float(r["p_0"]) + float(r["p_1"]) - 1) < 1e-5 for r in rows)
+    own = run(compose_spec(["mode=eval", f"trainer.resume={tmp_path / 'src'}"], tmp_path / "own"))
+    other = run(compose_spec(["mode=eval", f"trainer.resume={tmp_path / 'src'}", "dataset=imagefolder",
+                              f"dataset.root={tmp_path / 'imgs2'}"], tmp_path / "other"))
+    assert sorted(other.final) == ["val/acc", "val/loss"] and other.final != own.final
+    assert yaml.safe_load((tmp_path / "other" / "spec.yaml").read_text())["dataset"]["batch_size"] == 4  # the source's
