@@ -39,3 +39,17 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
 @pytest.fixture
 def sqlite_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def migrated_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty sqlite store MLflow has created once for the session: a module copies it (shutil.copy)
+    rather than paying MLflow's schema migration (seconds) again."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    logging.getLogger().handlers.clear()  # alembic's migration logging
+    return db

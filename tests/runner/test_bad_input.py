@@ -564,12 +564,11 @@ class _Evil:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlflow.tracking import MlflowClient
+def store(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> Path:
+    import shutil
 
     db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    logging.getLogger().handlers.clear()  # alembic's migration logging
+    shutil.copy(migrated_mlflow_store, db)
     return db
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,9 @@ TRAIN = ["trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_esti
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def trained(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("modes")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
     uri = f"sqlite:///{root}/mlflow.db"
     run(compose_spec(TRAIN, root / "src", uri))
     return root / "src", uri

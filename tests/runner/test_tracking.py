@@ -55,11 +55,9 @@ def worker(root: Path, name: str, first: int = 0, last: int = 4, kill_after: int
 
 
 @pytest.fixture(scope="module")
-def migrated_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def migrated_store(migrated_mlflow_store: Path) -> Path:
     """An empty store MLflow has created once: copying it spares each test MLflow's schema migration."""
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+    return migrated_mlflow_store
 
 
 @pytest.fixture
