@@ -46,7 +46,9 @@ def run(spec: RunSpec) -> Path:
     if not spec.trainer.resume:
         raise SpecError("trainer.resume: null; mode=export exports a trained model: "
                         "give trainer.resume=<run dir | checkpoint>")
-    source = checkpoint.verify(spec.trainer.resume)  # refused in one line before any MLflow run exists
+    from runner.source import resolve_source
+
+    source = resolve_source(spec)[0]  # a run dir, checkpoint file or MLflow run id; refused before any MLflow run exists
     tracker = build_tracker(spec)
     tracker.start(spec)
     try:

@@ -33,6 +33,10 @@ def run(spec: RunSpec) -> RunResult:
     """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
     Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
     with process_state.isolated() as start_state, preemption.handled():
+        if spec.mode != "train":  # eval, predict, export: a trained run's model, in this process
+            from runner import modes
+
+            return modes.run(spec)
         return _run(spec, start_state)
 
 

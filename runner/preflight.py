@@ -87,7 +87,13 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     """What the spec names outside itself: the checkpoint to resume from, the tracking store, the run directory."""
     from runner.run_lock import check_at_start
 
-    check_at_start(spec.trainer.resume, dir_key, run_dir)  # the checkpoint to resume, the run directory's owner
+    if spec.mode == "train":
+        check_at_start(spec.trainer.resume, dir_key, run_dir)  # the checkpoint to resume, the run directory's owner
+    else:  # the run evaluated, predicted with or exported is only read; this invocation's directory is new
+        from runner import source
+
+        source.check_at_start(spec)
+        check_at_start(None, dir_key, run_dir)
     if spec.tracking.name == "mlflow":
         from runner.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 

@@ -19,9 +19,9 @@ import yaml
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
 from runner.part_specs import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
+from runner.mode_specs import EvalSpec, PredictSpec, check as check_mode
 
 __all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
-
 
 DIM = 2**31 - 1  # the largest tensor dimension many kernels index; a larger one ends in a torch traceback
 
@@ -46,7 +46,7 @@ class ModelSpec(Component):
 
     @classmethod
     def parse(cls, data: Any, key: str = "model") -> "ModelSpec":
-        data = _component_dict(data, key)
+        data = component_dict(data, key)
         own = {k: data.pop(k) for k in ("weights", "freeze", "unfreeze_after_epochs") if k in data}
         built = _build(_FinetuneKeys, own, f"{key}.")
         if built.unfreeze_after_epochs is not None and not built.freeze:  # it would unfreeze nothing
@@ -72,7 +72,7 @@ class DatasetSpec(Component):
 
     @classmethod
     def parse(cls, data: Any, key: str = "dataset") -> "DatasetSpec":
-        data = _component_dict(data, key)
+        data = component_dict(data, key)
         loader = {k: data.pop(k) for k in ("batch_size", "num_workers") if k in data}
         built = _build(_LoaderKeys, loader, f"{key}.")
         return cls(target=data.pop("_target_"), batch_size=built.batch_size, num_workers=built.num_workers, params=data)
@@ -89,9 +89,6 @@ class _FinetuneKeys:
 class _LoaderKeys:
     batch_size: int = opt(64, "samples per device per micro-step", gt=0, le=2**20)
     num_workers: int = opt(0, "DataLoader worker processes", ge=0)
-
-
-_component_dict = component_dict  # shared with the task, optimizer and schedule specs
 
 
 @dataclass(frozen=True)
@@ -250,6 +247,7 @@ _TUNE_KEYS = {"lr_find": ("min_lr", "max_lr", "steps", "smoothing", "diverge_fac
 
 @dataclass(frozen=True)
 class RunSpec:
+    mode: Literal["train", "eval", "predict", "export"] = opt("train", "train, or eval/predict/export a trained run")
     seed: int = opt(0, "seed of model init, data order and dropout", ge=0, lt=2**63)
     run_dir: str = opt("outputs/runs/unnamed", "where this run writes spec.yaml, checkpoints and plots")
     overrides: tuple[str, ...] = opt((), "the command-line overrides this run was composed from")
@@ -266,6 +264,8 @@ class RunSpec:
     objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
     trial: TrialSpec = field(default_factory=TrialSpec)
     tune: TuneSpec = field(default_factory=TuneSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    predict: PredictSpec = field(default_factory=PredictSpec)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -342,6 +342,7 @@ class RunSpec:
         if fraction(self, "val") + fraction(self, "test") >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
         check_metric_names(self)
+        check_mode(self)
         if self.tune.name == "lr_find" and self.tune.min_lr >= self.tune.max_lr:
             raise SpecError(f"tune.min_lr: {self.tune.min_lr:g} is not below tune.max_lr ({self.tune.max_lr:g}); "
                             "the sweep rises from min_lr to max_lr, e.g. tune.min_lr=1e-7 tune.max_lr=10")

@@ -43,17 +43,21 @@ def sqlite_uri(tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def migrated_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty store MLflow has created once: copying it spares each test MLflow's schema migration (seconds)."""
+def migrated_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty sqlite store MLflow has created once for the session: a module copies it (shutil.copy)
+    rather than paying MLflow's schema migration (seconds) again."""
+    import logging
+
     from mlflow.tracking import MlflowClient
 
-    path = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+    db = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    logging.getLogger().handlers.clear()  # alembic's migration logging
+    return db
 
 
 @pytest.fixture
-def store(tmp_path: Path, migrated_store: Path) -> str:
+def store(tmp_path: Path, migrated_mlflow_store: Path) -> str:
     """A fresh sqlite MLflow store for one test, its URI."""
-    shutil.copy(migrated_store, tmp_path / "mlflow.db")
+    shutil.copy(migrated_mlflow_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path}/mlflow.db"

@@ -413,6 +413,16 @@ CASES = [
     case("compare no-such-experiment", "error: compare: no-such-experiment: neither an experiment nor a run id in "
          "sqlite:///"),
     case("reproduce abc tracking.uri=sqlite:///{tmp}/none.db", "error: --uri: sqlite:///{tmp}/none.db: no MLflow store at"),
+    # --- issue 16 (helper evalpredict): mode=eval|predict on a trained run
+    case("mode=eval", "error: trainer.resume: mode=eval needs a trained run; give trainer.resume=<run dir | "
+         "checkpoint file | MLflow run id>"),
+    case("mode=export trainer.resume={tmp}/nothing_here", "error: trainer.resume: '{tmp}/nothing_here' does not exist; "
+         "give a checkpoint file or a run directory"),
+    case("mode=evaluate", "error: mode: 'evaluate' is not allowed; choose one of train, eval, predict, export"),
+    case("mode=predict trainer.resume={tmp} predict.input={tmp}/no_such_images", "error: predict.input: "
+         "'{tmp}/no_such_images' does not exist; give a folder of images or a text file with one input per line"),
+    case("mode=eval trainer.resume=0123456789abcdef0123456789abcdef", "error: trainer.resume: 0123456789abcdef0123456789"
+         "abcdef is no run directory, checkpoint file or MLflow run in sqlite:///", RUN),
 ]
 
 
@@ -562,12 +572,11 @@ class _Evil:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlflow.tracking import MlflowClient
+def store(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> Path:
+    import shutil
 
     db = tmp_path_factory.mktemp("store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()
-    logging.getLogger().handlers.clear()  # alembic's migration logging
+    shutil.copy(migrated_mlflow_store, db)
     return db
 
 
