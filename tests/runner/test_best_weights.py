@@ -1,0 +1,125 @@
+"""trainer.test_on=best|last (runner/best_weights.py) and trainer.resume=latest (runner/run_dir.py)."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner import checkpoint
+from runner.engine import Engine
+from runner.run_dir import latest_run
+from runner.spec import SpecError
+from tests.conftest import compose_spec
+from tests.runner.test_averaging import assert_close_weights, recording
+from runner.tracking import NullTracker
+from tests.runner.test_engine import ctrl_c_during_step
+
+# val/acc minimized: the best validation is an early one (accuracy rises), never the last step's
+BEST = ["model.hidden=[16]", "dataset.batch_size=256", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
+        "trainer.max_steps=6", "trainer.eval_every_n_steps=2", "trainer.checkpoint_every_n_steps=2",
+        "trainer.keep_checkpoints=1", "objective.direction=minimize", "model.dropout=0.2"]
+
+
+class RecordingTracker(NullTracker):
+    """What the engine hands MLflow's tracker (Tracker.log_metrics, set_tags); an MLflow store costs seconds to make."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[tuple[int, float]]] = {}
+        self.tags: dict[str, str] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.metrics.setdefault(name, []).append((step, value))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
+def hand_test(engine: Engine, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """test/loss and test/acc of `weights`, computed here without the engine's evaluation."""
+    module = engine.module
+    kept = {k: v.clone() for k, v in module.state_dict().items()}
+    module.load_state_dict(weights)
+    module.eval()
+    loss, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for inputs, labels in engine.eval_loaders["test"]:
+            logits = module(inputs)
+            loss += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(-1) == labels).sum().item()
+            count += len(labels)
+    module.load_state_dict(kept)
+    return {"test/loss": loss / count, "test/acc": correct / count}
+
+
+def test_test_metrics_come_from_the_best_validation_weights_which_rotation_keeps(tmp_path: Path) -> None:
+    tracker = RecordingTracker()
+    engine = Engine(compose_spec(BEST, tmp_path / "run"), tracker)
+    seen = recording(engine)
+    result = engine.fit()
+    best = result.best_step["val/acc"]
+    assert best < result.steps == 6
+    files = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert files == [f"best-step-{best:08d}.pt", "last.pt", "step-00000006.pt"]  # keep_checkpoints=1 kept it
+    saved = torch.load(tmp_path / "run" / "checkpoints" / f"best-step-{best:08d}.pt", weights_only=True)
+    assert_close_weights(saved["model"], seen[best])  # the weights of that step
+
+    by_hand = hand_test(engine, seen[best])
+    for name in ("test/loss", "test/acc"):
+        assert tracker.metrics[name] == [(6, pytest.approx(by_hand[name], rel=1e-6))]
+    assert hand_test(engine, seen[-1])["test/loss"] != pytest.approx(by_hand["test/loss"], rel=1e-3)  # not the last's
+    assert tracker.tags["test_from"] == result.test_from == f"best@step {best}"
+    # the final checkpoint and the model still hold the last weights: a resume extending the run goes on exactly
+    assert_close_weights(checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["model"], seen[-1])
+    assert_close_weights(engine.module.state_dict(), seen[-1])
+
+
+def test_test_on_last_tests_the_last_weights_and_keeps_no_best_file(tmp_path: Path) -> None:
+    engine = Engine(compose_spec([*BEST, "trainer.test_on=last"], tmp_path / "run"))
+    seen = recording(engine)
+    result = engine.fit()
+    by_hand = hand_test(engine, seen[-1])
+    assert {k: result.final[k] for k in by_hand} == pytest.approx(by_hand, rel=1e-6)
+    assert result.test_from == "last@step 6"
+    assert not list((tmp_path / "run" / "checkpoints").glob("best-*"))
+
+
+def test_a_run_killed_after_its_best_and_resumed_still_tests_on_it(tmp_path: Path) -> None:
+    """Best at step 2, checkpoints at 2 and 4, Ctrl-C in step 5: the resumed run tests on step 2's weights."""
+    full = Engine(compose_spec(BEST, tmp_path / "full"))
+    want = full.fit()
+    cut = ctrl_c_during_step(Engine(compose_spec(BEST, tmp_path / "cut")), 5)
+    with pytest.raises(KeyboardInterrupt):
+        cut.fit()
+    resumed = Engine(compose_spec([*BEST, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut"))
+    assert resumed.progress.step == 4
+    got = resumed.fit()
+    assert want.test_from == got.test_from == "best@step 2"
+    assert got.final == want.final
+
+
+def test_no_validation_of_the_objective_tests_the_last_weights_and_says_so(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    result = Engine(compose_spec(["model.hidden=[16]", "trainer.progress_bar=off", "trainer.max_steps=2",
+                                  "dataset.val_fraction=0", "objective.metric=test/acc"], tmp_path / "run")).fit()
+    assert result.test_from == "last@step 2" and "test/acc" in result.final
+    assert "trainer.test_on=best: test/acc was never evaluated" in caplog.text
+
+
+def test_resume_latest_picks_the_run_written_to_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError, match="^trainer.resume: latest finds no run under "):
+        latest_run()
+    runs = tmp_path / "outputs" / "runs" / "2026-11-23"
+    for name, when in (("older", 1000), ("newer", 2000), ("fresh", 3000)):
+        (runs / name / "checkpoints").mkdir(parents=True)
+        (runs / name / "spec.yaml").write_text("{}")
+        os.utime(runs / name / "spec.yaml", (when, when))
+    (runs / "older" / "checkpoints" / "last.pt").write_bytes(b"")  # written after both spec.yaml files
+    os.utime(runs / "older" / "checkpoints" / "last.pt", (2500, 2500))
+    (runs / "hydra_only" / ".hydra").mkdir(parents=True)  # this command's own new directory: no run
+    (runs / "fresh" / "spec.yaml").unlink()
+    assert latest_run() == Path("outputs/runs/2026-11-23/older")
