@@ -407,6 +407,10 @@ CASES = [
     case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
          "use true or false"),
     case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
+    # --- issue 16 (helper besttest): trainer.test_on, trainer.resume=latest
+    case("trainer.test_on=first", "error: trainer.test_on: 'first' is not allowed; choose one of best, last"),
+    case("trainer.resume=latest", "error: trainer.resume: latest finds no run under {tmp}/outputs/runs (no directory "
+         "there holds a spec.yaml); give a run directory or a checkpoint file"),
 ]
 
 
