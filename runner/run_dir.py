@@ -105,7 +105,7 @@ def latest_run(root: Path = RUNS) -> Path:
     if newest is None:
         raise SpecError(f"trainer.resume: latest finds no run under {root.absolute()} (no directory there holds a "
                         "spec.yaml); give a run directory or a checkpoint file")
-    when, run, path = newest
+    when, run, path = newest[0], newest[1].absolute(), newest[2].absolute()
     logging.getLogger(__name__).info("trainer.resume=latest: %s, the newest run (its %s, written %s)", run,
                                      path.relative_to(run), datetime.datetime.fromtimestamp(when).isoformat(" ", "seconds"))
     return run

@@ -116,4 +116,4 @@ def test_resume_latest_picks_the_run_written_to_last(tmp_path: Path, monkeypatch
     os.utime(runs / "older" / "checkpoints" / "last.pt", (2500, 2500))
     (runs / "hydra_only" / ".hydra").mkdir(parents=True)  # this command's own new directory: no run
     (runs / "fresh" / "spec.yaml").unlink()
-    assert latest_run() == Path("outputs/runs/2026-11-23/older")
+    assert latest_run() == runs / "older"
