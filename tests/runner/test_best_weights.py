@@ -117,3 +117,18 @@ def test_resume_latest_picks_the_run_written_to_last(tmp_path: Path, monkeypatch
     (runs / "hydra_only" / ".hydra").mkdir(parents=True)  # this command's own new directory: no run
     (runs / "fresh" / "spec.yaml").unlink()
     assert latest_run() == runs / "older"
+
+
+@pytest.mark.slow  # an MLflow store costs seconds to make; in CI the fast test above checks what the tracker is handed
+def test_mlflow_holds_the_best_weights_test_metrics_and_their_step(tmp_path: Path, sqlite_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.runner.test_engine import tracked
+
+    engine = tracked(BEST, tmp_path / "run", sqlite_uri)
+    seen = recording(engine)
+    result = engine.fit()
+    run = MlflowClient(sqlite_uri).get_run(engine.tracker.run_id)
+    by_hand = hand_test(engine, seen[result.best_step["val/acc"]])
+    assert {k: run.data.metrics[k] for k in by_hand} == pytest.approx(by_hand, rel=1e-6)
+    assert run.data.tags["test_from"] == f"best@step {result.best_step['val/acc']}" and result.best_step["val/acc"] < 6
