@@ -20,6 +20,7 @@ from runner import (activation_checkpointing, averaging, components, finetune, f
                     parallel, preemption, profiling, tasks)
 from runner import compiling, flops
 from runner.tasks import batches
+from runner.best_weights import BestWeights
 from runner.engine_checkpoints import EngineCheckpoints, Progress
 from runner.loader import make_loader, on_device, optimizer_steps
 from runner.monitor import Monitor, NonFiniteWatch, learning_rates
@@ -51,6 +52,7 @@ class RunResult:
     tflops: float | None = None  # achieved TFLOP/s per device over the timed training steps (runner/flops.py)
     mfu: float | None = None     # tflops / the device's peak; None where no peak is known
     compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
+    test_from: str = ""  # the weights the test metrics came from: "best@step 40", "last@step 60"
 
 
 class Engine(EngineCheckpoints):
@@ -112,6 +114,7 @@ class Engine(EngineCheckpoints):
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
                                self.env.is_main, self.trial)
         self.monitor.flop_rate = flop_rate
+        self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
         self.stop_vote = preemption.StopVote(self.env.distributed)
@@ -172,7 +175,7 @@ class Engine(EngineCheckpoints):
         seconds, rates = time.perf_counter() - started, self.monitor.run_rates()
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
-                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds)
+                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.best_weights.source)
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
@@ -224,7 +227,8 @@ class Engine(EngineCheckpoints):
         The run trained to its end: what that validation would decide (stop, prune) no longer matters."""
         self.averages.finish()
         self._evaluate_and_watch()
-        self.final = {**self.evaluate("test"), **self.averages.evaluate("test")}
+        self.final = self.best_weights.test()
+        self.tracker.set_tags({"test_from": self.best_weights.source})
         self.finished = True
         self.save_checkpoint()
 
@@ -331,6 +335,7 @@ class Engine(EngineCheckpoints):
         if metrics:
             self.schedule.on_eval(metrics)
         self.monitor.on_eval(metrics, p.step, p.epoch)
+        self.best_weights.after_eval(p.step)
         stop = self.stopping.after_eval(metrics)
         if stop is not None:
             self.monitor.say(stop.reason)

@@ -53,10 +53,12 @@ class EngineCheckpoints:
             "finished": self.finished,
             "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
             "final": self.final,
+            "test_from": self.best_weights.source,
             "mlflow_run_id": self.tracker.run_id or "",
         }
         path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
                                self.spec.trainer.keep_checkpoints)
+        self.best_weights.on_checkpoint()
         parallel.barrier()
         return path
 
@@ -87,6 +89,8 @@ class EngineCheckpoints:
         # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
         self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.stopping.stopped_early)
         self.final = dict(state.get("final") or {})
+        self.best_weights.source = state.get("test_from", "")
+        self.best_weights.resumed()
         source_run = state.get("mlflow_run_id") or ""
         if _inside(Path(state["path"]), Path(self.spec.run_dir)):
             self.resume_run_id = source_run or None  # continuing this run directory: reattach to its run

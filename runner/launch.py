@@ -17,6 +17,7 @@ import yaml
 from runner import components, preemption, process_state, resume, run_lock
 from runner.engine import Engine, RunResult, pick_device
 from runner.monitor import Diverged
+from runner.run_dir import latest_run
 from runner.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
 from runner.spec import ParallelismSpec, RunSpec, SpecError
 from runner.tracking import build_tracker, check_tracking, end_left_running
@@ -41,6 +42,8 @@ def run(spec: RunSpec) -> RunResult:
 
 
 def _run(spec: RunSpec, start_state: dict) -> RunResult:
+    if spec.trainer.resume == "latest":
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=str(latest_run())))
     if not spec.trainer.resume and run_lock.requeued(Path(spec.run_dir)):  # a requeued SLURM job goes on in place
         spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
     key = "trainer.resume" if spec.trainer.resume else "hydra.run.dir"
@@ -206,6 +209,9 @@ def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:
     metric = spec.objective.metric
     best_step = f" (step {result.best_step[metric]})" if metric in result.best_step else ""
     final = "  ".join(f"{k} {v:.4f}" for k, v in result.final.items())
+    if result.test_from and result.final:  # "best@step 40": the weights the test metrics came from
+        kind, _, step = result.test_from.partition("@")
+        final += f"  (the {kind} weights, {step})"
     mfu = f"MFU {result.mfu * 100:.3g}%" if result.mfu is not None else "MFU unknown (set trainer.peak_tflops)"
     speed = f"  {result.tflops:.3g} TFLOP/s per device, {mfu}\n" if result.tflops is not None else ""
     print(f"runner: trained {result.steps} optimizer steps in {result.seconds:.1f} s\n"

@@ -83,3 +83,29 @@ def _override_value(text: str) -> str:
     if re.fullmatch(r"[\w./:-]+", text):
         return text
     return "'" + text.replace("'", "\\'") + "'"  # Hydra keeps other backslashes in a quoted value as they are
+
+
+RUNS = Path("outputs/runs")  # where hydra.run.dir puts runs by default (conf/config.yaml)
+
+
+def latest_run(root: Path = RUNS) -> Path:
+    """`trainer.resume=latest`: the run directory under `root` written to last, by the modification time of
+    its newest checkpoint file, or of its spec.yaml before its first checkpoint. A directory holding
+    neither (Hydra's fresh one for this very command) is no run."""
+    import datetime
+    import logging
+
+    newest: tuple[float, Path, Path] | None = None
+    for spec_file in root.glob("**/spec.yaml") if root.is_dir() else []:
+        run = spec_file.parent
+        written = [*(run / "checkpoints").glob("*.pt"), spec_file]
+        when, path = max((p.stat().st_mtime, p) for p in written if p.is_file())
+        if newest is None or when > newest[0]:
+            newest = (when, run, path)
+    if newest is None:
+        raise SpecError(f"trainer.resume: latest finds no run under {root.absolute()} (no directory there holds a "
+                        "spec.yaml); give a run directory or a checkpoint file")
+    when, run, path = newest[0], newest[1].absolute(), newest[2].absolute()
+    logging.getLogger(__name__).info("trainer.resume=latest: %s, the newest run (its %s, written %s)", run,
+                                     path.relative_to(run), datetime.datetime.fromtimestamp(when).isoformat(" ", "seconds"))
+    return run

@@ -105,6 +105,10 @@ def check_at_start(resume: str | None, dir_key: str, run_dir: str) -> None:
     a directory in use or holding a run."""
     if not resume and dir_key == "hydra.run.dir" and requeued(Path(run_dir)):
         resume = run_dir
+    if resume == "latest":
+        from runner.run_dir import latest_run
+
+        resume = str(latest_run())
     if resume:
         from runner.resume import check_source  # imports torch; a resumed run needs it next anyway
 

@@ -161,7 +161,8 @@ class TrainerSpec:
     log_every_n_steps: int = opt(10, "log training metrics every N optimizer steps", gt=0)
     checkpoint_every_n_steps: int = opt(0, "write a checkpoint every N optimizer steps (0: only at the end)", ge=0)
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
-    resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from")
+    resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from; latest: the newest run under outputs/runs")
+    test_on: Literal["best", "last"] = opt("best", "test the weights of objective.metric's best validation (kept as checkpoints/best-step-N.pt), or the last")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
     compile: Literal[False, True, "default", "reduce-overhead", "max-autotune"] = opt(
         False, "torch.compile the model in this mode (true: default); runner/compiling.py")

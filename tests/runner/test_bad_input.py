@@ -423,6 +423,10 @@ CASES = [
          "'{tmp}/no_such_images' does not exist; give a folder of images or a text file with one input per line"),
     case("mode=eval trainer.resume=0123456789abcdef0123456789abcdef", "error: trainer.resume: 0123456789abcdef0123456789"
          "abcdef is no run directory, checkpoint file or MLflow run in sqlite:///", RUN),
+    # --- issue 16 (helper besttest): trainer.test_on, trainer.resume=latest
+    case("trainer.test_on=first", "error: trainer.test_on: 'first' is not allowed; choose one of best, last"),
+    case("trainer.resume=latest", "error: trainer.resume: latest finds no run under {tmp}/outputs/runs (no directory "
+         "there holds a spec.yaml); give a run directory or a checkpoint file"),
 ]
 
 
