@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
+from runner.debug_keys import DebugKeys
 from runner.part_specs import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
 
@@ -153,7 +154,7 @@ class SwaSpec:
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
+class TrainerSpec(DebugKeys):  # the debugging keys: runner/debug_keys.py
     max_epochs: int = opt(20, "epochs to train", gt=0)
     max_steps: Optional[int] = opt(None, "optimizer steps to train; wins over max_epochs when set", gt=0)
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "device: auto picks cuda when available")
