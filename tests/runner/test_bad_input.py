@@ -407,6 +407,10 @@ CASES = [
     case("parallelism=fsdp parallelism.cpu_offload=maybe", "error: parallelism.cpu_offload: 'maybe' is not a boolean; "
          "use true or false"),
     case("trainer.memory_estimate=2", "error: trainer.memory_estimate: 2 is not a boolean"),
+    # --- debug presets (conf/debug/, runner/debug_keys.py)
+    case("debug=nope", "error: debug: unknown option 'nope'; choose one of anomaly, fast, limit, overfit, profile"),
+    case("debug=limit trainer.limit_train=0", "error: trainer.limit_train: 0.0 is out of range; allowed: a value > 0 and <= 1"),
+    case("debug=overfit trainer.overfit_batches=-1", "error: trainer.overfit_batches: -1 is out of range; allowed: a value >= 0"),
 ]
 
 
