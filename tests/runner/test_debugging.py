@@ -141,3 +141,38 @@ def test_profile_preset_profiles_a_short_run(tmp_path: Path, run: list[str]) -> 
                tmp_path / "run")
     assert e.fit().steps == 3 and e.profiler.figures.steps == 2
     assert (tmp_path / "run" / "profile" / "profile_rank0.pt.trace.json").exists()
+
+
+# slow (CI budget): test_limit_takes_the_same_samples_on_every_rank_before_sharding and
+# test_limit_uses_the_first_tenth_of_each_split keep the limit's subset in CI
+@pytest.mark.slow
+def test_a_limited_run_resumed_mid_epoch_ends_as_if_never_stopped(tmp_path: Path) -> None:
+    from tests.runner.test_engine import assert_same_weights, ctrl_c_during_step
+
+    common = ["debug=limit", *DIGITS, "dataset.batch_size=16", "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=1",
+              "trainer.eval_every_epoch=false", "trainer.progress_bar=off"]  # 125 samples: 8 steps an epoch
+    straight = engine(common, tmp_path / "a")
+    straight.fit()
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c_during_step(engine(common, tmp_path / "b"), 10).fit()  # epoch 1, mid-way
+    resumed = engine([*common, f"trainer.resume={tmp_path / 'b'}"], tmp_path / "b")
+    assert resumed.progress.step == 9 and resumed.split_sizes["train"] == 125
+    resumed.fit()
+    assert resumed.progress.step == 12
+    assert_same_weights(straight, resumed, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_of_a_limited_run_train_like_one_process(tmp_path: Path) -> None:
+    """The limit is taken before the samples are dealt to ranks: 2 ranks at batch 8 equal one process at 16."""
+    from tests.conftest import run_cli
+    from tests.runner.test_parallel import assert_same, final_weights
+
+    common = ["debug=limit", "trainer.limit_train=0.2", *DIGITS, "trainer.max_epochs=2", "trainer.progress_bar=off",
+              "tracking=none", "trainer.memory_estimate=false"]  # 251 samples: a ragged last batch
+    single = engine([*common, "dataset.batch_size=16"], tmp_path / "one")
+    single.fit()
+    proc = run_cli([*common, "parallelism=ddp", "parallelism.nproc_per_node=2", "dataset.batch_size=8",
+                    f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
