@@ -129,7 +129,9 @@ def test_anomalys_finite_check_runs_every_step(tmp_path: Path) -> None:
 GPT_SLOW = pytest.param(GPT, id="gpt", marks=pytest.mark.slow)  # CI budget: the digits case keeps the preset in CI
 
 
-@pytest.mark.parametrize("run", [DIGITS, GPT_SLOW], ids=["digits", "gpt"])
+# slow (CI budget): test_anomaly_stops_at_the_step_that_made_nan_in_one_line runs the preset in CI
+@pytest.mark.slow
+@RUNS
 def test_anomaly_preset_completes_a_healthy_run(tmp_path: Path, run: list[str]) -> None:
     e = engine(["debug=anomaly", *run, "trainer.max_steps=2", "trainer.eval_every_epoch=false"], tmp_path / "run")
     assert e.fit().steps == 2 and torch.is_anomaly_enabled() is False  # switched off again after the run
