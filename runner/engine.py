@@ -18,7 +18,7 @@ import torch
 
 from runner import (activation_checkpointing, averaging, components, finetune, fit_checks, memory_estimate, metric_names,
                     parallel, preemption, profiling, tasks)
-from runner import compiling, flops
+from runner import compiling, debugging, flops
 from runner.tasks import batches
 from runner.best_weights import BestWeights
 from runner.engine_checkpoints import EngineCheckpoints, Progress
@@ -68,6 +68,7 @@ class Engine(EngineCheckpoints):
         seed_everything(spec.seed, spec.trainer.deterministic)
 
         data = fit_checks.check_data(spec, components.build_data(spec))
+        data = debugging.limit_data(spec, data, self.env.world)  # trainer.limit_*, overfit_batches, max_eval_batches
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
@@ -117,6 +118,7 @@ class Engine(EngineCheckpoints):
         self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
+        self.overfit = debugging.OverfitGoal(spec, self.steps_per_epoch, parallel.all_reduce_sum)
         self.stop_vote = preemption.StopVote(self.env.distributed)
         self.finished, self.final = False, {}
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
@@ -154,7 +156,9 @@ class Engine(EngineCheckpoints):
                 if self.spec.trainer.memory_estimate:
                     memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
                                            self.train_loader, self._micro_loss)
-                stop = self._train()
+                with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
+                    stop = self._train()
+                self.overfit.report(self.monitor.say, self.progress.step)
                 self.profiler.finish()
                 if not stop.pruned:
                     self._finish_training()
@@ -201,7 +205,7 @@ class Engine(EngineCheckpoints):
                                          self.split_sizes["train"])
                 self.watch.on_step(p.step, loss_sum)
                 self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps)
-                if self.monitor.is_log_step(p.step):
+                if self.monitor.is_log_step(p.step) or trainer.check_finite_every_step:
                     self.watch.check(parallel.all_reduce_max)
                 with self.monitor.window.paused():  # throughput counts training time only
                     if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
@@ -211,6 +215,7 @@ class Engine(EngineCheckpoints):
                         self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
+                stop = stop or self.overfit.on_step(p.step, loss_sum, samples)
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end

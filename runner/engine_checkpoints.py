@@ -28,6 +28,8 @@ class EngineCheckpoints:
     """Mixed into Engine: save_checkpoint, and reading and loading one at the start of a run."""
 
     def save_checkpoint(self) -> Path | None:
+        if not self.spec.trainer.save_checkpoints:  # debug=fast: nothing to resume from is wanted
+            return None
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams

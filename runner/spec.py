@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional
 import yaml
 
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
+from runner.averaging_keys import EmaSpec, SwaSpec, check_averaging
+from runner.debug_keys import DebugKeys
 from runner.part_specs import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
 from runner.mode_specs import EvalSpec, PredictSpec, check as check_mode
@@ -128,29 +130,7 @@ class EarlyStoppingSpec:
 
 
 @dataclass(frozen=True)
-class EmaSpec:
-    """An exponential moving average of the weights (runner/averaging.py), evaluated as val/ema/*."""
-
-    decay: Optional[float] = opt(None, "EMA_t = decay_t * EMA_(t-1) + (1 - decay_t) * weights_t after every optimizer "
-                                       "step t, EMA_0 = the starting weights; e.g. 0.999; null: off", gt=0, lt=1)
-    warmup: bool = opt(False, "decay_t = min(decay, (1 + t) / (10 + t)): early steps weigh more while the EMA would "
-                              "still be mostly the random start")
-
-
-@dataclass(frozen=True)
-class SwaSpec:
-    """Stochastic weight averaging (runner/averaging.py): the mean of the weights at the ends of the last
-    epochs, evaluated as val/swa/*; BatchNorm statistics recomputed for it at the end of training."""
-
-    start_epoch: Optional[int] = opt(None, "average the weights at the end of this epoch (counted from 0) and of "
-                                           "every later one; null: off", ge=0)
-    lr: Optional[float] = opt(None, "from start_epoch on, anneal the lr to this value and hold it (torch SWALR); "
-                                    "null: the run's own schedule goes on", gt=0)
-    anneal_epochs: int = opt(1, "epochs the lr takes to reach swa.lr (cosine); 0: at once", ge=0)
-
-
-@dataclass(frozen=True)
-class TrainerSpec:
+class TrainerSpec(DebugKeys):  # the debugging keys: runner/debug_keys.py
     max_epochs: int = opt(20, "epochs to train", gt=0)
     max_steps: Optional[int] = opt(None, "optimizer steps to train; wins over max_epochs when set", gt=0)
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "device: auto picks cuda when available")
@@ -339,7 +319,7 @@ class RunSpec:
         host, _, port = par.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
-        _check_averaging(self.trainer)
+        check_averaging(self.trainer)
         if fraction(self, "val") + fraction(self, "test") >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
         check_metric_names(self)
@@ -378,19 +358,6 @@ def _with_components(cfg: dict) -> dict:
 
 _COMPONENTS = {"model": ModelSpec, "dataset": DatasetSpec, "task": TaskSpec, "optimizer": OptimizerSpec,
                "scheduler": SchedulerSpec}
-
-
-def _check_averaging(trainer: TrainerSpec) -> None:
-    ema, swa = trainer.ema, trainer.swa
-    if ema.warmup and ema.decay is None:
-        raise SpecError("trainer.ema.warmup: true needs trainer.ema.decay (the EMA it warms up); set e.g. "
-                        "trainer.ema.decay=0.999, or drop it")
-    if swa.lr is not None and swa.start_epoch is None:
-        raise SpecError(f"trainer.swa.lr: {swa.lr:g} needs trainer.swa.start_epoch (the epoch SWA starts); set it too, "
-                        "or drop it")
-    if swa.start_epoch is not None and trainer.max_steps is None and swa.start_epoch >= trainer.max_epochs:
-        raise SpecError(f"trainer.swa.start_epoch: {swa.start_epoch} is never reached (trainer.max_epochs={trainer.max_epochs}"
-                        f" ends with epoch {trainer.max_epochs - 1}); allowed: 0 to {trainer.max_epochs - 1}")
 
 
 def _check_accum_shorthand(accum: Any, cfg: dict, overrides: tuple[str, ...]) -> None:
