@@ -56,7 +56,7 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     assert list(trials[2].intermediate_values) == [20]  # stopped at its first evaluation (epoch 1, step 20)
     assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
     # the diverged trial's job log says why it failed (runner's Diverged: the loss stopped being finite)
-    assert "the loss is not finite" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "__main__.log").read_text()
+    assert "the loss is not finite" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "runner.log").read_text()
     (results_file,) = tmp_path.glob("outputs/multiruns/*/*/optimization_results.yaml")
     results = yaml.safe_load(results_file.read_text())
     assert results["best_params"]["optimizer.lr"] == 0.05 and results["best_value"] == trials[0].value
