@@ -1,5 +1,6 @@
 """`python -m runner -m hparams_search=...`: trials that report, get pruned, fail, run in parallel and
 die with their sweep, read back from the Optuna study and from MLflow (parent run, child per trial)."""
+import csv
 import os
 import subprocess
 import sys
@@ -151,6 +152,30 @@ def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) ->
     assert sorted(r.info.run_name for r in children) == ["adamw,bf16,max_epochs=1", "adamw,fp32,max_epochs=1",
                                                          "sgd,bf16,max_epochs=1", "sgd,fp32,max_epochs=1"]
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    # as a study's parent: the best child tagged, best_value, every child's params and objective in jobs.csv
+    objective = {r.info.run_id: r.data.metrics["objective"] for r in children}
+    flags = {r.info.run_id: r.data.tags["runner.best"] for r in children}
+    assert sorted(flags.values()) == ["false", "false", "false", "true"]
+    best_id = next(i for i, flag in flags.items() if flag == "true")
+    assert objective[best_id] == max(objective.values())  # jobs may tie: one of the best is marked
+    assert parent.data.metrics["best_value"] == objective[best_id]
+    client = MlflowClient(uri)
+    with open(client.download_artifacts(parent.info.run_id, "jobs.csv", str(tmp_path))) as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["optimizer"], r["precision"], float(r["val/acc"]), r["status"]) for r in rows} == {
+        (*r.info.run_name.split(",")[:2], objective[r.info.run_id], "complete") for r in children}
+    # the console ends with the table: one line per job, its swept overrides, the best marked, the parent's link
+    table = proc.stdout[proc.stdout.index("runner: 4 jobs in "):].splitlines()
+    assert table[1].split() == ["#", "overrides", "val/acc", "status", "time"]
+    by_job = {line.lstrip("* ").split()[0]: line for line in table[2:6]}
+    assert sorted(line.startswith("*") for line in table[2:6]) == [False, False, False, True]
+    best_row = next(r for r in rows if r["run_id"] == best_id)
+    assert by_job[best_row["job"]].startswith("*") and f"{objective[best_id]:.4f}" in by_job[best_row["job"]]
+    assert f"optimizer={best_row['optimizer']} precision={best_row['precision']} " in by_job[best_row["job"]]
+    assert table[6].startswith("parent MLflow run: ") and table[6].endswith(
+        f"/runs/{parent.info.run_id}?workflowType=machine_learning")
+    for job_dir in tmp_path.glob("outputs/multiruns/*/*/[0-3]"):  # every job's run log, summary included
+        assert "runner: trained" in (job_dir / "runner.log").read_text()
 
 
 def _descendants(pid: int) -> set[int]:
