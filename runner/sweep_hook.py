@@ -181,10 +181,6 @@ class RunnerSweepHook(SweepHook):
             study.set_user_attr(PARENT_RUN_ATTR, run_id)
 
     def trial_done(self, study: Any, trial: Any, killed: bool) -> None:
-        if trial.state.name == "PRUNED":  # one line; the sweep goes on
-            step, value = max(trial.intermediate_values.items(), default=(None, None))
-            at = f" at step {step} ({OmegaConf.select(self.config, 'objective.metric')} {value:.4f})" if step is not None else ""
-            print(f"trial {trial.number} pruned{at}: {_job(trial).overrides}", flush=True)
         if self.parent is None or self.parent.run_id is None:
             return
         try:

@@ -38,7 +38,7 @@ def preflight_ok(args: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job"], ["--help"], ["optimizer.lrr=1"]],
+@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job", "+accum=4"], ["--help"], ["optimizer.lrr=1"]],
                          ids=["bad value", "--cfg job", "--help", "unknown key"])
 def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(tmp_path: Path, args: list[str]) -> None:
     """The spec is checked before the heavy imports: -X importtime lists every module a process imports."""
@@ -49,6 +49,8 @@ def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(t
     assert "hydra" in imported  # the listing is real
     assert imported & {"torch", "mlflow", "optuna", "sklearn"} == set()
     assert proc.returncode == (2 if "=" in args[0] else 0), proc.stderr[-2000:]
+    if "--cfg" in args:  # the shorthand shows as the key it sets, once
+        assert "\naccumulation:\n  steps: 4\n" in proc.stdout and "accum:" not in proc.stdout
 
 
 def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path) -> None:

@@ -56,6 +56,13 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
         (0.05, TrialState.COMPLETE), (1e6, TrialState.FAIL), (1e-5, TrialState.PRUNED)]
     assert list(trials[2].intermediate_values) == [20]  # stopped at its first evaluation (epoch 1, step 20)
     assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
+    assert "trial.storage" not in proc.stdout + proc.stderr  # job lines show the user's overrides only
+    assert (proc.stdout + proc.stderr).count("trial 2 pruned at step 20: val/acc ") == 1
+    table = proc.stdout[proc.stdout.index("runner: 3 jobs in "):].splitlines()
+    assert [line.lstrip("* ").split()[0:2] for line in table[2:5]] == [
+        ["0", "optimizer.lr=0.05"], ["1", "optimizer.lr=1000000.0"], ["2", "optimizer.lr=1e-05"]]
+    assert table[2].startswith("*") and f"{trials[0].value:.4f}" in table[2] and "complete" in table[2]
+    assert table[3].split()[-4:-2] == ["-", "fail"] and table[4].split()[-4:-2] == ["-", "pruned"]
     # the diverged trial's job log says why it failed (runner's Diverged: the loss stopped being finite)
     assert "the loss is not finite" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "runner.log").read_text()
     (results_file,) = tmp_path.glob("outputs/multiruns/*/*/optimization_results.yaml")
@@ -70,7 +77,8 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     assert parent.data.tags["best_trial"] == "0" and parent.data.metrics["best_value"] == trials[0].value
     assert (parent.data.metrics["trials_complete"], parent.data.metrics["trials_pruned"], parent.data.metrics["trials_fail"]) == (1, 1, 1)
     assert [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "trial_value")] == [(0, trials[0].value)]
-    assert "optimization_results.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"optimization_results.yaml", "jobs.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert table[5].endswith(f"/runs/{parent.info.run_id}?workflowType=machine_learning")
     by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
     assert {n: run_of(t) for n, t in enumerate(trials)} == {n: r.info.run_id for n, r in by_trial.items()}
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
