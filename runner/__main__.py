@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner import registry
-from runner.preflight import CONFIG_NAME, fail, preflight, resolved
+from runner.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
 from runner.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec import RunSpec, SpecError
 
@@ -74,6 +74,7 @@ def cli() -> None:
 
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     run_dir = preflight(sys.argv[1:])
+    sys.argv[1:] = expand_accum(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
         sys.argv += shared_run_dir_overrides(run_dir)
     try:

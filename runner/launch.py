@@ -214,8 +214,9 @@ def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:
         final += f"  (the {kind} weights, {step})"
     mfu = f"MFU {result.mfu * 100:.3g}%" if result.mfu is not None else "MFU unknown (set trainer.peak_tflops)"
     speed = f"  {result.tflops:.3g} TFLOP/s per device, {mfu}\n" if result.tflops is not None else ""
-    print(f"runner: trained {result.steps} optimizer steps in {result.seconds:.1f} s\n"
-          f"  best {metric}: {result.objective:.4f}{best_step}\n"
-          f"  {final}\n{speed}"
-          f"  run directory: {spec.run_dir}\n"
-          f"  {tracking}", file=sys.stdout, flush=True)
+    # through the logger: the console shows it once and the run log (runner.log) keeps it
+    log.info(f"runner: trained {result.steps} optimizer steps in {result.seconds:.1f} s\n"
+             f"  best {metric}: {result.objective:.4f}{best_step}\n"
+             f"  {final}\n{speed}"
+             f"  run directory: {spec.run_dir}\n"
+             f"  {tracking}")

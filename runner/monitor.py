@@ -175,8 +175,17 @@ class Monitor:
             self.trial.report(metrics, step)
 
     def say(self, text: str) -> None:
-        if self.is_main:
-            (log.info if self.bar.disable else self.bar.write)(text)
+        """One line for the console and the run log (runner.log): through the logger always, so the file
+        gets it; while the bar shows, the console's handler writes above the bar instead of through it."""
+        if not self.is_main:
+            return
+        if self.bar.disable:
+            log.info(text)
+            return
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm(tqdm_class=type(self.bar)):
+            log.info(text)
 
     def better(self, metric: str, new: float, old: float) -> bool:
         return new > old if maximize(self.spec, metric) else new < old

@@ -61,6 +61,15 @@ def preflight(argv: list[str]) -> str | None:
         fail(str(e))
 
 
+def expand_accum(argv: list[str]) -> list[str]:
+    """`+accum=N` as the key it stands for (`accumulation.steps=N`), so `--cfg job`, the run's recorded
+    overrides and a sweep's job lines show one value. With accumulation.steps also given it is left as
+    typed: the spec refuses the pair when they differ."""
+    if any(a.lstrip("+~").startswith("accumulation.steps=") for a in argv):
+        return argv
+    return [f"accumulation.steps={a.split('=', 1)[1]}" if a.startswith("+accum=") else a for a in argv]
+
+
 def _check_command_line(args: Any) -> str | None:
     overrides = _parse(args.overrides)
     _check_groups(overrides)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError, SweepHook
 from runner.mlflow_store import open_client, open_experiment, owner_tags
+from runner.sweep_summary import Job, best_job, log_jobs_table, mark_best, print_summary, run_link
 from runner.tracking import RUN_FILE, run_exists
 from runner.trial import PARENT_RUN_ATTR, PARENT_RUN_ENV, RUN_DIR_ATTR
 
@@ -75,14 +77,19 @@ class ParentRun:
 
 class ParentRunCallback(Callback):
     """A grid multirun (`python -m runner -m optimizer=sgd,adamw`) as one MLflow parent run with a
-    child per job. The Optuna sweeper's parent is RunnerSweepHook's, so it is skipped here."""
+    child per job, and the table of its jobs at the end. The Optuna sweeper's parent and table are
+    RunnerSweepHook's, so it is skipped here."""
 
     def __init__(self) -> None:
         self.parent: ParentRun | None = None
+        self.grid = False
+        self.jobs: list[Job] = []
+        self.started: dict[int, float] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if "runner_optuna_sweeper" in str(OmegaConf.select(config, "hydra.sweeper._target_", default="")):
             return
+        self.grid = True
         self.parent = ParentRun.from_config(config)
         if self.parent is None:
             return
@@ -93,7 +100,38 @@ class ParentRunCallback(Callback):
                           params={})
         atexit.register(self._finish_if_open, "FAILED")  # a job that raises ends the sweep before on_multirun_end
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.grid:
+            self.started[int(OmegaConf.select(config, "hydra.job.num", default=-1))] = time.monotonic()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not self.grid:
+            return
+        from hydra.core.utils import JobStatus
+
+        number = int(OmegaConf.select(config, "hydra.job.num", default=len(self.jobs)))
+        overrides = [o for o in job_return.overrides or [] if not o.startswith("hydra.")]
+        done = job_return.status == JobStatus.COMPLETED
+        run_file = Path(OmegaConf.select(config, "hydra.runtime.output_dir", default=".")) / RUN_FILE
+        self.jobs.append(Job(number, " ".join(overrides), float(job_return.return_value) if done else None,
+                             "complete" if done else "failed", time.monotonic() - self.started.get(number, time.monotonic()),
+                             run_file.read_text().strip() if run_file.exists() else None,
+                             dict(o.split("=", 1) for o in overrides if "=" in o)))
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self.grid:
+            return
+        metric = str(OmegaConf.select(config, "objective.metric", default="objective"))
+        best = best_job(self.jobs, OmegaConf.select(config, "objective.direction", default=None) == "maximize")
+        sweep_dir, link = Path(str(config.hydra.sweep.dir)), None
+        if self.parent is not None and self.parent.run_id is not None:
+            try:
+                mark_best(self.parent.client, self.parent.run_id, self.jobs, best)
+                log_jobs_table(self.parent.client, self.parent.run_id, self.jobs, metric, sweep_dir)
+                link = run_link(self.parent.client, self.parent.uri, self.parent.run_id)
+            except Exception as e:  # noqa: BLE001 - MLflow trouble must not hide the table
+                log.warning(f"MLflow: could not summarize the multirun on its parent run ({type(e).__name__}: {e})")
+        print_summary(self.jobs, best, metric, sweep_dir, link)
         self._finish_if_open("FINISHED")
 
     def _finish_if_open(self, status: str) -> None:
@@ -153,15 +191,22 @@ class RunnerSweepHook(SweepHook):
             log.warning(f"MLflow: could not record trial {trial.number} ({type(e).__name__}: {e})")
 
     def sweep_finished(self, study: Any, status: str, results: Optional[Path]) -> None:
-        if self.parent is None or self.parent.run_id is None:
-            return
-        try:
-            with self.lock:
-                self._summarize_on_parent(study, results)
-        except Exception as e:  # noqa: BLE001
-            log.warning(f"MLflow: could not summarize the study on its parent run ({type(e).__name__}: {e})")
-        finally:
-            self.parent.finish(status)
+        jobs = [_job(t) for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
+        metric = str(OmegaConf.select(self.config, "objective.metric", default="objective"))
+        single = len(study.directions) == 1
+        best = best_job(jobs, single and study.direction.name == "MAXIMIZE") if single else None
+        sweep_dir, link = Path(str(self.config.hydra.sweep.dir)), None
+        if self.parent is not None and self.parent.run_id is not None:
+            try:
+                with self.lock:
+                    self._summarize_on_parent(study, results)
+                    log_jobs_table(self.parent.client, self.parent.run_id, jobs, metric, sweep_dir)
+                    link = run_link(self.parent.client, self.parent.uri, self.parent.run_id)
+            except Exception as e:  # noqa: BLE001
+                log.warning(f"MLflow: could not summarize the study on its parent run ({type(e).__name__}: {e})")
+            finally:
+                self.parent.finish(status)
+        print_summary(jobs, best, metric if single else "objective", sweep_dir, link)
 
     def _tag_child(self, trial: Any, killed: bool) -> None:
         from mlflow.entities import RunTag
@@ -229,6 +274,16 @@ def trial_run_id(trial: Any) -> Optional[str]:
     run_dir = trial.system_attrs.get(RUN_DIR_ATTR)
     run_file = Path(run_dir) / RUN_FILE if run_dir else None
     return run_file.read_text().strip() if run_file is not None and run_file.exists() else None
+
+
+def _job(trial: Any) -> Job:
+    state = trial.state.name.lower()
+    seconds = (trial.datetime_complete - trial.datetime_start).total_seconds() \
+        if trial.datetime_complete and trial.datetime_start else None
+    params = {k: str(v) for k, v in {**trial.params, **trial.user_attrs}.items() if isinstance(v, (int, float, str))}
+    value = trial.value if state == "complete" and len(trial.values or []) == 1 else None
+    return Job(trial.number, " ".join(f"{k}={v}" for k, v in params.items()), value, state, seconds,
+               trial_run_id(trial), params)
 
 
 def _best_trial(study: Any) -> Any:

@@ -25,7 +25,11 @@ from runner.trial import is_pruned
 def main(spec_path: str) -> None:
     spec = RunSpec.from_yaml(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    # as a Hydra job logs: the console (stdout) and, on rank 0, the run log the launcher also appends to
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if rank == 0:
+        handlers.append(logging.FileHandler(Path(spec.run_dir) / "runner.log"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", handlers=handlers)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     try:
         env = init_process_group(pick_device(spec.trainer.device).type)

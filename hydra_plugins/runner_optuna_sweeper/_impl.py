@@ -202,7 +202,10 @@ class OptunaSweeperImpl(Sweeper):
         try:
             with books.heartbeat(self.storage, trial._trial_id, self.s.heartbeat_interval):
                 overrides = self._overrides(trial)
-                value = _slots.launch(self.launcher, overrides, trial.number, slot, self.n_jobs, self.spawn)
+                # the hook's overrides reach the job but not its "#N : ..." line: that shows what the user swept
+                internal = self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
+                value = _slots.launch(self.launcher, overrides + internal, trial.number, slot, self.n_jobs, self.spawn,
+                                      hidden=internal)
                 values = self._values(trial, value)
                 state = TrialState.COMPLETE
         except optuna.TrialPruned:
@@ -237,8 +240,7 @@ class OptunaSweeperImpl(Sweeper):
         overlap = trial.params.keys() & self.fixed.keys()
         if overlap:
             raise ValueError(f"parameters both fixed and searched: {sorted(overlap)}")
-        overrides = [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
-        return overrides + self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
+        return [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
 
     def _values(self, trial: optuna.Trial, value: Any) -> list[float]:
         try:

@@ -17,6 +17,7 @@ Trials die with their sweep: see _forkserver_guard and `die_with_parent`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
@@ -48,14 +49,17 @@ class JobDied(RuntimeError):
         super().__init__(f"the job's process {how} before returning a result")
 
 
-def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, slots: int, spawn: bool) -> Any:
-    """The job's return value; raises the job's exception (optuna.TrialPruned for a pruned run)."""
+def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, slots: int, spawn: bool,
+           hidden: Sequence[str] = ()) -> Any:
+    """The job's return value; raises the job's exception (optuna.TrialPruned for a pruned run).
+    `hidden`: overrides the launcher's job line leaves out (the app's own, not the user's)."""
     if not spawn:
-        return _value(launcher.launch([list(overrides)], initial_job_idx=idx)[0])
+        with job_line_without(hidden):
+            return _value(launcher.launch([list(overrides)], initial_job_idx=idx)[0])
     import cloudpickle
 
     env = {**os.environ, **slot_env(slot, slots)}  # the sweep's environment now (the MLflow parent run id) + the slot's share
-    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env, os.getpid()))
+    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env, os.getpid(), list(hidden)))
     receiver, sender = _context().Pipe(duplex=False)
     process = _context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
     process.start()
@@ -157,10 +161,41 @@ def warm_up() -> None:
     forkserver.ensure_running()
 
 
+class _DropOverrides(logging.Filter):
+    def __init__(self, hidden: Sequence[str]):
+        super().__init__()
+        self.hidden = [f" {h}" for h in hidden]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if any(h in text for h in self.hidden):
+            for h in self.hidden:
+                text = text.replace(h, "")
+            record.msg, record.args = text, ()
+        return True
+
+
+@contextlib.contextmanager
+def job_line_without(hidden: Sequence[str]) -> Iterator[None]:
+    """Hydra's launchers log each job as `#N : <overrides>` (hydra.* ones left out): leave these out too."""
+    if not hidden:
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in ("hydra._internal.core_plugins.basic_launcher",)]
+    drop = _DropOverrides(hidden)
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
 def _run_in_child(payload: bytes, sender: Any) -> None:
     import cloudpickle
 
-    launcher, overrides, idx, singleton_state, env, sweep_pid = cloudpickle.loads(payload)
+    launcher, overrides, idx, singleton_state, env, sweep_pid, hidden = cloudpickle.loads(payload)
     # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: the engine
     # ends its MLflow run KILLED. Not SIGINT itself: a sweep started in the background ignores it.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -171,7 +206,8 @@ def _run_in_child(payload: bytes, sender: Any) -> None:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     Singleton.set_state(singleton_state)
     try:
-        result: tuple[str, Any] = ("value", _value(launcher.launch([overrides], initial_job_idx=idx)[0]))
+        with job_line_without(hidden):
+            result: tuple[str, Any] = ("value", _value(launcher.launch([overrides], initial_job_idx=idx)[0]))
     except KeyboardInterrupt:
         os._exit(130)
     except SystemExit as e:  # the task function chose to exit (runner: a bad spec exits 2)

@@ -38,7 +38,7 @@ def preflight_ok(args: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job"], ["--help"], ["optimizer.lrr=1"]],
+@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job", "+accum=4"], ["--help"], ["optimizer.lrr=1"]],
                          ids=["bad value", "--cfg job", "--help", "unknown key"])
 def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(tmp_path: Path, args: list[str]) -> None:
     """The spec is checked before the heavy imports: -X importtime lists every module a process imports."""
@@ -49,6 +49,12 @@ def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(t
     assert "hydra" in imported  # the listing is real
     assert imported & {"torch", "mlflow", "optuna", "sklearn"} == set()
     assert proc.returncode == (2 if "=" in args[0] else 0), proc.stderr[-2000:]
+    if "--help" in args:  # runner's own help: its groups, the shorthand, multiruns, completion, where to read more
+        for text in ("\noptimizer: adafactor, ", "+accum=4", "-m optimizer=sgd,adamw", 'eval "$(runner -sc install=bash)"',
+                     "README.md", "--hydra-help"):
+            assert text in proc.stdout, text
+    if "--cfg" in args:  # the shorthand shows as the key it sets, once
+        assert "\naccumulation:\n  steps: 4\n" in proc.stdout and "accum:" not in proc.stdout
 
 
 def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path) -> None:
@@ -61,13 +67,66 @@ def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path) -
     assert mlflow_runs(db) == [("default", "FINISHED")]
     run_dirs = list((tmp_path / "outputs" / "runs").glob("*/*"))
     assert len(run_dirs) == 1 and (run_dirs[0] / "spec.yaml").exists() and (run_dirs[0] / "curves.png").exists()
+    # piped (no progress bar): the console shows each line once and the run log keeps every one, summary included
+    assert_run_log(proc.stdout, run_dirs[0], epochs=None)
+
+
+def assert_run_log(console: str, run_dir: Path, epochs: int | None) -> None:
+    """The epoch lines and the summary: once each on the console, all of them in <run dir>/runner.log."""
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["runner.log"]
+    log = (run_dir / "runner.log").read_text()
+    lines = [line for line in console.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == (epochs or len(lines)) > 0 and len(set(lines)) == len(lines), console
+    summary = console[console.index("runner: trained"):].splitlines()[:3]
+    assert console.count("runner: trained") == 1 and len(summary) == 3
+    for line in lines + summary:
+        assert log.count(line + "\n") == 1, (line, log)
+
+
+def run_cli_on_a_terminal(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """run_cli with stderr on a pseudo-terminal (where the progress bar draws), stdout piped."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    drawn = bytearray()
+
+    def drain() -> None:  # the bar redraws often: a full terminal buffer would block the run
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            drawn.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=slave, text=True, timeout=300)
+    finally:
+        os.close(slave)
+        reader.join(timeout=5)
+        os.close(master)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout, drawn.decode(errors="replace"))
 
 
 def test_the_readme_command_works_as_typed_on_cpu(tmp_path: Path) -> None:
-    proc = run_cli(["optimizer=adamw", "precision=bf16", "+accum=4", "trainer.max_epochs=2", "tracking=none"], cwd=tmp_path)
+    # typed in a terminal: the progress bar draws, and the run log still gets every line
+    proc = run_cli_on_a_terminal(["optimizer=adamw", "precision=bf16", "+accum=4", "trainer.max_epochs=2", "tracking=none"],
+                                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
     assert "steps: 4" in spec and "name: bf16" in spec and "_target_: torch.optim.AdamW" in spec
+    assert "step/s" in proc.stderr or "s/step" in proc.stderr  # the bar drew on the terminal
+    assert_run_log(proc.stdout + proc.stderr, next((tmp_path / "outputs" / "runs").glob("*/*")), epochs=2)
 
 
 # --- composition: every option with the keys a user types most ---------------------------------------

@@ -1,5 +1,6 @@
 """FLOPs, TFLOP/s and MFU (runner/flops.py): the count of a known model equals the hand count, the peak
 table and its override, MFU's arithmetic. The metrics read back from MLflow: tests/runner/test_monitor.py."""
+import logging
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,15 @@ def test_mfu_is_the_achieved_tflops_per_device_over_the_peak() -> None:
     assert flops.FlopRate(None, 50.0).metrics(4000, 2.0) == {}
 
 
-def test_the_end_of_run_summary_prints_tflops_and_mfu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_end_of_run_summary_prints_tflops_and_mfu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from runner.engine import RunResult
     from runner.launch import print_summary
     from tests.conftest import compose_spec
 
     spec = compose_spec([], tmp_path)
+    caplog.set_level(logging.INFO, logger="runner")  # logged: the console and the run log both get it
     print_summary(spec, RunResult(0.9, {}, {}, {}, 10, 2.0, 320.0, tflops=0.25, mfu=0.0125, compile_seconds=3.5), "")
-    out = capsys.readouterr().out
-    assert "  0.25 TFLOP/s per device, MFU 1.25%\n" in out
+    assert "  0.25 TFLOP/s per device, MFU 1.25%\n" in caplog.text
+    caplog.clear()
     print_summary(spec, RunResult(0.9, {}, {}, {}, 10, 2.0, 320.0, tflops=0.25), "")
-    assert "  0.25 TFLOP/s per device, MFU unknown (set trainer.peak_tflops)\n" in capsys.readouterr().out
+    assert "  0.25 TFLOP/s per device, MFU unknown (set trainer.peak_tflops)\n" in caplog.text

@@ -1,5 +1,6 @@
 """`python -m runner -m hparams_search=...`: trials that report, get pruned, fail, run in parallel and
 die with their sweep, read back from the Optuna study and from MLflow (parent run, child per trial)."""
+import csv
 import os
 import subprocess
 import sys
@@ -55,8 +56,15 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
         (0.05, TrialState.COMPLETE), (1e6, TrialState.FAIL), (1e-5, TrialState.PRUNED)]
     assert list(trials[2].intermediate_values) == [20]  # stopped at its first evaluation (epoch 1, step 20)
     assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
+    assert "trial.storage" not in proc.stdout + proc.stderr  # job lines show the user's overrides only
+    assert (proc.stdout + proc.stderr).count("trial 2 pruned at step 20: val/acc ") == 1
+    table = proc.stdout[proc.stdout.index("runner: 3 jobs in "):].splitlines()
+    assert [line.lstrip("* ").split()[0:2] for line in table[2:5]] == [
+        ["0", "optimizer.lr=0.05"], ["1", "optimizer.lr=1000000.0"], ["2", "optimizer.lr=1e-05"]]
+    assert table[2].startswith("*") and f"{trials[0].value:.4f}" in table[2] and "complete" in table[2]
+    assert table[3].split()[-4:-2] == ["-", "fail"] and table[4].split()[-4:-2] == ["-", "pruned"]
     # the diverged trial's job log says why it failed (runner's Diverged: the loss stopped being finite)
-    assert "the loss is not finite" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "__main__.log").read_text()
+    assert "the loss is not finite" in (Path(trials[1].system_attrs[RUN_DIR_ATTR]) / "runner.log").read_text()
     (results_file,) = tmp_path.glob("outputs/multiruns/*/*/optimization_results.yaml")
     results = yaml.safe_load(results_file.read_text())
     assert results["best_params"]["optimizer.lr"] == 0.05 and results["best_value"] == trials[0].value
@@ -69,7 +77,8 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     assert parent.data.tags["best_trial"] == "0" and parent.data.metrics["best_value"] == trials[0].value
     assert (parent.data.metrics["trials_complete"], parent.data.metrics["trials_pruned"], parent.data.metrics["trials_fail"]) == (1, 1, 1)
     assert [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "trial_value")] == [(0, trials[0].value)]
-    assert "optimization_results.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"optimization_results.yaml", "jobs.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert table[5].endswith(f"/runs/{parent.info.run_id}?workflowType=machine_learning")
     by_trial = {int(r.data.tags["optuna.trial"]): r for r in children}
     assert {n: run_of(t) for n, t in enumerate(trials)} == {n: r.info.run_id for n, r in by_trial.items()}
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in children)
@@ -151,6 +160,30 @@ def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) ->
     assert sorted(r.info.run_name for r in children) == ["adamw,bf16,max_epochs=1", "adamw,fp32,max_epochs=1",
                                                          "sgd,bf16,max_epochs=1", "sgd,fp32,max_epochs=1"]
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    # as a study's parent: the best child tagged, best_value, every child's params and objective in jobs.csv
+    objective = {r.info.run_id: r.data.metrics["objective"] for r in children}
+    flags = {r.info.run_id: r.data.tags["runner.best"] for r in children}
+    assert sorted(flags.values()) == ["false", "false", "false", "true"]
+    best_id = next(i for i, flag in flags.items() if flag == "true")
+    assert objective[best_id] == max(objective.values())  # jobs may tie: one of the best is marked
+    assert parent.data.metrics["best_value"] == objective[best_id]
+    client = MlflowClient(uri)
+    with open(client.download_artifacts(parent.info.run_id, "jobs.csv", str(tmp_path))) as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["optimizer"], r["precision"], float(r["val/acc"]), r["status"]) for r in rows} == {
+        (*r.info.run_name.split(",")[:2], objective[r.info.run_id], "complete") for r in children}
+    # the console ends with the table: one line per job, its swept overrides, the best marked, the parent's link
+    table = proc.stdout[proc.stdout.index("runner: 4 jobs in "):].splitlines()
+    assert table[1].split() == ["#", "overrides", "val/acc", "status", "time"]
+    by_job = {line.lstrip("* ").split()[0]: line for line in table[2:6]}
+    assert sorted(line.startswith("*") for line in table[2:6]) == [False, False, False, True]
+    best_row = next(r for r in rows if r["run_id"] == best_id)
+    assert by_job[best_row["job"]].startswith("*") and f"{objective[best_id]:.4f}" in by_job[best_row["job"]]
+    assert f"optimizer={best_row['optimizer']} precision={best_row['precision']} " in by_job[best_row["job"]]
+    assert table[6].startswith("parent MLflow run: ") and table[6].endswith(
+        f"/runs/{parent.info.run_id}?workflowType=machine_learning")
+    for job_dir in tmp_path.glob("outputs/multiruns/*/*/[0-3]"):  # every job's run log, summary included
+        assert "runner: trained" in (job_dir / "runner.log").read_text()
 
 
 def _descendants(pid: int) -> set[int]:

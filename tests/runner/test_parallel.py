@@ -19,6 +19,7 @@ from runner.engine import Engine
 from runner.parallel import DistEnv
 from runner.spec import SpecError
 from tests.conftest import compose_spec, run_cli
+from tests.runner.test_cli import assert_run_log
 
 # a train split of even size (800), so 2 ranks see exactly the samples of one process
 SMALL = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=1000", "dataset.val_fraction=0.1",
@@ -288,6 +289,7 @@ def test_two_ranks_log_and_train_like_one_process_for_any_split_size(tmp_path: P
                     f"hydra.run.dir={tmp_path / 'two'}", f"tracking.uri=sqlite:///{tmp_path / 'two.db'}",
                     f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr
+    assert_run_log(proc.stdout, tmp_path / "two", epochs=2)  # rank 0 writes the run log the launcher opened
     assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "single"))
     one, two = metric_history(tmp_path / "single.db"), metric_history(tmp_path / "two.db")
     for key in ("train/loss", "val/loss", "val/acc", "test/loss", "test/acc", "lr", "objective"):
