@@ -36,7 +36,9 @@ class BestWeights:
 
     def __init__(self, spec: Any, engine: Any):
         self.engine, self.metric = engine, spec.objective.metric
-        self.on = spec.trainer.test_on == "best"
+        self.wanted = spec.trainer.test_on == "best"
+        # trainer.save_checkpoints=false writes nothing, the best weights included: the last ones are tested
+        self.on = self.wanted and spec.trainer.save_checkpoints
         self.directory = Path(spec.run_dir) / "checkpoints"
         self.committed: int | None = None  # the best step the newest step checkpoint knows
         self.source = ""                   # where the test metrics came from: "best@step 40", "last@step 60"
@@ -66,7 +68,13 @@ class BestWeights:
         engine, step = self.engine, self.engine.progress.step
         best = engine.monitor.best_step.get(self.metric)
         self.source = f"last@step {step}"
+        if best is not None and best == step and self.wanted:  # the last weights are the best ones
+            self.source = f"best@step {best}"
+            return _test(engine)
         if not self.on:
+            if self.wanted and best is not None:
+                engine.monitor.say(f"trainer.test_on=best: trainer.save_checkpoints=false keeps no weights of step "
+                                   f"{best}; testing the last weights (step {step})")
             return _test(engine)
         if best is None:
             engine.monitor.say(f"trainer.test_on=best: {self.metric} was never evaluated (no validation of it); "

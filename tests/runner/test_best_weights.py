@@ -85,14 +85,22 @@ def test_a_run_tests_on_its_best_weights_kept_through_rotation_a_kill_and_its_re
     assert_close_weights(resumed.module.state_dict(), after_resume[-1])
 
 
-def test_test_on_last_tests_the_last_weights_and_keeps_no_best_file(tmp_path: Path) -> None:
-    engine = Engine(compose_spec([*BEST, "trainer.test_on=last"], tmp_path / "run"))
+@pytest.mark.parametrize("overrides, said", [
+    (["trainer.test_on=last"], False),
+    (["trainer.save_checkpoints=false"], True),  # debug=fast: nothing written, so no best weights kept either
+])
+def test_test_on_last_or_no_checkpoints_tests_the_last_weights_and_keeps_no_best_file(
+        tmp_path: Path, caplog, overrides: list[str], said: bool) -> None:
+    caplog.set_level(logging.INFO)
+    engine = Engine(compose_spec([*BEST, *overrides], tmp_path / "run"))
     seen = recording(engine)
     result = engine.fit()
     by_hand = hand_test(engine, seen[-1])
     assert {k: result.final[k] for k in by_hand} == pytest.approx(by_hand, rel=1e-6)
     assert result.test_from == "last@step 6"
-    assert not list((tmp_path / "run" / "checkpoints").glob("best-*"))
+    assert not list((tmp_path / "run").glob("checkpoints/best-*"))
+    assert ("trainer.save_checkpoints=false keeps no weights of step 2; testing the last weights (step 6)"
+            in caplog.text) == said
 
 
 def test_no_validation_of_the_objective_tests_the_last_weights_and_says_so(tmp_path: Path, caplog) -> None:
