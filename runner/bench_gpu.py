@@ -34,11 +34,15 @@ def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, con
     return 6 * n_params + 12 * n_layer * n_head * head_dim * context
 
 
+def gpt_params(model: torch.nn.Module) -> int:
+    """models/gpt.py's GPT parameters, counted once (the lm head shares the token embedding's), the position
+    embedding (a lookup, no matmul) left out."""
+    return sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+
+
 def gpt_flops_per_token(model: torch.nn.Module, context: int) -> float:
-    """flops_per_token for models/gpt.py's GPT: parameters counted once (the lm head shares the token
-    embedding's), the position embedding left out."""
-    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return flops_per_token(n_params, model.n_layer, model.n_head, model.n_embd // model.n_head, context)
+    """flops_per_token for models/gpt.py's GPT."""
+    return flops_per_token(gpt_params(model), model.n_layer, model.n_head, model.n_embd // model.n_head, context)
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
@@ -93,7 +97,7 @@ def bench_gpt(gpu: bool, steps: int, warmup: int, batch: int | None, workdir: Pa
     seconds, timed, engine = timed_window(spec, warmup)
     model, data = engine.module, engine.spec.dataset
     tokens_per_s = timed * data.batch_size * data.get("block_size") / seconds
-    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    n_params = gpt_params(model)
     flops = gpt_flops_per_token(model, data.get("block_size"))
     tflops, peak = tokens_per_s * flops / 1e12, peak_flops(engine.device, engine.spec.precision.name)
     mfu = f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a (no peak FLOP/s known for this device)"

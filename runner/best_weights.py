@@ -80,9 +80,6 @@ class BestWeights:
             engine.monitor.say(f"trainer.test_on=best: {self.metric} was never evaluated (no validation of it); "
                                "testing the last weights")
             return _test(engine)
-        if best == step:  # the last weights are the best ones
-            self.source = f"best@step {best}"
-            return _test(engine)
         state = parallel.broadcast_object(self._read(best) if engine.env.is_main else None)
         if state is None:
             engine.monitor.say(f"trainer.test_on=best: the weights of step {best} are not in {self.directory} "
