@@ -155,8 +155,8 @@ def test_a_resume_that_changes_the_search_space_or_direction_stops_with_one_line
 def test_storage_null_runs_a_new_study_at_every_rerun(app: Path) -> None:
     """hydra-optuna-sweeper's `storage: null` is a new (in-memory) study per sweep: rerunning a
     command runs n_trials again, even under the same study_name."""
-    for _ in range(2):
-        sweep(app, "hydra.sweeper.storage=null", "hydra.sweeper.n_trials=2")
+    for rerun in range(2):  # Hydra's default sweep dir has a one-second clock: two quick reruns would share it
+        sweep(app, "hydra.sweeper.storage=null", "hydra.sweeper.n_trials=2", f"hydra.sweep.dir={app}/multirun/rerun/{rerun}")
     journals = sorted(app.glob("multirun/*/*/optuna.journal"))
     assert len(journals) == 2
     for journal in journals:
