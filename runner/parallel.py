@@ -159,7 +159,7 @@ def global_count(local: int, device: torch.device) -> torch.Tensor | int:
     holding unequal shares of a batch still give the global mean (one small all-reduce per step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    count = torch.tensor(float(local), device=device)
+    count = torch.full((), float(local), device=device)  # a fill kernel: no host-to-device copy, which would wait for the GPU
     dist.all_reduce(count)
     return count
 
