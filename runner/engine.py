@@ -93,7 +93,7 @@ class Engine(EngineCheckpoints):
         self.pass_labels = batches.accepts_labels(self.module)
         stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
         batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
-        flop_rate = flops.measure(self.module, stand_in, self.task.count(stand_in.labels), spec, self.device,
+        flop_rate = flops.measure(self.module, stand_in, int(self.task.count(stand_in.labels)), spec, self.device,
                                   self.pass_labels, self.env.world)  # before the wrap: FSDP shards in place
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)

@@ -18,16 +18,16 @@ import torch
 class LogWindow:
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
-        self.counts: list[int] = []
+        self.counts: list[int | torch.Tensor] = []  # a tensor where the labels sit on an accelerator
         self.seconds = 0.0         # training time of the window before `_since`
         self.untimed = 0           # units of steps whose time is not throughput (they compiled)
         self._since: float | None = time.perf_counter()  # None while paused
 
-    def add(self, loss_sum: torch.Tensor, count: int) -> None:
+    def add(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
         self.losses.append(loss_sum)
         self.counts.append(count)
 
-    def exclude(self, seconds: float, count: int) -> None:
+    def exclude(self, seconds: float, count: int | torch.Tensor) -> None:
         """A step of `count` units that took `seconds` (it compiled) leaves the throughput, not the loss."""
         self.seconds -= seconds
         self.untimed += count
@@ -62,8 +62,8 @@ class LogWindow:
 
     def state_dict(self) -> dict:
         """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
-        return {"losses": [t.detach().cpu() for t in self.losses], "counts": list(self.counts),
-                "seconds": self._elapsed(), "untimed": self.untimed}
+        return {"losses": [t.detach().cpu() for t in self.losses], "counts": [int(c) for c in self.counts],
+                "seconds": self._elapsed(), "untimed": int(self.untimed)}
 
     def load_state_dict(self, states: list[dict], rank: int, world: int, device: torch.device) -> None:
         """Every rank's saved window (none in a checkpoint from before windows were saved). Resumed on

@@ -154,12 +154,13 @@ def all_reduce_max(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(flat.unbind())
 
 
-def global_count(local: int, device: torch.device) -> torch.Tensor | int:
+def global_count(local: int | torch.Tensor, device: torch.device) -> torch.Tensor | int:
     """The step's sample (or token) count summed over ranks: the loss is normalised by it, so ranks
     holding unequal shares of a batch still give the global mean (one small all-reduce per step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    count = torch.full((), float(local), device=device)  # a fill kernel: no host-to-device copy, which would wait for the GPU
+    # a fill kernel, not a host-to-device copy (which would wait for every queued kernel)
+    count = local.double() if isinstance(local, torch.Tensor) else torch.full((), float(local), dtype=torch.float64, device=device)
     dist.all_reduce(count)
     return count
 

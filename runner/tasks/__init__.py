@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     import torch
 
 IGNORE = -100  # label that counts for nothing: padding tokens
+
+
+def units_kept(labels: torch.Tensor) -> int | torch.Tensor:
+    """The labels that are not IGNORE: an int on the CPU; on an accelerator a 0-dim tensor there. Reading
+    it as an int there would wait for every kernel queued before it, each micro-step, and leave the GPU
+    idle while the next step is launched (data gathered on the GPU keeps its labels there)."""
+    kept = (labels != IGNORE).sum()
+    return int(kept) if kept.device.type == "cpu" else kept
 Direction = Literal["maximize", "minimize"]
 
 BUILTIN = {"classification": "runner.tasks.classification.Classification",
@@ -62,8 +70,9 @@ class Task:
     metrics: ClassVar[dict[str, Direction]] = {"loss": "minimize"}
     unit: ClassVar[Literal["samples", "tokens"]] = "samples"
 
-    def count(self, labels: torch.Tensor) -> int:
-        """The units of a micro-batch the loss is averaged over (an int: read once per step)."""
+    def count(self, labels: torch.Tensor) -> int | torch.Tensor:
+        """The units of a micro-batch the loss is averaged over: an int, or (labels on an accelerator) a
+        0-dim tensor there, which the engine reads only on logging steps (see `units_kept`)."""
         return len(labels)
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

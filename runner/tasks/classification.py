@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runner.tasks import IGNORE, Task
+from runner.tasks import IGNORE, Task, units_kept
 
 if TYPE_CHECKING:
     import torch
@@ -18,8 +18,8 @@ class Classification(Task):
         if (num_classes or 0) <= 5:  # top-5 of 5 classes or fewer is always 1
             self.metrics = {k: v for k, v in self.metrics.items() if k != "top5"}
 
-    def count(self, labels: torch.Tensor) -> int:
-        return len(labels) if labels.is_floating_point() else int((labels != IGNORE).sum())
+    def count(self, labels: torch.Tensor) -> int | torch.Tensor:
+        return len(labels) if labels.is_floating_point() else units_kept(labels)
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from runner.tasks import IGNORE, Task
+from runner.tasks import IGNORE, Task, units_kept
 
 if TYPE_CHECKING:
     import torch
@@ -19,8 +19,8 @@ class LanguageModeling(Task):
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
 
-    def count(self, labels: torch.Tensor) -> int:
-        return int((labels != IGNORE).sum())
+    def count(self, labels: torch.Tensor) -> int | torch.Tensor:
+        return units_kept(labels)
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py

@@ -155,3 +155,26 @@ def test_label_smoothing_applies_to_a_huggingface_model_the_task_computes_the_lo
     assert abs(smoothed - output.loss.item()) > 1e-3  # the model's own loss differs: the check has power
     engine.fit()
     assert engine.monitor.history["train/loss"][0][1] == pytest.approx(smoothed, rel=1e-5)
+
+
+def test_counts_kept_on_the_device_train_evaluate_and_checkpoint_as_ints_do(tmp_path: Path, monkeypatch) -> None:
+    """Labels on a GPU give 0-dim tensor counts (reading them each step would stall the GPU): the logged
+    train/loss, throughput units, validation and test metrics and the checkpointed window equal an int run's."""
+    import runner.tasks.classification as classification
+
+    overrides = ["trainer.max_steps=6", "trainer.log_every_n_steps=2", "trainer.eval_every_n_steps=3",
+                 "trainer.eval_every_epoch=false", "trainer.progress_bar=off", "dataset.batch_size=32"]
+    as_int = Engine(compose(overrides, tmp_path / "int"))
+    ints = as_int.fit()
+    kept = classification.units_kept
+    seen = []
+    monkeypatch.setattr(classification, "units_kept", lambda labels: seen.append(1) or (labels != -100).sum())
+    as_tensor = Engine(compose(overrides, tmp_path / "tensor"))
+    tensors = as_tensor.fit()
+    assert seen and kept is not classification.units_kept
+    assert as_tensor.monitor.history == as_int.monitor.history | {
+        k: v for k, v in as_tensor.monitor.history.items() if k.startswith("throughput/") or k == "compile/seconds"}
+    assert tensors.final == ints.final and tensors.best == ints.best
+    assert as_tensor.monitor.samples_seen == as_int.monitor.samples_seen == 6 * 32
+    window = as_tensor.monitor.window.state_dict()
+    assert all(type(c) is int for c in window["counts"]) and type(window["untimed"]) is int
