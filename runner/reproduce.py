@@ -123,8 +123,13 @@ def rerun_spec(spec: RunSpec, original: Any, uri: str, run_dir: Path) -> RunSpec
                         trial=TrialSpec(), tracking=dataclasses.replace(spec.tracking, uri=uri, run_name=name))
 
 
+def compared(then: dict[str, float], now: dict[str, float]) -> list[str]:
+    """The final metrics both records are compared on: every one but the timings."""
+    return sorted(k for k in set(then) | set(now) if not k.startswith(TIMING_PREFIXES))
+
+
 def side_by_side(then: dict[str, float], now: dict[str, float]) -> list[str]:
-    keys = sorted(k for k in set(then) | set(now) if not k.startswith(TIMING_PREFIXES))
+    keys = compared(then, now)
     width = max([len(k) for k in keys] + [13])
     lines = [f"{'final metric':<{width}}  {'original':>22}  {'reproduced':>22}"]
     equal = 0
@@ -193,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         if new_id:
             client.set_tag(new_id, TAG, args.run_id)
     print(f"reproduce: run {new_id} reran run {args.run_id} (tagged {TAG}={args.run_id})")
-    for line in side_by_side(original.data.metrics, client.get_run(new_id).data.metrics):
+    then, now = original.data.metrics, client.get_run(new_id).data.metrics
+    for line in side_by_side(then, now):
         print(line)
-    return 0
+    differ = [k for k in compared(then, now) if then.get(k) != now.get(k)]
+    if differ:  # like diff(1): 1 when the rerun did not reproduce the numbers
+        print(f"reproduce: {len(differ)} final metric(s) differ: {', '.join(differ)}")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_a_run_records_commit_diff_packages_hardware_and_reproduce_reruns_it_to_
     git(work, "commit", "-qam", "second")  # the code moved on: reproduce must say so before it reruns
     second = git(work, "rev-parse", "HEAD")
     capsys.readouterr()
-    assert reproduce.main([run_id, "--uri", store, "--run-dir", str(tmp_path / "again")]) == 0
+    client.log_metric(run_id, "test/acc", -1.0, step=10**6)  # the original's final test/acc, as if it had differed
+    assert reproduce.main([run_id, "--uri", store, "--run-dir", str(tmp_path / "again")]) == 1
     out = capsys.readouterr().out
     found = [line for line in out.splitlines() if line.startswith("  differs:")]
     assert found[:2] == [f"  differs: git commit: {first} then, {second} now",
@@ -66,7 +67,9 @@ def test_a_run_records_commit_diff_packages_hardware_and_reproduce_reruns_it_to_
     trained = {k: v for k, v in original.data.metrics.items() if not k.startswith(reproduce.TIMING_PREFIXES)}
     assert {"objective", "val/loss", "test/acc", "train/loss"} <= set(trained)
     assert {k: again.data.metrics[k] for k in trained} == trained  # deterministic on a CPU: exactly equal
-    assert f"{len(trained)} of {len(trained)} final metrics equal" in out
+    assert f"{len(trained) - 1} of {len(trained)} final metrics equal" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("test/acc ")] == ["DIFFERS"]
+    assert out.rstrip().endswith("reproduce: 1 final metric(s) differ: test/acc")
 
 
 def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
