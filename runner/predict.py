@@ -54,8 +54,7 @@ def predictions(engine, spec) -> Iterator[dict]:
         return classified(engine, ((None, raw) for raw in engine.eval_loaders[spec.predict.split]), with_labels=True)
     if Path(given).is_dir():
         return classified(engine, image_batches(spec, Path(given)), with_labels=False)
-    raise SpecError(f"predict.input: {given!r} is a file; a classifier reads a folder of images (or predict.split "
-                    "with predict.input=null)")
+    return classified(engine, text_batches(spec, Path(given)), with_labels=False)
 
 
 @torch.no_grad()
@@ -94,6 +93,33 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
             chunk = files[start:start + size]
             images = torch.stack([transform(decode(str(f))) for f in chunk])
             yield [str(f.relative_to(folder)) for f in chunk], (images, torch.zeros(len(chunk), dtype=torch.long))
+
+    return read()
+
+
+def text_batches(spec, file: Path) -> Iterator[tuple[list[int], dict]]:
+    """Batches of the file's lines (one text a line; blank lines skipped, ids are line numbers), encoded as
+    the dataset encodes its own texts: its tokenizer, its [CLS] prefix, cut at its max_length."""
+    from runner.data.text import TokenizedTexts
+    from runner.data.tokenize import cls_prefix, encode
+
+    data = components.build_data(spec)
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is None:
+        raise SpecError(f"predict.input: {str(file)!r} is a file; a classifier of dataset {spec.dataset.target} reads "
+                        "a folder of images (a text classifier reads a text file, one text a line), or predict.split "
+                        "with predict.input=null")
+    numbered = [(n, line) for n, line in enumerate(file.read_text().splitlines()) if line.strip()]
+    if not numbered:
+        raise SpecError(f"predict.input: {str(file)!r} holds no text (one text a line)")
+    prefix, size = cls_prefix(tokenizer), spec.dataset.batch_size
+    ids = [(prefix + e)[:data.max_length] for e in encode(tokenizer, [line for _, line in numbered])]
+    texts = TokenizedTexts.pack(ids, [0] * len(ids))
+
+    def read() -> Iterator[tuple[list[int], dict]]:
+        for start in range(0, len(numbered), size):
+            chunk = range(start, min(start + size, len(numbered)))
+            yield [numbered[i][0] for i in chunk], data.collate([texts[i] for i in chunk])
 
     return read()
 

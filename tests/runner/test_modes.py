@@ -174,3 +174,25 @@ def test_export_by_mlflow_run_id_writes_a_model_that_reloads_to_the_same_outputs
     state = checkpoint.load(checkpoint.verify(src))["model"]
     model = load_exported(out).state_dict()
     assert state.keys() == model.keys() and all(torch.equal(model[k], v) for k, v in state.items())
+
+
+def test_a_text_file_is_predicted_by_a_text_classifier_as_its_val_split_of_the_same_texts(tmp_path: Path) -> None:
+    words = ["good fine great", "bad awful poor", "great good", "poor bad", "fine", "awful"]
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("text,label\n" + "".join(f"{words[i % 6]} {i},{i % 6 % 2}\n" for i in range(24)))
+    texts = ["good great", "awful bad poor", "fine fine", "poor", "great"]
+    val.write_text("text,label\n" + "".join(f"{t},{i % 2}\n" for i, t in enumerate(texts)))
+    data = ["dataset=text_classification", f"dataset.train_file={train}", f"dataset.val_file={val}",
+            f"dataset.root={tmp_path}", "dataset.vocab_size=300", "dataset.batch_size=4", "dataset.test_fraction=0",
+            "model=distilbert", "model.config.n_layers=1", "model.config.dim=32", "model.config.n_heads=2",
+            "model.config.hidden_dim=64"]
+    run(compose_spec([*data, *TRAIN], tmp_path / "src"))
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join([texts[0], "", *texts[1:]]) + "\n")
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", f"predict.input={lines}"], tmp_path / "file"))
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", "predict.split=val"], tmp_path / "split"))
+    from_file = list(csv.DictReader((tmp_path / "file" / "predictions.csv").open()))
+    from_split = list(csv.DictReader((tmp_path / "split" / "predictions.csv").open()))
+    assert [r["id"] for r in from_file] == ["0", "2", "3", "4", "5"]  # line numbers; the blank line is no text
+    for a, b in zip(from_file, from_split, strict=True):
+        assert {k: v for k, v in a.items() if k != "id"} == {k: v for k, v in b.items() if k not in ("id", "label")}
