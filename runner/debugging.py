@@ -103,6 +103,15 @@ class OverfitGoal:
             return Stop(f"overfit: reached, training loss {max(self.recent):.4g} < {self.target:g} at step {step}")
         return None
 
+    def state_dict(self) -> dict:
+        """The last pass's losses (every rank holds the same): a resumed run reaches the goal at the same step."""
+        return {"recent": list(self.recent), "reached_at": self.reached_at}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:  # none in a checkpoint written before the goal was checkpointed
+            self.recent.extend(state["recent"])
+            self.reached_at = state["reached_at"]
+
     def report(self, say: Callable[[str], None], step: int) -> None:
         if self.on:
             say(self.summary(step))

@@ -51,6 +51,7 @@ class EngineCheckpoints:
             "monitor": self.monitor.state_dict(),
             "log_windows": log_windows,
             "early_stopping": self.stopping.state_dict(),
+            "overfit": self.overfit.state_dict(),
             "averages": averages,
             "finished": self.finished,
             "unfreezer": self.unfreezer.state_dict() if self.unfreezer is not None else None,
@@ -88,6 +89,7 @@ class EngineCheckpoints:
         self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
         self.monitor.window.load_state_dict(state.get("log_windows", []), self.env.rank, self.env.world, self.device)
         self.stopping.load_state_dict(state.get("early_stopping") or state["monitor"])
+        self.overfit.load_state_dict(state.get("overfit"))
         # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
         self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.stopping.stopped_early)
         self.final = dict(state.get("final") or {})

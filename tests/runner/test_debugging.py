@@ -178,3 +178,14 @@ def test_two_ranks_of_a_limited_run_train_like_one_process(tmp_path: Path) -> No
                     f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+
+
+def test_overfit_resumed_one_step_before_the_goal_reaches_it_at_the_same_step(tmp_path: Path) -> None:
+    """The last pass's losses are checkpointed: a resume does not start the pass over (it would end later)."""
+    goal = ["debug=overfit", *DIGITS, "trainer.overfit_batches=2", "dataset.batch_size=8", "optimizer.lr=0.03",
+            "trainer.save_checkpoints=true"]
+    reached = engine(goal, tmp_path / "whole").fit().steps
+    assert 2 < reached < 1000
+    engine([*goal, f"trainer.max_steps={reached - 1}"], tmp_path / "cut").fit()
+    resumed = engine([*goal, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut")
+    assert resumed.progress.step == reached - 1 and resumed.fit().steps == reached
