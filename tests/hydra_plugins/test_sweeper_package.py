@@ -134,36 +134,38 @@ def repack(dist: md.Distribution, wheelhouse: Path) -> Path:
     return path
 
 
-@pytest.mark.slow  # ~40 s (a venv, numpy and SQLAlchemy); in CI test_no_module_of_the_sweeper_imports_... keeps the property
+def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_CONSTRAINT")}
+    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc
+
+
+@pytest.mark.slow  # ~70 s (a venv, numpy and SQLAlchemy, two installs); in CI test_no_module_of_the_sweeper_imports_... keeps the property
 def test_the_sweeper_installs_in_a_fresh_venv_without_torch_and_sweeps_a_plain_hydra_app(tmp_path: Path) -> None:
+    import shutil
     import tomllib  # Python 3.11+, as this slow test
 
     wheelhouse = tmp_path / "wheels"
     wheelhouse.mkdir()
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheelhouse), str(SWEEPER)],
-                   check=True, capture_output=True, text=True, cwd=tmp_path)
-    for dist in requirement_closure(tomllib.loads((SWEEPER / "pyproject.toml").read_text())["project"]["dependencies"]):
+    needs = tomllib.loads((SWEEPER / "pyproject.toml").read_text())
+    for dist in requirement_closure(needs["project"]["dependencies"] + needs["build-system"]["requires"]):
         repack(dist, wheelhouse)
-
+    source = tmp_path / "sweeper"  # a copy: building writes into the source folder
+    shutil.copytree(SWEEPER, source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, text=True)
+    run(sys.executable, "-m", "venv", str(venv), cwd=tmp_path)
     python = str(venv / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_CONSTRAINT")}
-    proc = subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-index",
-                           "--find-links", str(wheelhouse), "hydra-runner-optuna-sweeper"],
-                          env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    where = subprocess.run([python, "-c", "import importlib.util as u, hydra_plugins.runner_optuna_sweeper as s; "
-                                          "print(s.__file__, [m for m in ('torch', 'runner', 'mlflow') if u.find_spec(m)])"],
-                           env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
-    assert where.stdout.split(maxsplit=1) == [str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-                                              / "site-packages" / "hydra_plugins" / "runner_optuna_sweeper" / "__init__.py"), "[]\n"]
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    run(*pip, "install", "--no-index", "--find-links", str(wheelhouse), str(source), cwd=tmp_path)  # `pip install ./sweeper`
+    where = run(python, "-c", "import importlib.util as u, hydra_plugins.runner_optuna_sweeper as s; "
+                              "print(s.__file__, [m for m in ('torch', 'runner', 'mlflow') if u.find_spec(m)])", cwd=tmp_path)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    assert where.stdout.split(maxsplit=1) == [str(site / "hydra_plugins" / "runner_optuna_sweeper" / "__init__.py"), "[]\n"]
 
     # a plain Hydra app, no runner: `optuna` is this sweeper's alias here; two slots run the trials
-    sweep = subprocess.run([python, str(KILN / "kiln.py"), "-m", f"hydra.sweep.dir={tmp_path}/sweep", "hydra/sweeper=optuna",
-                            "hydra.sweeper.n_jobs=2"], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    sweep = run(python, str(KILN / "kiln.py"), "-m", f"hydra.sweep.dir={tmp_path}/sweep", "hydra/sweeper=optuna",
+                "hydra.sweeper.n_jobs=2", cwd=tmp_path)
     study = optuna.load_study(study_name="kiln", storage=open_storage(str(tmp_path / "sweep" / "optuna.journal")))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 8
     sys.path.insert(0, str(KILN))
@@ -173,4 +175,11 @@ def test_the_sweeper_installs_in_a_fresh_venv_without_torch_and_sweeps_a_plain_h
         sys.path.remove(str(KILN))
     for t in study.trials:
         assert t.value == pytest.approx(defects(**t.params))  # each job ran with its trial's parameters
-    assert f"Best value: {min(t.value for t in study.trials)}" in sweep.stderr + sweep.stdout
+    assert f"Best value: {min(t.value for t in study.trials)}" in sweep.stdout
+
+    # an editable install (`make install`'s) is found by Hydra's plugin scan too
+    run(*pip, "uninstall", "-y", "hydra-runner-optuna-sweeper", cwd=tmp_path)
+    run(*pip, "install", "--no-index", "--find-links", str(wheelhouse), "-e", str(source), cwd=tmp_path)
+    scan = run(python, "-c", "from hydra.core.plugins import Plugins; from hydra.plugins.sweeper import Sweeper; "
+                             "print([s.__module__ for s in Plugins.instance().discover(Sweeper)])", cwd=tmp_path)
+    assert "'hydra_plugins.runner_optuna_sweeper.optuna_sweeper'" in scan.stdout
