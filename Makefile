@@ -7,10 +7,12 @@ ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# runner requires the Optuna sweeper (sweeper/, its own distribution) by name: naming its folder
+# installs it from this checkout
+$(VENV)/.installed: pyproject.toml sweeper/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e ./sweeper -e '.[dev]'
 	touch $@
 
 run: install            ## train the default run; pass overrides as ARGS="optimizer=adamw +accum=4"

@@ -62,7 +62,7 @@ if __name__ == "__main__":
 '''
 TOY_CONFIG = '''
 defaults:
-  - override hydra/sweeper: optuna
+  - override hydra/sweeper: runner_optuna
 width: 0.0
 layers: 1
 hydra:

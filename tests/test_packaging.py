@@ -22,37 +22,49 @@ def pip(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of a pristine copy of the source, so no stale build/ of the checkout can leak into it."""
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """runner's wheel and the sweeper's (sweeper/, its own distribution), each built from a pristine copy
+    of the source, so no stale build/ of the checkout can leak into them."""
     tmp = tmp_path_factory.mktemp("packaging")
     shutil.copytree(REPO, tmp / "src", ignore=NOT_SOURCE)
-    pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"), str(tmp / "src"))
-    (built,) = (tmp / "dist").glob("runner-*.whl")
-    return built
+    for source in (tmp / "src", tmp / "src" / "sweeper"):
+        pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "dist"), str(source))
+    (runner,) = (tmp / "dist").glob("runner-*.whl")
+    (sweeper,) = (tmp / "dist").glob("hydra_runner_optuna_sweeper-*.whl")
+    return {"runner": runner, "sweeper": sweeper}
 
 
-def test_the_wheel_holds_every_module_and_config_and_no_top_level_conf(wheel: Path) -> None:
-    names = set(zipfile.ZipFile(wheel).namelist())
+def test_the_wheel_holds_every_module_and_config_and_no_top_level_conf(wheels: dict[str, Path]) -> None:
+    names = set(zipfile.ZipFile(wheels["runner"]).namelist())
     configs = {f"runner/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
     groups = {p.name for p in (REPO / "conf").iterdir() if p.is_dir()}
     assert {"dataset", "model", "optimizer", "scheduler", "precision", "trainer"} <= groups
     assert configs - names == set()
     assert {n.split("/")[2] for n in configs if n.count("/") > 2} == groups
-    modules = {p.relative_to(REPO).as_posix() for d in ("runner", "hydra_plugins") for p in (REPO / d).rglob("*.py")
-               if "__pycache__" not in p.parts}
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "runner").rglob("*.py") if "__pycache__" not in p.parts}
     # the built-in components: top-level models/ and data/ installed as runner.models and runner.data
     modules |= {f"runner/{p.relative_to(REPO).as_posix()}" for d in ("models", "data") for p in (REPO / d).rglob("*.py")
                 if "__pycache__" not in p.parts}
     assert {m for m in modules if m.startswith(("runner/models/", "runner/data/"))}
     assert modules - names == set()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"runner", "hydra_plugins"}
+    assert top_level == {"runner"}
     assert not top_level & {"conf", "data", "models"}
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "Requires-Dist: hydra-runner-optuna-sweeper>=0.1" in zipfile.ZipFile(wheels["runner"]).read(metadata).decode()
 
 
-def test_an_installed_wheel_runs_from_anywhere(wheel: Path, tmp_path: Path) -> None:
+def test_the_sweeper_wheel_holds_the_plugin_and_nothing_else(wheels: dict[str, Path]) -> None:
+    names = {n for n in zipfile.ZipFile(wheels["sweeper"]).namelist() if ".dist-info/" not in n}
+    plugin = REPO / "sweeper" / "hydra_plugins"
+    modules = {p.relative_to(plugin.parent).as_posix() for p in plugin.rglob("*.py") if "__pycache__" not in p.parts}
+    assert "hydra_plugins/runner_optuna_sweeper/optuna_sweeper.py" in modules
+    assert names == modules  # no hydra_plugins/__init__.py: the namespace is shared with every other Hydra plugin
+
+
+def test_an_installed_wheel_runs_from_anywhere(wheels: dict[str, Path], tmp_path: Path) -> None:
     site = tmp_path / "site"
-    pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheel))
+    pip("install", "--no-deps", "--no-index", "--target", str(site), str(wheels["runner"]), str(wheels["sweeper"]))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # only the target dir on the path; torch and friends come from the venv's own site-packages. The venv

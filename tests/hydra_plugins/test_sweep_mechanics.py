@@ -42,7 +42,7 @@ if __name__ == "__main__":
 '''
 CONFIG = '''
 defaults:
-  - override hydra/sweeper: optuna
+  - override hydra/sweeper: runner_optuna
 
 x: 1
 sleep: 0.0

@@ -1,6 +1,7 @@
-"""`hydra/sweeper=optuna`: the config schema. It accepts hydra-optuna-sweeper's keys (sampler,
-direction, storage, study_name, n_trials, n_jobs, params, search_space, custom_search_space,
-max_failure_rate) so existing configs carry over, and adds a pruner, heartbeats and retries.
+"""`hydra/sweeper=runner_optuna` (also `optuna` where hydra-optuna-sweeper is not installed): the
+config schema. It accepts hydra-optuna-sweeper's keys (sampler, direction, storage, study_name,
+n_trials, n_jobs, params, search_space, custom_search_space, max_failure_rate) so existing configs
+carry over, and adds a pruner, heartbeats and retries.
 
 Sampler fields left null take the installed Optuna's default (Optuna deprecates some of the keys
 hydra-optuna-sweeper wrote out, e.g. TPE's consider_prior; set them only to change them).
@@ -190,9 +191,27 @@ _SAMPLERS = {"tpe": TPESamplerConfig, "random": RandomSamplerConfig, "cmaes": Cm
 _PRUNERS = {"none": NopPrunerConfig, "median": MedianPrunerConfig, "percentile": PercentilePrunerConfig,
             "successive_halving": SuccessiveHalvingPrunerConfig, "hyperband": HyperbandPrunerConfig}
 
-_store = ConfigStore.instance()
-_store.store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="runner_optuna_sweeper")
-for _name, _node in _SAMPLERS.items():
-    _store.store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="runner_optuna_sweeper")
-for _name, _node in _PRUNERS.items():
-    _store.store(group="hydra/sweeper/pruner", name=_name, node=_node, provider="runner_optuna_sweeper")
+def hydra_optuna_sweeper_installed() -> bool:
+    """Whether hydra-optuna-sweeper is installed beside: then `hydra/sweeper=optuna` and the sampler
+    names both plugins define (tpe, random, cmaes, nsgaii, motpe, grid) stay its own."""
+    import importlib.util
+
+    return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+
+
+def store_configs(store: ConfigStore, alias: bool) -> None:
+    """`hydra/sweeper=runner_optuna`, and `optuna` too when `alias` (no other plugin owns that name).
+    Without the alias the sampler names the other plugin defines are left to it: this sweeper reads
+    its sampler configs (a _target_ and keyword arguments) as its own."""
+    names = ["runner_optuna", "optuna"] if alias else ["runner_optuna"]
+    for name in names:
+        store.store(group="hydra/sweeper", name=name, node=OptunaSweeperConf, provider="runner_optuna_sweeper")
+    for _name, _node in _SAMPLERS.items():
+        if alias or _name not in HYDRA_OPTUNA_SWEEPER_SAMPLERS:
+            store.store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="runner_optuna_sweeper")
+    for _name, _node in _PRUNERS.items():
+        store.store(group="hydra/sweeper/pruner", name=_name, node=_node, provider="runner_optuna_sweeper")
+
+
+HYDRA_OPTUNA_SWEEPER_SAMPLERS = ("tpe", "random", "cmaes", "nsgaii", "motpe", "grid")
+store_configs(ConfigStore.instance(), alias=not hydra_optuna_sweeper_installed())

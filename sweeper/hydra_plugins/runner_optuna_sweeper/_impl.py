@@ -291,7 +291,13 @@ class OptunaSweeperImpl(Sweeper):
     def _search_space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
         params = [f"{k}={v}" for k, v in (self.s.params or {}).items()]
         space, fixed = parse_params(params + list(arguments), ["hydra.sweeper.params."] * len(params) + [""] * len(arguments))
-        if self.s.search_space and not self.s.params:  # hydra-optuna-sweeper 1.1's form, under the overrides
+        if self.s.search_space is not None and self.s.params is not None:  # warned as hydra-optuna-sweeper warns
+            warnings.warn("Both hydra.sweeper.params and hydra.sweeper.search_space are configured: hydra.sweeper.params "
+                          "defines the search space and search_space is ignored", UserWarning, stacklevel=2)
+        elif self.s.search_space is not None:  # hydra-optuna-sweeper 1.1's form, under the overrides
+            warnings.warn("`hydra.sweeper.search_space` is deprecated and will be removed in the next major release: "
+                          "write the search space as hydra.sweeper.params (Hydra's override grammar)", UserWarning,
+                          stacklevel=2)
             old = {str(k): distribution_from_config(v) for k, v in self.s.search_space.items() if str(k) not in fixed}
             space = {**old, **space}
         return space, fixed

@@ -1,6 +1,7 @@
-"""runner's Optuna sweeper for Hydra: `python -m runner -m hparams_search=digits_optuna`.
+"""An Optuna sweeper for Hydra (`hydra/sweeper=runner_optuna`; also `optuna` where hydra-optuna-sweeper
+is not installed), its own distribution: sweeper/ in runner's repository, `pip install ./sweeper`.
 
-hydra-optuna-sweeper's config on current Optuna, plus pruning fed by the engine, parallel trial
+hydra-optuna-sweeper's config on current Optuna, plus pruning fed by the jobs, parallel trial
 slots that refill as each trial ends, studies resumed or shared by naming their storage, failed and
 killed trials recorded rather than fatal. It imports neither runner nor torch: an app adds its own
 extras through the hook its task function declares (hook.py; runner's: an MLflow parent run per
