@@ -40,6 +40,11 @@ def pool_of(data: Any) -> tuple[Dataset, np.ndarray | None]:
         if isinstance(split, IterableDataset) or not hasattr(split, "__len__"):
             raise SpecError(f"{KEY}: the dataset's {name} split is a stream ({type(split).__name__}) with no "
                             "samples to assign to folds; k-fold needs map-style datasets (indexable, with a length)")
+    if type(train) is not type(val) or getattr(train, "transform", None) is not getattr(val, "transform", None):
+        # a sample moved from train to a fold's val would keep train's augmentation (and the reverse)
+        raise SpecError(f"{KEY}: the dataset's train and val splits read samples differently ({_kind(train)} and "
+                        f"{_kind(val)}: per-sample augmentation on train only), so pooling them would validate on "
+                        "augmented samples; use the dataset without per-sample augmentation (batch mixup/cutmix is fine)")
     if len(val) == 0:
         raise SpecError(f"{KEY}: the dataset's val split is empty, so there is no train+val to fold; give the "
                         "dataset a validation split (dataset.val_fraction > 0 for the built-in ones)")
@@ -89,6 +94,11 @@ def stratifies(labels: np.ndarray | None, folds: int) -> bool:
 def check_size(size: int, folds: int) -> None:
     if folds > size:
         raise SpecError(f"{KEY}: {folds} is more than the {size} samples of train+val; allowed: 2 to {size}")
+
+
+def _kind(split: Dataset) -> str:
+    transform = getattr(split, "transform", None)
+    return type(split).__name__ + (f" with {type(transform).__name__}" if transform is not None else "")
 
 
 def _tensors(split: Dataset) -> bool:

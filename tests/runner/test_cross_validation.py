@@ -5,6 +5,7 @@ intermediate values), and a K-fold run stopped in a fold resumes at that fold.""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
 import statistics
 import sys
 from pathlib import Path
@@ -78,6 +79,26 @@ def test_classification_folds_keep_the_class_proportions_within_one_sample(digit
     plain = folds.fold_indices(None, len(pool), 7, seed=0)
     assert [len(p) for p in plain] == [len(p) for p in parts]
     assert np.ptp(np.stack([np.bincount(labels[p], minlength=10) for p in plain]), axis=0).max() > 1
+
+
+def test_regression_folds_are_plain_and_augmented_train_splits_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from runner.data.images import AugmentedImages
+    from runner.fields import SpecError
+
+    x, y = torch.randn(30, 4), torch.randn(30)  # float targets: no classes to stratify by
+    data = SimpleNamespace(train=TensorDataset(x[:20], y[:20]), val=TensorDataset(x[20:], y[20:]), num_classes=None)
+    assert folds.plan(data, 4, seed=0) == (30, [8, 8, 7, 7], False)
+    with pytest.raises(SpecError, match=r"^trainer.cross_validation.folds: 31 is more than the 30 samples of train\+val"):
+        folds.plan(data, 31, seed=0)
+    images, labels = torch.zeros(30, 3, 4, 4, dtype=torch.uint8), torch.arange(30) % 3
+    augmented = SimpleNamespace(train=AugmentedImages(images[:20], labels[:20], lambda t: t),
+                                val=TensorDataset(images[20:].float(), labels[20:]), num_classes=3)
+    with pytest.raises(SpecError, match="read samples differently .AugmentedImages with function and TensorDataset"):
+        folds.plan(augmented, 3, seed=0)
 
 
 def test_a_fold_run_builds_its_fold_through_the_spec(digits, tmp_path: Path) -> None:
@@ -167,3 +188,83 @@ def test_a_k_fold_run_stopped_in_a_fold_resumes_at_that_fold(tmp_path: Path, mon
     assert sorted(record) == [0, 1] and record[0] == fold_0 and (run_dir / RECORD).is_file()
     assert record[1]["steps"] == 4
     assert result.objective == statistics.fmean([record[0]["objective"], record[1]["objective"]])
+
+
+# --- from the command line, as a user runs it (slow: real processes; the fast tests above keep each
+# property in CI: the study's mean and parent/child runs in-process, the resume with Ctrl-C in-process)
+
+@pytest.mark.slow
+def test_an_optuna_study_and_a_grid_optimise_the_k_fold_mean(tmp_path: Path) -> None:
+    import optuna
+
+    from runner.trial import RUN_DIR_ATTR, open_storage
+
+    db, journal = tmp_path / "mlflow.db", tmp_path / "study.journal"
+    common = ["trainer.cross_validation.folds=2", "trainer.max_steps=3", "trainer.progress_bar=off",
+              "trainer.memory_estimate=false", f"tracking.uri=sqlite:///{db}"]
+    proc = run_cli(["-m", "hparams_search=digits_optuna", f"hydra.sweeper.storage={journal}", "hydra.sweeper.n_trials=2",
+                    "hydra/sweeper/pruner=median", *common], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("runner: 2-fold cross-validation (stratified folds, fold seed 0), val/acc ") == 2
+    study = optuna.load_study(study_name="digits_optuna", storage=open_storage(str(journal)))
+    found = runs(db)
+    (sweep_parent,) = [rid for rid, r in found.items() if r["name"] == "digits_optuna"]
+    for trial in study.trials:
+        k_fold = (Path(trial.system_attrs[RUN_DIR_ATTR]) / "mlflow_run_id").read_text().strip()
+        assert found[k_fold]["parent"] == sweep_parent  # study -> K-fold run -> folds
+        objectives = [k["metrics"]["objective"][-1][1] for k in children(db, k_fold)]
+        assert len(objectives) == 2
+        assert trial.value == pytest.approx(statistics.fmean(objectives), abs=1e-12)
+        assert trial.intermediate_values == pytest.approx({0: objectives[0], 1: trial.value})
+
+    grid = run_cli(["-m", "optimizer.lr=0.01,0.001", *common], cwd=tmp_path)
+    assert grid.returncode == 0, grid.stderr[-3000:]
+    found = runs(db)
+    (grid_parent,) = [rid for rid, r in found.items() if r["tags"].get("runner.sweeper") == "basic"]
+    k_folds = [rid for rid, r in found.items() if r["parent"] == grid_parent]
+    assert len(k_folds) == 2
+    table = grid.stdout[grid.stdout.index("runner: 2 jobs in "):]
+    for rid in k_folds:
+        mean = statistics.fmean(k["metrics"]["objective"][-1][1] for k in children(db, rid))
+        assert found[rid]["metrics"][f"cv/{METRIC}_mean"][0][1] == pytest.approx(mean)
+        assert f"{mean:.4f}" in table  # the value the grid got is the K-fold mean
+
+
+@pytest.mark.slow
+def test_a_killed_k_fold_run_resumes_at_the_killed_fold_from_the_command_line(tmp_path: Path) -> None:
+    db, run_dir = tmp_path / "mlflow.db", tmp_path / "cv"
+    args = ["trainer.cross_validation.folds=2", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.log_every_n_steps=1",
+            "trainer.progress_bar=off", "trainer.memory_estimate=false", f"tracking.uri=sqlite:///{db}",
+            f"hydra.run.dir={run_dir}"]
+    killed = subprocess.run([sys.executable, str(Path(__file__).parent / "kill_at.py"), "step", "7", *args],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fold 1's step 3: SIGKILL
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert list(read_record(run_dir)) == [0]
+    fold_1 = (run_dir / "fold-1" / "mlflow_run_id").read_text().strip()
+    resumed = run_cli([f"trainer.resume={run_dir}", "trainer.progress_bar=off", f"tracking.uri=sqlite:///{db}"],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "folds 0 done already" in resumed.stdout + resumed.stderr
+    assert (run_dir / "fold-1" / "mlflow_run_id").read_text().strip() == fold_1
+    parent_id = (run_dir / "mlflow_run_id").read_text().strip()
+    kids = children(db, parent_id)
+    assert [k["status"] for k in kids] == ["FINISHED", "FINISHED"] and runs(db)[parent_id]["status"] == "FINISHED"
+    assert [s for s, _ in kids[1]["metrics"]["train/loss"]] == [1, 2, 3, 4]  # each step once, across the kill
+    record = read_record(run_dir)
+    assert statistics.fmean(record[k]["objective"] for k in (0, 1)) == pytest.approx(
+        runs(db)[parent_id]["metrics"][f"cv/{METRIC}_mean"][0][1])
+
+
+@pytest.mark.slow
+def test_ddp_folds_equal_single_process_folds(tmp_path: Path) -> None:
+    """Each fold launched as today's runs are: 2 gloo workers with half the batch train as one process."""
+    base = ["trainer.cross_validation.folds=2", "trainer.max_steps=4", "trainer.progress_bar=off",
+            "trainer.memory_estimate=false", "trainer.device=cpu"]
+    single = launch.run(compose_spec([*base, "dataset.batch_size=64"], tmp_path / "single"))
+    ddp = launch.run(compose_spec([*base, "dataset.batch_size=32", "parallelism=ddp", "parallelism.nproc_per_node=2"],
+                                  tmp_path / "ddp"))
+    one, two = read_record(tmp_path / "single"), read_record(tmp_path / "ddp")
+    for k in (0, 1):
+        assert two[k]["objective"] == pytest.approx(one[k]["objective"], abs=1e-6)
+        assert two[k]["final"] == pytest.approx(one[k]["final"], rel=1e-4)
+    assert ddp.objective == pytest.approx(single.objective, abs=1e-6)
