@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import yaml
 
 from runner import components, folds, run_lock
 from runner.engine import RunResult
-from runner.spec import RunSpec, TrialSpec
+from runner.spec import RunSpec, SpecError, TrialSpec
 from runner.tracking import RUN_FILE, build_tracker
 from runner.trial import TrialReporter, open_trial, parent_run_id, pruned
 
@@ -66,29 +65,29 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
     from runner.launch import run  # late: launch starts this module
 
     cv, metric = spec.trainer.cross_validation, spec.objective.metric
+    if _in_torchrun():  # each fold's run would form its own process group among ranks already in one
+        raise SpecError(f"trainer.cross_validation.folds: {cv.folds} folds cannot run inside torchrun; start "
+                        "`python -m runner parallelism=ddp parallelism.nproc_per_node=N ...` without torchrun: it "
+                        "starts each fold's workers itself")
     size, val_sizes, stratified = folds.plan(components.build_data(spec), cv.folds, cv.seed)  # refusals come now
-    main = os.environ.get("RANK", "0") == "0"
     done = read_record(run_dir)
-    if main:
-        (run_dir / "spec.yaml").write_text(spec.to_yaml())
-    tracker = build_tracker(spec, int(os.environ.get("RANK", "0")), parent_run_id=parent_run_id(spec))
+    (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    tracker = build_tracker(spec, parent_run_id=parent_run_id(spec))
     tracker.start(spec)
     kind = "stratified by class" if stratified else "not stratified"
     log.info("%d-fold cross-validation over the %d samples of train+val (%s, fold seed %d)%s", cv.folds, size, kind,
              cv.seed, f"; folds {', '.join(map(str, sorted(done)))} done already" if done else "")
-    tracker.set_tags({"cv.folds": str(cv.folds), "cv.stratified": str(stratified).lower()})
-    reporter = None if _in_torchrun() else open_trial(spec)  # under torchrun: once the first fold made the group
     started = time.perf_counter()
-    try:
+    try:  # from here on, whatever fails ends the K-fold run's MLflow run FAILED (or KILLED), never RUNNING
+        tracker.set_tags({"cv.folds": str(cv.folds), "cv.stratified": str(stratified).lower()})
+        reporter = open_trial(spec)
         for k in range(cv.folds):
             if k not in done:
                 result = run(fold_spec(spec, k, tracker.run_id))
                 done[k] = {"objective": float(result.objective), "final": dict(result.final), "steps": result.steps,
                            "seconds": round(result.seconds, 3), "train": size - val_sizes[k], "val": val_sizes[k]}
-                if main:
-                    _write_record(run_dir, cv, metric, done)
-                    _log_fold(tracker, run_dir, metric, k, done[k])
-            reporter = reporter or open_trial(spec)
+                _write_record(run_dir, cv, metric, done)
+                _log_fold(tracker, run_dir, metric, k, done[k])
             verdict = _report(reporter, metric, k, done)
             if verdict:
                 tracker.set_tags({"pruned": "true", "runner.outcome": "pruned",
@@ -113,8 +112,7 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
             tracker.set_tags({"runner.outcome": "failed"})
             tracker.finish("FAILED")
         raise
-    if main:
-        log.info(table(spec, done, mean, std, stratified) + f"\n  {tracker.describe()}")
+    log.info(table(spec, done, mean, std, stratified) + f"\n  {tracker.describe()}")
     return RunResult(mean, {f"cv/{metric}_mean": mean, f"cv/{metric}_std": std}, {}, final,
                      sum(done[k]["steps"] for k in range(cv.folds)), time.perf_counter() - started)
 
