@@ -179,6 +179,9 @@ def build_data(spec: RunSpec) -> Any:
     learn from their labels; a builder that declares token data is refused before it runs."""
     builder = load_target("dataset", spec.dataset.target)
     data = _call("dataset", builder, spec.dataset.params)
+    from runner import folds  # late: torch and scikit-learn, which the spec checks before the run do without
+
+    data = folds.for_run(spec, data)  # a k-fold run's fold: its own train and val, the same test
     fit_checks.check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
     fit_checks.check_task_labels(spec, data)
     return data

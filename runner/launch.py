@@ -73,6 +73,10 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
+    if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
+        from runner import cross_validation  # K runs, each started here as this one would be
+
+        return cross_validation.run_folds(spec, run_dir)
     if spec.parallelism.name != "single" and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()

@@ -18,6 +18,7 @@ import yaml
 
 from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
 from runner.averaging_keys import EmaSpec, SwaSpec, check_averaging
+from runner.cross_validation_keys import CrossValidationSpec, check_cross_validation
 from runner.debug_keys import DebugKeys
 from runner.part_specs import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
@@ -163,6 +164,7 @@ class TrainerSpec(DebugKeys):  # the debugging keys: runner/debug_keys.py
     early_stopping: EarlyStoppingSpec = field(default_factory=EarlyStoppingSpec)
     ema: EmaSpec = field(default_factory=EmaSpec)
     swa: SwaSpec = field(default_factory=SwaSpec)
+    cross_validation: CrossValidationSpec = field(default_factory=CrossValidationSpec)
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,7 @@ class RunSpec:
         if not host or not port.isdigit():
             raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
         check_averaging(self.trainer)
+        check_cross_validation(self)
         if fraction(self, "val") + fraction(self, "test") >= 1:
             raise SpecError("dataset.val_fraction: val_fraction + test_fraction must be < 1")
         check_metric_names(self)

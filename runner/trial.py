@@ -119,7 +119,9 @@ def _rank() -> tuple[bool, int]:
 
 def parent_run_id(spec: "RunSpec") -> str | None:
     """The MLflow parent run a sweep's job logs under: from the sweep process's environment, or,
-    for a job that runs elsewhere, from its study's user attributes."""
+    for a job that runs elsewhere, from its study's user attributes. A k-fold run's fold: its K-fold run."""
+    if spec.trainer.cross_validation.parent_run:
+        return spec.trainer.cross_validation.parent_run
     if os.environ.get(PARENT_RUN_ENV):
         return os.environ[PARENT_RUN_ENV]
     t = spec.trial

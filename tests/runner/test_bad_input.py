@@ -431,6 +431,15 @@ CASES = [
     case("debug=nope", "error: debug: unknown option 'nope'; choose one of anomaly, fast, limit, overfit, profile"),
     case("debug=limit trainer.limit_train=0", "error: trainer.limit_train: 0.0 is out of range; allowed: a value > 0 and <= 1"),
     case("debug=overfit trainer.overfit_batches=-1", "error: trainer.overfit_batches: -1 is out of range; allowed: a value >= 0"),
+    # --- issue 17 (helper kfold): k-fold cross-validation, trainer.cross_validation
+    case("trainer.cross_validation.folds=1", "error: trainer.cross_validation.folds: 1 is out of range; allowed: a value >= 2"),
+    case("trainer.cross_validation.folds=5000", "error: trainer.cross_validation.folds: 5000 is more than the 1527 "
+         "samples of train+val; allowed: 2 to 1527", RUN),
+    case("trainer.cross_validation.folds=3 dataset.val_fraction=0", "error: trainer.cross_validation.folds: 3 folds "
+         "train+val, but dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"),
+    case("trainer.cross_validation.fold=1", "error: trainer.cross_validation.fold: 1 needs trainer.cross_validation.folds"),
+    case("trainer.cross_validation.folds=3 trainer.cross_validation.fold=3", "error: trainer.cross_validation.fold: 3 "
+         "is out of range; allowed: 0 to 2 (trainer.cross_validation.folds=3)"),
 ]
 
 
