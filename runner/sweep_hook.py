@@ -280,7 +280,8 @@ def _job(trial: Any) -> Job:
     state = trial.state.name.lower()
     seconds = (trial.datetime_complete - trial.datetime_start).total_seconds() \
         if trial.datetime_complete and trial.datetime_start else None
-    params = {k: str(v) for k, v in {**trial.params, **trial.user_attrs}.items() if isinstance(v, (int, float, str))}
+    params = {k: str(v) for k, v in {**trial.params, **trial.user_attrs}.items()
+              if isinstance(v, (int, float, str)) and not k.startswith("cv/")}  # cv/*: a k-fold run's results, not overrides
     value = trial.value if state == "complete" and len(trial.values or []) == 1 else None
     return Job(trial.number, " ".join(f"{k}={v}" for k, v in params.items()), value, state, seconds,
                trial_run_id(trial), params)
