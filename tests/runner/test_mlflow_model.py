@@ -3,6 +3,7 @@ with mlflow.pytorch.load_model (by the run, and by the registry after mlflow.reg
 of the runner's own model at those weights."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import mlflow
@@ -11,9 +12,10 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from runner import export, mlflow_model
 from runner.engine import Engine
 from runner.tracking import build_tracker
-from tests.conftest import compose_spec
+from tests.conftest import compose_spec, run_cli
 
 # val/acc minimized: the best validation is step 2's (accuracy rises), the last step is 4
 TINY = ["model.hidden=[16]", "dataset.batch_size=256", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
@@ -86,25 +88,52 @@ def test_best_weights_logged_load_back_by_run_and_registry_to_the_runners_output
     # given, not inferred: torch at the running version (without a local build label such as +cu130)
     assert f"torch=={torch.__version__.split('+')[0]}" in requirements.split()
 
-
-def test_last_logs_the_final_weights_and_none_logs_nothing(tmp_path: Path, store: str) -> None:
-    engine, run_id = tracked_run(tmp_path, store, "last")
-    [output] = logged_models(store, run_id)
-    assert output.step == 4
-    model = MlflowClient(store).get_logged_model(output.model_id)
-    assert model.tags["runner.weights_from"] == "last@step 4"
-    inputs = val_inputs(engine)
+    # last: the final weights (step 4), through the same logger with tracking.log_model=last, on this run
+    # (a second tracked run would cost seconds; test_fsdp_logs_the_last_weights_once_from_rank_0 runs one)
+    tracking = dataclasses.replace(engine.spec.tracking, log_model="last")
+    last = mlflow_model.ModelLogger(dataclasses.replace(engine.spec, tracking=tracking), engine, engine.logged_model.data)
+    last.log()
+    model = client.get_logged_model(last.model_uri.removeprefix("models:/"))
+    assert model.tags["runner.weights_from"] == "last@step 4" and model.tags["runner.step"] == "4"
     mlflow.set_tracking_uri(store)
     try:
-        loaded = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+        loaded = mlflow.pytorch.load_model(last.model_uri)
     finally:
         mlflow.set_tracking_uri(None)
-    torch.testing.assert_close(loaded(inputs), outputs_at(engine, engine.module.state_dict(), inputs),
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(loaded(inputs), outputs_at(engine, engine.module.state_dict(), inputs), atol=ATOL, rtol=RTOL)
 
-    _, none_id = tracked_run(tmp_path, store, "none", "trainer.max_steps=1")
-    assert logged_models(store, none_id) == []
-    assert "runner.logged_model" not in MlflowClient(store).get_run(none_id).data.tags
+
+def test_none_logs_no_model(tmp_path: Path, store: str) -> None:
+    _, run_id = tracked_run(tmp_path, store, "none", "trainer.max_steps=1")
+    assert logged_models(store, run_id) == []
+    assert "runner.logged_model" not in MlflowClient(store).get_run(run_id).data.tags
+    assert MlflowClient(store).search_logged_models(experiment_ids=["0", "1"]) == []
+
+
+# slow (two ranks through torchrun, ~15 s): in CI, test_best_weights_logged_... keeps what is logged and how it
+# loads back, and test_two_ranks_... (test_parallel.py) that fsdp's final weights equal one process's
+@pytest.mark.slow
+def test_fsdp_logs_the_last_weights_once_from_rank_0(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    proc = run_cli([*TINY, "tracking.log_model=last", "parallelism=fsdp", "parallelism.nproc_per_node=2",
+                    "dataset.batch_size=64", f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{db}",
+                    f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("MLflow model 'model' logged: last@step 4 weights") == 1
+    client = MlflowClient(f"sqlite:///{db}")
+    [run] = client.search_runs(["1"])
+    [output] = run.outputs.model_outputs
+    assert output.step == 4
+    # the runner's own model at the final weights: rebuilt from the run's last checkpoint by mode=export's code
+    final = export.load_exported(export.export_checkpoint(tmp_path / "run", tmp_path / "export", program=False))
+    inputs = torch.randn(16, 1, 8, 8)
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    try:
+        loaded = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(None)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs), final(inputs), atol=ATOL, rtol=RTOL)
 
 
 def test_tracking_off_logs_no_model_and_the_run_finishes(tmp_path: Path) -> None:
