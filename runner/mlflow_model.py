@@ -60,15 +60,18 @@ class ModelLogger:
             return
         started = time.perf_counter()
         engine.tracker.flush()  # the metrics of that step are stored: MLflow links them to the model
-        info = log_model(self.spec, self.data, state, engine.tracker.run_id, source, step)
+        info, serialization = log_model(self.spec, self.data, state, engine.tracker.run_id, source, step)
         self.model_uri = info.model_uri
         engine.tracker.set_tags({"runner.logged_model": f"{info.model_uri} ({source})"})
-        engine.monitor.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} "
-                           f"({time.perf_counter() - started:.2f} s)")
+        how = ("a torch.export program" if serialization == "pt2" else f"pickled: loading it needs {self.spec.model.target} "
+               "importable and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true")
+        engine.monitor.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} ({how}; "
+                           f"{time.perf_counter() - started:.2f} s)")
 
 
-def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step: int) -> Any:
-    """The model `spec` builds, with `state`, logged to MLflow run `run_id`; returns MLflow's ModelInfo.
+def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step: int) -> tuple[Any, str]:
+    """The model `spec` builds, with `state`, logged to MLflow run `run_id`; returns MLflow's ModelInfo and
+    the serialization (pt2 or pickle).
 
     As a torch.export program (MLflow's pt2: loads with no model code and no pickle) where the model takes
     one tensor and exports; pickled otherwise (several named inputs, or a model torch.export cannot trace),
@@ -80,13 +83,17 @@ def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step:
     inputs, signature = _example(spec, data, model)
     tags = {"runner.weights_from": source, "runner.step": str(step), "runner.model_target": spec.model.target}
     formats = ["pt2", "pickle"] if not isinstance(inputs, dict) else ["pickle"]  # pt2 takes positional tensors only
-    with _run_store(spec.tracking.uri, run_id), _quiet("mlflow"):
+    with _run_store(spec.tracking.uri, run_id):
         for i, serialization in enumerate(formats):
+            # pt2: MLflow would trace it a second time to check its serving input. pickle: that check would
+            # only fail (pyfunc refuses pickles and dict inputs by default), and the option reaches torch.save
+            options = {"validate_serving_input": False} if serialization == "pt2" else {}
             try:
-                return mlflow.pytorch.log_model(
-                    model, name=NAME, run_id=run_id, step=step, signature=signature, input_example=inputs,
-                    pip_requirements=pip_requirements(spec.model.target), serialization_format=serialization,
-                    tags={**tags, "runner.serialization": serialization}, validate_serving_input=False)
+                with _quiet("mlflow", logging.WARNING if serialization == "pt2" else logging.ERROR):
+                    return mlflow.pytorch.log_model(
+                        model, name=NAME, run_id=run_id, step=step, signature=signature, input_example=inputs,
+                        pip_requirements=pip_requirements(spec.model.target), serialization_format=serialization,
+                        tags={**tags, "runner.serialization": serialization}, **options), serialization
             except Exception as e:
                 if i == len(formats) - 1:
                     raise
@@ -183,12 +190,12 @@ def _run_store(uri: str, run_id: str):
 
 
 @contextlib.contextmanager
-def _quiet(name: str):
-    """MLflow's info lines about the model it logs (the run's own line says what was logged)."""
+def _quiet(name: str, level: int):
+    """MLflow's lines about the model it logs below `level` (the run's own line says what was logged)."""
     logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
+    before = logger.level
+    logger.setLevel(max(before, level))
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from runner import export, mlflow_model
+from runner import components, export, mlflow_model
 from runner.engine import Engine
 from runner.tracking import build_tracker
 from tests.conftest import compose_spec, run_cli
@@ -119,7 +119,7 @@ def test_fsdp_logs_the_last_weights_once_from_rank_0(tmp_path: Path) -> None:
                     "dataset.batch_size=64", f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{db}",
                     f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("MLflow model 'model' logged: last@step 4 weights") == 1
+    assert proc.stdout.count("MLflow model 'model' logged: last@step 4 weights") == 1, proc.stdout
     client = MlflowClient(f"sqlite:///{db}")
     [run] = client.search_runs(["1"])
     [output] = run.outputs.model_outputs
@@ -142,3 +142,36 @@ def test_tracking_off_logs_no_model_and_the_run_finishes(tmp_path: Path) -> None
     result = engine.fit()
     assert result.steps == 1 and engine.logged_model.model_uri is None
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "artifacts").exists()
+
+
+# slow (transformers, ~20 s on a loaded machine): the single-input path is in CI (test_best_weights_logged_...)
+@pytest.mark.slow
+def test_a_huggingface_model_of_named_inputs_is_logged_pickled_and_loads_back(tmp_path: Path, store: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named inputs (input_ids, attention_mask): MLflow's pt2 takes positional tensors only, so the model is
+    pickled; the signature names each input, and the loaded model gives the same logits."""
+    pytest.importorskip("transformers")
+    from tests.models.test_hf import write_reviews
+
+    spec = compose_spec(["model=hf", "+model.config={dim: 32, n_layers: 1, n_heads: 2, hidden_dim: 64}",
+                         "dataset=text_classification", f"dataset.train_file={write_reviews(tmp_path / 'reviews.csv')}",
+                         f"dataset.root={tmp_path / 'datasets'}", "dataset.max_length=32", "tracking.log_model=last"],
+                        tmp_path / "run", store)
+    spec = components.resolved_spec(spec)
+    data = components.build_data(spec)
+    model = components.build_model(spec, data).eval()
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("hf", artifact_location=str(tmp_path / "art"))).info.run_id
+    info, serialization = mlflow_model.log_model(spec, data, model.state_dict(), run_id, "last@step 0", 0)
+    assert serialization == "pickle"
+    assert info.signature.inputs.input_names() == ["input_ids", "attention_mask"]
+    assert client.get_logged_model(info.model_id).tags["runner.serialization"] == "pickle"
+    inputs = {k: v[:3] for k, v in export.example_inputs(spec, data, model).items()}
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")  # what loading a pickled model asks for
+    mlflow.set_tracking_uri(store)
+    try:
+        loaded = mlflow.pytorch.load_model(info.model_uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
