@@ -96,6 +96,11 @@ class BestWeights:
         self.source = f"best@step {best}"
         return metrics
 
+    def saved_model(self, step: int) -> dict | None:
+        """The model weights kept for `step` (full tensors, read on the calling rank); None where unreadable."""
+        state = self._read(step)
+        return None if state is None else state["model"]
+
     def _read(self, step: int) -> dict | None:
         path = self.directory / f"best-step-{step:08d}.pt"
         try:

@@ -18,7 +18,7 @@ import torch
 
 from runner import (activation_checkpointing, averaging, components, finetune, fit_checks, memory_estimate, metric_names,
                     parallel, preemption, profiling, tasks)
-from runner import compiling, debugging, flops
+from runner import compiling, debugging, flops, mlflow_model
 from runner.tasks import batches
 from runner.best_weights import BestWeights
 from runner.engine_checkpoints import EngineCheckpoints, Progress
@@ -116,6 +116,7 @@ class Engine(EngineCheckpoints):
                                self.env.is_main, self.trial)
         self.monitor.flop_rate = flop_rate
         self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
+        self.logged_model = mlflow_model.ModelLogger(spec, self, data)  # tracking.log_model: the model in MLflow
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
         self.watch = NonFiniteWatch(spec, self.device)
         self.overfit = debugging.OverfitGoal(spec, self.steps_per_epoch, parallel.all_reduce_sum)
@@ -236,6 +237,7 @@ class Engine(EngineCheckpoints):
         self.tracker.set_tags({"test_from": self.best_weights.source})
         self.finished = True
         self.save_checkpoint()
+        self.logged_model.log()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         step_batches = [batches.split_batch(b) for b in micro_batches]

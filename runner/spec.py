@@ -174,6 +174,9 @@ class TrackingSpec:
     experiment: str = opt("runner", "MLflow experiment name")
     artifact_root: str = opt("outputs/mlartifacts", "artifact location for new experiments on a local store")
     run_name: Optional[str] = opt(None, "MLflow run name; default: built from the overrides")
+    log_model: Literal["best", "last", "none"] = opt(
+        "none", "log the model as an MLflow model (mlflow.pytorch) at the end: best (the weights the test used), "
+                "last, or none (runner/mlflow_model.py)")
 
 
 @dataclass(frozen=True)

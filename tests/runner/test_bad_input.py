@@ -427,6 +427,8 @@ CASES = [
     case("trainer.test_on=first", "error: trainer.test_on: 'first' is not allowed; choose one of best, last"),
     case("trainer.resume=latest", "error: trainer.resume: latest finds no run under {tmp}/outputs/runs (no directory "
          "there holds a spec.yaml); give a run directory or a checkpoint file"),
+    # --- issue 16 (helper mlmodel): tracking.log_model
+    case("tracking.log_model=best_val", "error: tracking.log_model: 'best_val' is not allowed; choose one of best, last, none"),
     # --- debug presets (conf/debug/, runner/debug_keys.py)
     case("debug=nope", "error: debug: unknown option 'nope'; choose one of anomaly, fast, limit, overfit, profile"),
     case("debug=limit trainer.limit_train=0", "error: trainer.limit_train: 0.0 is out of range; allowed: a value > 0 and <= 1"),
