@@ -232,11 +232,11 @@ def open_experiment(client: Any, name: str, uri: str, artifact_root: str) -> str
         return found.experiment_id
 
 
-def experiment_page(base_url: str, experiment_id: str, view: str = RUNS_VIEW) -> str:
-    """The experiment's runs table in runner's saved view: the model-training view whatever the
-    browser's switch says (see EXPERIMENT_KIND_TAG), its main metrics as columns."""
-    return (f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs"
-            f"?workflowType={MACHINE_LEARNING}&viewStateShareKey={view}")
+def experiment_page(base_url: str, experiment_id: str, view: str | None = RUNS_VIEW) -> str:
+    """The experiment's runs table in runner's saved view (None: the browser's own): the model-training
+    view whatever the browser's switch says (see EXPERIMENT_KIND_TAG), its main metrics as columns."""
+    shared = f"&viewStateShareKey={view}" if view else ""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType={MACHINE_LEARNING}{shared}"
 
 
 def saved_views(columns: list[str], maximize: bool) -> dict[str, dict[str, Any]]:
