@@ -5,8 +5,10 @@ run page's breadcrumb).
 MLflow 3.17's UI picks its GenAI or model-training view from one switch per browser (the sidebar's
 "GenAI | Model training"), kept in the browser's localStorage and GenAI until the user flips it; no
 server setting or experiment tag changes that default. So this serves MLflow's own app with one line
-added to its page: where the browser holds no choice yet, the switch starts on model training. A
-choice the user makes with the switch is kept. Everything else is `mlflow ui`.
+added to its page: where the browser holds no choice yet, the switch starts on model training, and
+each runner experiment's runs table starts with the columns of runner's saved view (the objective and
+the main metrics; the UI keeps a table's columns per browser too). What the user changes is kept.
+Everything else is `mlflow ui`.
 """
 from __future__ import annotations
 
@@ -15,11 +17,34 @@ import json
 import os
 from typing import Any
 
-from runner.mlflow_store import DEFAULT_URI, MACHINE_LEARNING, WORKFLOW_STORAGE_KEY
+from runner.mlflow_store import (DEFAULT_URI, MACHINE_LEARNING, RUNS_VIEW, VIEW_TAG_PREFIX, WORKFLOW_STORAGE_KEY,
+                                 open_client)
 
-PRESET = (f"<script>try{{if(localStorage.getItem({json.dumps(WORKFLOW_STORAGE_KEY)})===null)"
-          f"localStorage.setItem({json.dumps(WORKFLOW_STORAGE_KEY)},{json.dumps(json.dumps(MACHINE_LEARNING))})}}"
-          f"catch(e){{}}</script>")
+# Where the 3.17 UI keeps an experiment page's table state (columns, expanded rows) in localStorage.
+TABLE_STORAGE_KEY = 'MLflowLocalStorage-1.1-ExperimentPage-["{id}"]-ReactComponentState'
+PRESET = """<script>try{var s=localStorage,t=%s,k;
+if(s.getItem(%s)===null)s.setItem(%s,%s);
+for(k in t)if(s.getItem(%s.replace("{id}",k))===null)s.setItem(%s.replace("{id}",k),JSON.stringify(t[k]));
+}catch(e){}</script>"""
+
+
+def preset(tables: dict[str, dict[str, Any]]) -> str:
+    """The script that starts the UI's switch on model training and the tables (experiment id -> state)."""
+    key, table = json.dumps(WORKFLOW_STORAGE_KEY), json.dumps(TABLE_STORAGE_KEY)
+    states = json.dumps(tables).replace("</", "<\\/")
+    return PRESET % (states, key, key, json.dumps(json.dumps(MACHINE_LEARNING)), table, table)
+
+
+def runner_tables(client: Any) -> dict[str, dict[str, Any]]:
+    """Experiment id -> the runs table state to start from: the columns of runner's saved view."""
+    tables = {}
+    for experiment in client.search_experiments(max_results=1000):
+        try:
+            state = json.loads(json.loads(experiment.tags[VIEW_TAG_PREFIX + RUNS_VIEW])["state"])
+            tables[experiment.experiment_id] = {"selectedColumns": list(state["selectedColumns"])}
+        except (KeyError, ValueError, TypeError):
+            continue  # not runner's, or a view it cannot read: the UI's defaults
+    return tables
 
 
 def build_app(uri: str, artifacts_destination: str = "./mlartifacts") -> Any:
@@ -34,6 +59,7 @@ def build_app(uri: str, artifacts_destination: str = "./mlartifacts") -> Any:
     os.environ.update({BACKEND_STORE_URI_ENV_VAR: uri, REGISTRY_STORE_URI_ENV_VAR: uri, ARTIFACT_ROOT_ENV_VAR: root,
                        SERVE_ARTIFACTS_ENV_VAR: "true", ARTIFACTS_DESTINATION_ENV_VAR: artifacts_destination})
     initialize_backend_stores(uri, uri, root)
+    client = open_client(uri, end_orphans=False)  # the UI ends no one's runs
 
     from flask import request
 
@@ -42,7 +68,7 @@ def build_app(uri: str, artifacts_destination: str = "./mlartifacts") -> Any:
         if request.path == "/" and response.status_code == 200 and response.mimetype == "text/html":
             response.direct_passthrough = False  # a sent file: read it to change it
             page = response.get_data(as_text=True)
-            response.set_data(page.replace("<head>", "<head>" + PRESET, 1))
+            response.set_data(page.replace("<head>", "<head>" + preset(runner_tables(client)), 1))
             for header in ("ETag", "Last-Modified"):  # a page cached from plain `mlflow ui` is not this one
                 response.headers.pop(header, None)
         return response
