@@ -36,9 +36,8 @@ bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning
 bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
 	$(PY) -m runner.bench_memory
 
-ui: install             ## the MLflow UI over the local store; open the experiment link each run prints
-	@echo "runs table: http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning (each run prints its own link)"
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
+ui: install             ## the MLflow UI over the local store, experiments opening on their runs table
+	$(PY) -m runner.mlflow_ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf outputs multirun

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import socket
@@ -32,11 +33,18 @@ from runner.spec import SpecError, TrackingSpec
 
 log = logging.getLogger(__name__)
 
-# MLflow 3's UI chooses between its model-training view (runs table) and its GenAI view (traces
-# overview) per experiment from this tag (values: the UI's ExperimentKind enum). The 3.17 UI lets a
-# global GenAI / model-training switch override it, which experiment_page's link sets.
+# MLflow 3.x before 3.17 picks its model-training view (runs table) or its GenAI view (traces
+# overview) per experiment from this tag (values: the UI's ExperimentKind enum). The 3.17 UI ignores
+# it: one switch per browser decides (localStorage WORKFLOW_STORAGE_KEY, default GenAI), which the
+# workflowType URL parameter overrides for one page; runner.mlflow_ui presets it for `make ui`.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
+WORKFLOW_STORAGE_KEY, MACHINE_LEARNING = "mlflow.workflowType_v1", "machine_learning"
+# The UI's saved views (its "Views" menu, and the viewStateShareKey URL parameter) are experiment tags
+# named VIEW_TAG_PREFIX + id. runner keeps two: its main metrics as columns, newest run first (parents
+# with their children nested: MLflow nests only in that order), and the same sorted best run first.
+VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+RUNS_VIEW, BEST_VIEW = "runner-runs", "runner-best"
 DEFAULT_URI = "sqlite:///outputs/mlflow.db"
 
 _PROBE_TIMEOUT_S = 5.0  # long enough for a slow but working server; short next to MLflow's retries
@@ -224,11 +232,44 @@ def open_experiment(client: Any, name: str, uri: str, artifact_root: str) -> str
         return found.experiment_id
 
 
-def experiment_page(base_url: str, experiment_id: str) -> str:
-    """The UI page with the experiment's runs table. MLflow 3's UI picks its GenAI or model-training
-    view from a global switch (default GenAI) that the workflowType parameter sets; older MLflow 3
-    releases read the experiment tag instead, which open_experiment sets."""
-    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+def experiment_page(base_url: str, experiment_id: str, view: str | None = RUNS_VIEW) -> str:
+    """The experiment's runs table in runner's saved view (None: the browser's own): the model-training
+    view whatever the browser's switch says (see EXPERIMENT_KIND_TAG), its main metrics as columns."""
+    shared = f"&viewStateShareKey={view}" if view else ""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType={MACHINE_LEARNING}{shared}"
+
+
+def saved_views(columns: list[str], maximize: bool) -> dict[str, dict[str, Any]]:
+    """runner's two saved views (view id -> the UI's state): the metrics `columns` shown, newest
+    first or best first (descending objective when it is maximized, ascending when minimized)."""
+    shown = [f"metrics.`{name}`" for name in dict.fromkeys(columns)]
+    return {RUNS_VIEW: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": shown},
+            BEST_VIEW: {"orderByKey": "metrics.`objective`", "orderByAsc": not maximize, "selectedColumns": shown}}
+
+
+def store_views(client: Any, experiment_id: str, views: dict[str, dict[str, Any]]) -> None:
+    """Write runner's saved views to the experiment where they differ from what it holds (the last run
+    to start sets them: its metrics, its objective's direction). Never raises: a view is a convenience."""
+    names = {RUNS_VIEW: "runner: newest first", BEST_VIEW: "runner: best objective first"}
+    try:
+        tags, now = client.get_experiment(experiment_id).tags, int(time.time() * 1000)
+        for order, (view, state) in enumerate(views.items()):
+            key, text = VIEW_TAG_PREFIX + view, json.dumps(state, sort_keys=True)
+            held = _view_state(tags.get(key))
+            if held == text:
+                continue
+            created = now - order if held is None else json.loads(tags[key])["createdAt"]  # the menu: newest on top
+            envelope = {"name": names.get(view, view), "createdAt": created, "updatedAt": now, "state": text}
+            client.set_experiment_tag(experiment_id, key, json.dumps(envelope))
+    except Exception as e:  # noqa: BLE001
+        log.warning(f"MLflow: could not store runner's views of the runs table ({_first_line(e)})")
+
+
+def _view_state(tag_value: str | None) -> str | None:
+    try:
+        return json.loads(tag_value)["state"] if tag_value else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 # --- checks -----------------------------------------------------------------------------------

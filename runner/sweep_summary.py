@@ -63,9 +63,10 @@ def run_link(client: Any, uri: str, run_id: str) -> str:
     """Where to see the parent run (the local store needs `make ui` first)."""
     experiment = client.get_run(run_id).info.experiment_id
     if uri.startswith("http"):
-        return experiment_page(uri, experiment).replace("/runs?", f"/runs/{run_id}?")
-    ui = "make ui" if uri == DEFAULT_URI else f"mlflow ui --backend-store-uri {uri}"
-    return f"{ui}, then " + experiment_page("http://127.0.0.1:5000", experiment).replace("/runs?", f"/runs/{run_id}?")
+        return experiment_page(uri, experiment, None).replace("/runs?", f"/runs/{run_id}?")
+    ui = "make ui" if uri == DEFAULT_URI else f"python -m runner.mlflow_ui --backend-store-uri {uri}"
+    page = experiment_page("http://127.0.0.1:5000", experiment, None)
+    return f"{ui}, then " + page.replace("/runs?", f"/runs/{run_id}?")
 
 
 def mark_best(client: Any, parent_run_id: str, jobs: list[Job], best: Optional[Job]) -> None:

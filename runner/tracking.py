@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner import run_record
-from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags
+from runner import metric_names, run_record
+from runner.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
+                                  saved_views, store_views)
 from runner.spec import RunSpec, TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ RUN_FILE = "mlflow_run_id"
 _FLUSH_EVERY_S = 5.0
 _FLUSH_AT = 500  # metric values; MLflow takes at most 1000 per batch
 
-__all__ = ["Tracker", "NullTracker", "MlflowTracker", "build_tracker", "check_tracking", "end_left_running",
+__all__ = ["Tracker", "NullTracker", "MlflowTracker", "best_key", "build_tracker", "check_tracking", "end_left_running",
            "experiment_id", "open_client", "params_of", "run_exists", "run_name_from"]
 
 
@@ -87,6 +88,8 @@ class MlflowTracker:
         check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
         self.client = open_client(self.uri)
         self.experiment_id = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
+        maximize = spec.objective.direction == "maximize"
+        store_views(self.client, self.experiment_id, saved_views(main_metrics(spec), maximize))
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and run_exists(self.client, resume_run_id):
@@ -131,7 +134,7 @@ class MlflowTracker:
 
     def log_summary(self, objective: float, best: dict[str, float], step: int) -> None:
         """The runs table shows a metric's last value; these columns rank runs by their best."""
-        self.log_metrics({"objective": objective, **{f"best/{k}": v for k, v in best.items()}}, step)
+        self.log_metrics({"objective": objective, **{best_key(k): v for k, v in best.items()}}, step)
 
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
@@ -182,7 +185,7 @@ class MlflowTracker:
         if self.uri.startswith("http"):
             where = experiment_page(self.uri, self.experiment_id or "0")
         else:  # the link opens the runs table, not MLflow 3's GenAI overview
-            ui = "make ui" if self.uri == DEFAULT_URI else f"make ui  (mlflow ui --backend-store-uri {self.uri})"
+            ui = "make ui" if self.uri == DEFAULT_URI else f"python -m runner.mlflow_ui --backend-store-uri {self.uri}"
             where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
         return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
 
@@ -197,6 +200,22 @@ class MlflowTracker:
             op = self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=synchronous)
             if op is not None and not synchronous:
                 self._pending.append(op)
+
+
+def best_key(metric: str) -> str:
+    """The summary metric holding metric's best value: 'val/acc' -> 'best_val_acc'. No '/' in it: the
+    UI charts a run's metrics in sections named for the part before the last '/', sorted by name, with
+    the names without one last; so the curves (train/, val/) come before these single values."""
+    return "best_" + metric.replace("/", "_")
+
+
+def main_metrics(spec: RunSpec) -> list[str]:
+    """The runs table's columns: the objective, then what is evaluated (val/*, test/*), then train/loss."""
+    try:
+        during, at_end = metric_names.evaluation_metrics(spec)
+    except Exception:  # noqa: BLE001  (an unknown task: the engine says so; the columns do without)
+        during, at_end = set(), set()
+    return ["objective", spec.objective.metric, *sorted(during), *sorted(at_end), "train/loss"]
 
 
 def experiment_id(client: Any, name: str, uri: str, artifact_root: str) -> str:

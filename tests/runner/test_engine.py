@@ -6,6 +6,7 @@ import torch
 
 from runner import checkpoint
 from runner.engine import Engine
+from runner.tracking import best_key
 from tests.conftest import compose_spec
 
 FAST = ["trainer.eval_every_epoch=false", "trainer.progress_bar=off"]
@@ -160,7 +161,7 @@ def test_a_run_shorter_than_an_epoch_is_evaluated_at_its_end(tmp_path: Path, sql
     history = MlflowClient(sqlite_uri).get_metric_history(engine.tracker.run_id, "val/acc")
     assert [(m.step, m.value) for m in history] == [(5, result.objective)]
     metrics = MlflowClient(sqlite_uri).get_run(engine.tracker.run_id).data.metrics
-    assert metrics["objective"] == result.objective and metrics["best/val/acc"] == result.objective
+    assert metrics["objective"] == result.objective and metrics[best_key("val/acc")] == metrics["best_val_acc"] == result.objective
 
 
 def test_an_empty_split_logs_nothing(tmp_path: Path, sqlite_uri: str) -> None:
@@ -170,7 +171,7 @@ def test_an_empty_split_logs_nothing(tmp_path: Path, sqlite_uri: str) -> None:
                       "trainer.progress_bar=off"], tmp_path / "run", sqlite_uri)
     result = engine.fit()
     metrics = MlflowClient(sqlite_uri).get_run(engine.tracker.run_id).data.metrics
-    assert not [k for k in metrics if k.startswith("val/") or k.startswith("best/val/")]
+    assert not [k for k in metrics if k.startswith(("val/", "best_val_"))]
     assert metrics["test/acc"] == result.final["test/acc"] == result.objective > 0.5
 
 
