@@ -9,7 +9,7 @@ the other built-ins are written the same way):
 
     metrics = {"loss": "minimize", "acc": "maximize"}   # class attribute: every metric it may report,
                                                       # logged as val/<name> and test/<name>, and which
-                                                      # way is better (best/, early stopping, plateau)
+                                                      # way is better (best_<metric>, early stopping, plateau)
     unit = "samples"                                  # or "tokens": what `count` counts
     def loss_sum(self, logits, labels) -> Tensor      # the loss summed over the batch's units
     def count(self, labels) -> int                    # units in the batch (default: len(labels))
@@ -112,7 +112,7 @@ def direction(task: type[Task] | Task, metric: str) -> Direction:
 
 def metric_values(task: Task, sums: dict[str, float], count: float, split: str) -> dict[str, float]:
     """`<split>/<name>` -> value from a split's totals; a name the task does not declare is refused (its
-    direction would be unknown to best/, early stopping and plateau)."""
+    direction would be unknown to best_<metric>, early stopping and plateau)."""
     values = task.summarize(sums, count)
     undeclared = sorted(set(values) - set(type(task).metrics))
     if undeclared:

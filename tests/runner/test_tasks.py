@@ -41,7 +41,7 @@ def test_a_users_focal_loss_trains_through_the_engine_and_is_the_loss_trained(tm
 
 def test_a_metric_a_users_task_declares_maximized_is_maximized_by_best_early_stopping_and_plateau(tmp_path: Path) -> None:
     """R^2 rises as the model learns: read as a loss-like metric, early stopping (patience 1) would stop
-    at the second evaluation, plateau (patience 0) would cut the lr at each, and best/ keep the worst."""
+    at the second evaluation, plateau (patience 0) would cut the lr at each, and best_<metric> keep the worst."""
     spec = compose(["task=regression", "dataset=linear_targets", "+dataset.outputs=1", "model.hidden=[16]",
                     "optimizer=sgd", "optimizer.lr=0.02", "trainer.max_epochs=5", "trainer.progress_bar=off",
                     "trainer.log_every_n_steps=1", "trainer.early_stopping.patience=1", "scheduler=plateau",
