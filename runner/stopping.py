@@ -21,6 +21,12 @@ class Stop:
 
     reason: str
     pruned: bool = False
+    paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
+
+
+def pause_due(stop_at_step: int | None, step: int) -> Stop | None:
+    """trainer.stop_at_step reached: the run pauses here."""
+    return Stop(f"paused at step {step} (trainer.stop_at_step)", paused=True) if stop_at_step and step >= stop_at_step else None
 
 
 class EarlyStopping:
