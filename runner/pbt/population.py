@@ -196,6 +196,7 @@ class Population:
             source = rng.choice(top)
             copy_checkpoint(Path(source["run_dir"]), Path(member["run_dir"]), member["run_id"])
             member["seed"] = source["seed"]  # the data order is the seed's: it goes with the copied position
+            member["schedule"] = [list(e) for e in source["schedule"]]  # its trajectory up to here is the source's
             if self.settings.explore == "pb2":
                 member["hparams"] = explore.pb2_propose(self.space, history, r + 1, rng, self.settings.pb2_kappa)
             else:
