@@ -164,7 +164,10 @@ class Engine(EngineCheckpoints):
                     self.pause()
                 elif not stop.pruned:
                     self._finish_training()
-            self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
+            if stop.paused:  # no summary or plot yet: the run goes on
+                self.monitor.close()
+            else:
+                self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()

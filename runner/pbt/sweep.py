@@ -30,7 +30,7 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, str]]:
     fixed, sweeps = [], {}
     for override in OverridesParser.create().parse_overrides(arguments):
         if override.is_sweep_override():
-            sweeps[override.get_key_element()] = override.get_value_element_as_str()
+            sweeps[override.get_key_element()] = override.input_line.split("=", 1)[1]
         else:
             fixed.append(override.input_line)
     return fixed, sweeps
