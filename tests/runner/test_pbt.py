@@ -41,23 +41,6 @@ def copier_and_source(state: dict) -> tuple[dict, dict]:
     return copier, state["members"][copier["lineage"][0]["from"]]
 
 
-def test_exploit_copies_the_exact_state(tmp_path: Path, store: str) -> None:
-    """The bottom member copies the top one at step 3 and explores nothing (factor 1): from there it
-    continues bitwise as its source: equal final weights, equal train/loss logged at steps 4-6."""
-    state = population(tmp_path, store, Settings(population=2, ready=3, quantile=0.5, perturb=(1.0,),
-                                                 resample_probability=0.0)).run()
-    copier, source = copier_and_source(state)
-    assert copier["lineage"][0]["step"] == 3 and copier["run_id"] != source["run_id"]
-    own, theirs = history(store, copier["run_id"], "train/loss"), history(store, source["run_id"], "train/loss")
-    assert sorted(own) == sorted(theirs) == [1, 2, 3, 4, 5, 6]
-    assert [own[s] for s in (1, 2, 3)] != [theirs[s] for s in (1, 2, 3)]  # they differed before the copy
-    assert [own[s] for s in (4, 5, 6)] == [theirs[s] for s in (4, 5, 6)]
-    mine, source_weights = (checkpoint.load(Path(m["run_dir"]))["model"] for m in (copier, source))
-    assert all(torch.equal(mine[k], source_weights[k]) for k in source_weights)
-    run = MlflowClient(store).get_run(copier["run_id"])
-    assert run.data.tags["pbt.copied_member"] == str(source["id"]) and run.data.tags["pbt.copied_at_step"] == "3"
-
-
 def test_explore_changes_only_the_lr_and_it_takes_effect_at_that_step(tmp_path: Path, store: str) -> None:
     """Explore doubles the copied lr (factor 2) under a cosine schedule: the copier's logged lr at steps 4-6
     is twice its source's (the schedule's shape goes on), pbt/optimizer.lr is logged at step 3, and its
@@ -98,10 +81,12 @@ class Crash(Exception):
     pass
 
 
-def test_a_killed_population_resumes_with_the_same_members(tmp_path: Path, store: str) -> None:
-    """The coordinator dies after round 1 (its state saved); run again on the same sweep directory it trains
-    round 2 only, with the same members: the same MLflow runs (no new one), each step logged once."""
-    settings = Settings(population=2, ready=3, quantile=0.5, resample_probability=0.0)
+def test_a_killed_population_resumes_and_exploit_copies_the_exact_state(tmp_path: Path, store: str) -> None:
+    """The coordinator dies after round 1 (its state saved, the bottom member's copy made); run again on the
+    same sweep directory it trains round 2 only, with the same members and MLflow runs (no new one, each
+    step logged once). The copier explored nothing (factor 1): from the copy at step 3 on it continues
+    bitwise as its source: equal train/loss logged at steps 4-6 and equal final weights."""
+    settings = Settings(population=2, ready=3, quantile=0.5, perturb=(1.0,), resample_probability=0.0)
 
     def crash(done: int) -> None:
         raise Crash(done)
@@ -113,13 +98,23 @@ def test_a_killed_population_resumes_with_the_same_members(tmp_path: Path, store
     state = population(tmp_path, store, settings).run()
     assert state["round"] == 2 and [m["run_id"] for m in state["members"]] == [m["run_id"] for m in before["members"]]
     assert [m["hparams"] for m in state["members"]] == [m["hparams"] for m in before["members"]]
-    runs = MlflowClient(store).search_runs([r.experiment_id for r in MlflowClient(store).search_experiments()])
+    client = MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(r.info.run_id for r in runs) == sorted(m["run_id"] for m in state["members"])
     assert all(r.info.status == "FINISHED" for r in runs)
-    for member in state["members"]:
-        steps = [m.step for m in MlflowClient(store).get_metric_history(member["run_id"], "train/loss")]
-        assert steps == [1, 2, 3, 4, 5, 6]
-        assert checkpoint.load(Path(member["run_dir"]))["progress"]["step"] == 6
+
+    copier, source = copier_and_source(state)
+    assert copier["lineage"][0]["step"] == 3 and copier["run_id"] != source["run_id"]
+    own, theirs = history(store, copier["run_id"], "train/loss"), history(store, source["run_id"], "train/loss")
+    assert [m.step for m in client.get_metric_history(copier["run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [m.step for m in client.get_metric_history(source["run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [own[s] for s in (1, 2, 3)] != [theirs[s] for s in (1, 2, 3)]  # they differed before the copy
+    assert [own[s] for s in (4, 5, 6)] == [theirs[s] for s in (4, 5, 6)]
+    mine, source_weights = (checkpoint.load(Path(m["run_dir"])) for m in (copier, source))
+    assert mine["progress"]["step"] == source_weights["progress"]["step"] == 6
+    assert all(torch.equal(mine["model"][k], source_weights["model"][k]) for k in source_weights["model"])
+    tags = client.get_run(copier["run_id"]).data.tags
+    assert tags["pbt.copied_member"] == str(source["id"]) and tags["pbt.copied_at_step"] == "3"
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
