@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import yaml
 
+from runner import checkpoint
 from runner.pbt import explore
 from runner.pbt.mutable import set_key
 from runner.spec import RunSpec, SpecError
@@ -146,7 +147,9 @@ class Population:
         for key, value in member["hparams"].items():
             set_key(tree, key, value)
         last = boundary >= self.base.trainer.max_steps
-        tree["trainer"].update(stop_at_step=None if last else boundary, resume=member["run_dir"] if r else None,
+        # after round 0, or a round 0 killed after a checkpoint (a signal writes one): go on from it
+        goes_on = r > 0 or checkpoint.has_checkpoint(member["run_dir"])
+        tree["trainer"].update(stop_at_step=None if last else boundary, resume=member["run_dir"] if goes_on else None,
                                test_on="last")  # best-weights files are per run: a copied state cannot name them
         tree["tracking"]["run_name"] = f"pbt member {member['id']}"
         return RunSpec.from_yaml(yaml.safe_dump(tree))
@@ -227,8 +230,6 @@ def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bo
 def copy_checkpoint(source_dir: Path, target_dir: Path, target_run_id: str) -> Path:
     """The source's newest checkpoint as the target's own: exact in every tensor, but naming the target's
     MLflow run, so the target's run goes on in its own records."""
-    from runner import checkpoint
-
     path, state = checkpoint.load_latest_good(source_dir)
     state["mlflow_run_id"] = target_run_id
     state.pop("path", None)
