@@ -190,7 +190,7 @@ class Engine(EngineCheckpoints):
     def _train(self) -> Stop:
         """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
         trainer, p = self.spec.trainer, self.progress
-        stop = pause_due(trainer.stop_at_step, p.step)
+        stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
         global_micro_batch = self.spec.dataset.batch_size * self.env.world
         self.model.train()
         self.monitor.window.start()
@@ -221,7 +221,8 @@ class Engine(EngineCheckpoints):
                         self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
-                stop = stop or self.overfit.on_step(p.step, loss_sum, samples) or pause_due(trainer.stop_at_step, p.step)
+                stop = (stop or self.overfit.on_step(p.step, loss_sum, samples)
+                        or pause_due(trainer.stop_at_step, p.step, self.total_steps))  # PBT's round boundary
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
