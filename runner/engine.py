@@ -31,7 +31,7 @@ from runner.schedule import build_scheduler
 from runner.resume import typed_keys
 from runner.rng import seed_everything
 from runner.spec import RunSpec, SpecError
-from runner.stopping import Stop, Stopping
+from runner.stopping import Stop, Stopping, pause_due
 from runner.tracking import NullTracker, Tracker
 from runner.trial import open_trial, pruned
 
@@ -161,9 +161,14 @@ class Engine(EngineCheckpoints):
                     stop = self._train()
                 self.overfit.report(self.monitor.say, self.progress.step)
                 self.profiler.finish()
-                if not stop.pruned:
+                if stop.paused:
+                    self.pause()
+                elif not stop.pruned:
                     self._finish_training()
-            self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
+            if stop.paused:  # no summary or plot yet: the run goes on
+                self.monitor.close()
+            else:
+                self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -185,7 +190,8 @@ class Engine(EngineCheckpoints):
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
         """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
-        trainer, p, stop = self.spec.trainer, self.progress, None
+        trainer, p = self.spec.trainer, self.progress
+        stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
         global_micro_batch = self.spec.dataset.batch_size * self.env.world
         self.model.train()
         self.monitor.window.start()
@@ -216,7 +222,8 @@ class Engine(EngineCheckpoints):
                         self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
-                stop = stop or self.overfit.on_step(p.step, loss_sum, samples)
+                stop = (stop or self.overfit.on_step(p.step, loss_sum, samples)
+                        or pause_due(trainer.stop_at_step, p.step, self.total_steps))  # PBT's round boundary
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end

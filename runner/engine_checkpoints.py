@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner import checkpoint, parallel
+from runner.pbt import mutable
 from runner.resume import starts_over
 from runner.spec import SpecError
 
@@ -65,6 +66,13 @@ class EngineCheckpoints:
         parallel.barrier()
         return path
 
+    def pause(self) -> None:
+        """trainer.stop_at_step: validated at this step (population-based training ranks members by it) and
+        checkpointed; neither tested nor finished, so a resume trains on along the same schedule."""
+        self._evaluate_and_watch()
+        self.save_checkpoint()
+        self.tracker.set_tags({"runner.outcome": "paused", "runner.paused_at_step": str(self.progress.step)})
+
     def _read_checkpoint(self, where: str) -> dict | None:
         """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
         state = None
@@ -74,11 +82,13 @@ class EngineCheckpoints:
         return parallel.broadcast_object(state)
 
     def _load_state(self, state: dict) -> None:
+        fresh = mutable.snapshot(self.optimizer)  # the hyperparameters this run's spec gives, before the load
         try:
             parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
         self.schedule.load_state_dict(state["schedule"])
+        mutable.apply_changed(state.get("spec"), self.spec, self.optimizer, self.schedule, fresh)  # PBT's explore
         self.averages.load_state_dict(state.get("averages"))
         self.precision.load_state_dict(state["precision"])
         rng = state["rng"]

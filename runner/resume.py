@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # What an override given with a resume may change: how long, where it runs, where it logs.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trainer.progress_bar",
               "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
-              "trainer.resume", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
+              "trainer.resume", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
               "dataset.root", "dataset.download", "trainer.profile", "parallelism.", "tracking.", "trial.")
 # These may change only together, keeping the global batch (a checkpoint is portable across strategies).
 BATCH_KEYS = ("dataset.batch_size", "accumulation.steps")
@@ -52,6 +52,8 @@ def plan(spec: RunSpec) -> RunSpec:
                             "trains (trainer.max_steps/max_epochs), where it runs (device, parallelism, data workers) "
                             "and where it logs (tracking.*)")
         _set(merged, key, new_flat[key])
+    if not _typed("trainer.stop_at_step", typed):  # a paused run's resume goes on unless it pauses again
+        merged["trainer"]["stop_at_step"] = None
     merged["run_dir"] = str(target) if in_place else spec.run_dir
     merged["overrides"] = list(saved.overrides if in_place else spec.overrides)
     merged["trainer"]["resume"] = str(target)

@@ -143,6 +143,9 @@ class TrainerSpec(DebugKeys):  # the debugging keys: runner/debug_keys.py
     checkpoint_every_n_steps: int = opt(0, "write a checkpoint every N optimizer steps (0: only at the end)", ge=0)
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from; latest: the newest run under outputs/runs")
+    stop_at_step: Optional[int] = opt(None, "pause at this optimizer step: validate, write its checkpoint and stop without "
+                                            "the final test; the schedule still plans the whole run (population-based "
+                                            "training's rounds); a resume goes on", gt=0)
     test_on: Literal["best", "last"] = opt("best", "test the weights of objective.metric's best validation (kept as checkpoints/best-step-N.pt), or the last")
     progress_bar: Literal["auto", "on", "off"] = opt("auto", "auto: only when stderr is a terminal")
     compile: Literal[False, True, "default", "reduce-overhead", "max-autotune"] = opt(

@@ -21,6 +21,13 @@ class Stop:
 
     reason: str
     pruned: bool = False
+    paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
+
+
+def pause_due(stop_at_step: int | None, step: int, total_steps: int) -> Stop | None:
+    """trainer.stop_at_step reached before the run's last step (there it finishes): the run pauses here."""
+    due = stop_at_step is not None and stop_at_step <= step < total_steps
+    return Stop(f"paused at step {step} (trainer.stop_at_step)", paused=True) if due else None
 
 
 class EarlyStopping:

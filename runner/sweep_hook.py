@@ -87,7 +87,8 @@ class ParentRunCallback(Callback):
         self.started: dict[int, float] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if "runner_optuna_sweeper" in str(OmegaConf.select(config, "hydra.sweeper._target_", default="")):
+        target = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
+        if "runner_optuna_sweeper" in target or "runner_pbt_sweeper" in target:  # each opens its own parent
             return
         self.grid = True
         self.parent = ParentRun.from_config(config)

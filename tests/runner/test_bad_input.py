@@ -242,6 +242,12 @@ CASES = [
     case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
          "dataset.max_length=32 dataset.tokenizer=null", "error: dataset.tokenizer: the data's token ids are not "
          "those of the pretrained model at {pretrained} (the data's tokenizer has ", RUN),
+    # --- the PBT sweeper's inputs (helper pbt): refused before any member or the MLflow parent run exists
+    case("-m hparams_search=digits_pbt scheduler.warmup=interval(0,10)", "error: scheduler.warmup: interval(0,10): "
+         "population-based training changes only hyperparameters that may change in the middle of a run; allowed: "
+         "optimizer.lr, optimizer.lr_multipliers.*, optimizer.weight_decay,", RUN),
+    case("-m hparams_search=digits_pbt hydra.sweeper.quantile=0.9", "error: hydra.sweeper.quantile: 0.9; allowed: "
+         "above 0 and at most 0.5", RUN),
     # --- the Optuna sweeper's inputs (helper sweep): refused before the study or its MLflow parent run exists
     case("-m hparams_search=digits_optuna optimizer.lr=interval(0.1,0.001)", "error: optimizer.lr: interval(0.1,0.001): "
          "its low 0.1 is above its high 0.001; allowed: interval(low, high) with low <= high", RUN),
