@@ -48,7 +48,11 @@ def test_the_wheel_holds_every_module_and_config_and_no_top_level_conf(wheels: d
     assert {m for m in modules if m.startswith(("runner/models/", "runner/data/"))}
     assert modules - names == set()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"runner"}
+    assert top_level == {"runner", "hydra_plugins"}
+    # runner's own sweeper plugin (PBT needs runner), in the namespace shared with every Hydra plugin: no __init__
+    plugins = {n for n in names if n.startswith("hydra_plugins/")}
+    assert "hydra_plugins/runner_pbt_sweeper/pbt_sweeper.py" in plugins and "hydra_plugins/__init__.py" not in plugins
+    assert not any(n.startswith("hydra_plugins/runner_optuna_sweeper/") for n in plugins)  # sweeper/'s own wheel
     assert not top_level & {"conf", "data", "models"}
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "Requires-Dist: hydra-runner-optuna-sweeper>=0.1" in zipfile.ZipFile(wheels["runner"]).read(metadata).decode()
