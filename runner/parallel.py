@@ -179,10 +179,22 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
 
 
 def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True))
+    options = StateDictOptions(full_state_dict=True)
+    if optim_state.get("state"):
+        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
+        return
+    # An optimizer that keeps no per-parameter state (SGD without momentum): torch's loader takes the device
+    # from a state tensor, finds none and refuses ("Expected device to be set"). The groups' settings (lr,
+    # weight decay, ...) are all there is to load; runner builds the groups in one order every time.
+    set_model_state_dict(module, model_state, options=options)
+    saved = optim_state["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run's "
+                         f"{len(optimizer.param_groups)}")
+    for group, state in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in state.items() if k != "params"})
 
 
 def gather_objects(obj: Any) -> list[Any]:

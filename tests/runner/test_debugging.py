@@ -189,3 +189,18 @@ def test_overfit_resumed_one_step_before_the_goal_reaches_it_at_the_same_step(tm
     engine([*goal, f"trainer.max_steps={reached - 1}"], tmp_path / "cut").fit()
     resumed = engine([*goal, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut")
     assert resumed.progress.step == reached - 1 and resumed.fit().steps == reached
+
+
+def test_an_optimizer_without_state_resumes_as_if_never_stopped(tmp_path: Path) -> None:
+    """SGD without momentum keeps no per-parameter state: torch's full-state loader refused its checkpoint."""
+    sgd = [*DIGITS, "optimizer=sgd", "optimizer.momentum=0", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
+           "trainer.log_every_n_steps=1"]
+    whole = engine([*sgd, "trainer.max_steps=4"], tmp_path / "whole")
+    whole.fit()
+    engine([*sgd, "trainer.max_steps=2"], tmp_path / "cut").fit()
+    resumed = engine([*sgd, "trainer.max_steps=4", f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut")
+    assert resumed.progress.step == 2
+    resumed.fit()
+    for key, value in whole.module.state_dict().items():
+        assert torch.equal(value, resumed.module.state_dict()[key]), key
+    assert resumed.monitor.history["train/loss"] == whole.monitor.history["train/loss"]
