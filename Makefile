@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-gpu bench-hpo bench-memory ui clean
+.PHONY: install run test test-all bench bench-gpu bench-hpo bench-hpo-slots bench-memory ui clean
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,9 @@ bench-gpu: install      ## GPT-2 124M tokens/s and MFU; ResNet-18 CIFAR shape sa
 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
 	$(PY) -m runner.bench_hpo
+
+bench-hpo-slots: install ## 2 slots vs 1 on short trials (toy app instant / 1 s, digits 1 epoch): seconds and ratios
+	$(PY) -m runner.bench_hpo --slots $(ARGS)
 
 bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
 	$(PY) -m runner.bench_memory
