@@ -177,9 +177,9 @@ def slots(repeat: int, trials: int) -> None:
                      sys.executable, "-m", "runner", "-m", "hparams_search=digits_optuna", "hydra/sweeper/pruner=none",
                      "trainer.max_epochs=1"]}
         for i in range(repeat):
-            for name, cmd in cases.items():
+            for case, (name, cmd) in enumerate(cases.items()):
                 for jobs in (1, 2):
-                    run = Path(tmp) / f"run{i}-{len(rows.get(name, {}))}-{name.split()[0]}-{jobs}"
+                    run = Path(tmp) / f"round{i}-case{case}-jobs{jobs}"
                     run.mkdir(parents=True)
                     wall, _, _ = timed_sweep([*cmd, f"hydra.sweeper.n_trials={trials}", f"hydra.sweeper.n_jobs={jobs}"],
                                              run, run / "sweep")

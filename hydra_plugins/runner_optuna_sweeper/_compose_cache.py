@@ -8,9 +8,10 @@ same groups: it is composed once, and each trial gets a copy with its own value 
 (as Hydra applies them: same parser, same struct rules, then the same `hydra.overrides.task` and
 `hydra.job.override_dirname`).
 
-The first trial of each group set is composed both ways and the two compared; where they differ
-(an override the cache took for a value but Hydra for a group, e.g. a group from a search path
-added on the command line) that group set is composed by Hydra every time, as before.
+Where a value override might name a group after all (one from a search path added by an override,
+which the cache does not search: see `_doubtful`), the first trial of the group set is composed both
+ways and the two compared; where they differ, or the cached way fails, that group set is composed by
+Hydra every time, as before.
 """
 from __future__ import annotations
 
@@ -57,16 +58,31 @@ class CachingConfigLoader:
             return self._compose(master_config, sweep_overrides)
         if not known:
             groups_only = [o.input_line for o in parsed[len(hydra_overrides):] if o not in values]
-            base = self._compose(master_config, groups_only)
-        cfg = self._apply(base, parsed, values)
-        if not known:  # check the cache against Hydra once per group set
-            full = self._compose(master_config, sweep_overrides)
-            same = OmegaConf.to_container(full, resolve=False) == OmegaConf.to_container(cfg, resolve=False)
+            try:
+                base = self._compose(master_config, groups_only)
+                cfg = self._apply(base, parsed, values)
+            except Exception:  # noqa: BLE001 - e.g. a group the cache took for a value: Hydra says what is wrong
+                base = cfg = None
+            if cfg is not None and self._doubtful(base, values):  # check against Hydra once per group set
+                full = self._compose(master_config, sweep_overrides)
+                if OmegaConf.to_container(full, resolve=False) != OmegaConf.to_container(cfg, resolve=False):
+                    base = None
             with self.lock:
-                self.bases[key] = base if same else None
-            cfg = cfg if same else full
+                self.bases[key] = base
+            if base is None:
+                return self._compose(master_config, sweep_overrides)
+        else:
+            cfg = self._apply(base, parsed, values)
         OmegaConf.copy_cache(from_config=master_config, to_config=cfg)
         return cfg
+
+    @staticmethod
+    def _doubtful(base: DictConfig, values: list[Override]) -> bool:
+        """Whether a value override might be a group Hydra finds where the cache does not look (a
+        search path added by an override): a group in the composed defaults list, or one added with
+        + or ++ (which a value can be too). Otherwise the cached composition is Hydra's."""
+        groups = base.hydra.runtime.choices
+        return any(o.is_add() or o.is_force_add() or o.key_or_group in groups for o in values)
 
     def _compose(self, master_config: DictConfig, overrides: Sequence[str]) -> DictConfig:
         self.composed += 1

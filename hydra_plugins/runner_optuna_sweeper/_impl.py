@@ -105,9 +105,8 @@ class OptunaSweeperImpl(Sweeper):
         self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
         _compose_cache.install(self.launcher)  # trials that pick the same config groups share one composition
         self.workers = _workers.SlotProcesses(self.launcher, self.n_jobs, self._preload()[1:]) if self.spawn else None
-        if self.spawn:  # the slots' imports overlap the study's and MLflow's setup
-            forked = self.workers.start()  # a slot process that fails is replaced through the fork server
-            _slots.set_preload([] if forked else self._preload())
+        if self.spawn and not self.workers.start():  # forked: the fork server starts only to replace one
+            _slots.set_preload(self._preload())  # its imports overlap the study's and MLflow's setup
             _slots.warm_up()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         opened = open_study(self.s.storage, self.s.study_name, sweep_dir, self.directions, self.space,

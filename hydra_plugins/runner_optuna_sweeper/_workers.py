@@ -1,20 +1,22 @@
 """A long-lived process per slot that runs trial after trial.
 
-A fresh process per trial costs its start (unpickling the launcher and the app, a CUDA context, the
-first composition) on every trial: short trials spent more time starting than running, and two
-slots ran slower than one. Each slot now keeps one process, forked from the fork server as before
-(_slots), that receives trial after trial over a pipe. Between trials it puts back what a fresh
-process would have: the sweep's environment plus the slot's share (CUDA_VISIBLE_DEVICES stays the
-slot's), Hydra's singletons as the sweep has them, fresh random seeds (Python's, NumPy's and torch's
-global generators on every device, as a new process seeds them), torch's global switches as they
-were when the process started (determinism, TF32, cudnn.benchmark, thread count), torch.compile's
-caches, and the CUDA memory the last trial left cached (peak statistics too). What it cannot undo
-is the app's own module-level state, as within an n_jobs=1 sweep, whose trials all run in the sweep
-process.
+A fresh process per trial costs its start (unpickling the launcher and the app, imports, a CUDA
+context, the first composition) on every trial: short trials spent more time starting than running,
+and two slots ran slower than one. Each slot now keeps one process that receives trial after trial
+over a pipe: forked from the sweep process itself as the sweep starts (it has the app, Hydra and
+Optuna imported already), then imports what the hook names (runner: the engine, torch) while the
+study opens. Between trials it puts back what a fresh process would have: the sweep's environment
+plus the slot's share (CUDA_VISIBLE_DEVICES stays the slot's), fresh random seeds (Python's, NumPy's
+and torch's global generators on every device, as a new process seeds them), torch's global
+switches as they were when the process started (determinism, TF32, cudnn.benchmark, thread count),
+and after the trial it frees torch.compile's caches and the CUDA memory the trial left cached (peak
+statistics too). Hydra's singletons are set once, as the sweep has them; each job sets its own
+HydraConfig. What it cannot undo is the app's own module-level state, as within an n_jobs=1 sweep,
+whose trials all run in the sweep process.
 
 A trial that fails retires its process (a failure may leave anything behind, a broken CUDA context
 above all); one that dies (killed, out of memory) is JobDied as before. Either way the slot's next
-trial starts a new process.
+trial starts a new process, through the fork server (_slots): the sweep runs threads by then.
 """
 from __future__ import annotations
 
@@ -111,6 +113,7 @@ class SlotProcesses:
         False where that is not safe (not Linux, or threads running): slots start through the fork server."""
         if not sys.platform.startswith("linux") or threading.active_count() > 1:
             return False
+        os.environ[_slots.SWEEP_PID_ENV] = str(os.getpid())  # for a fork server started later (_forkserver_guard)
         for slot in range(self.slots):
             inherited = [w.conn for w in self.by_slot.values()]
             self.by_slot[slot] = SlotProcess(self.launcher, slot, self.slots, self.preload, fork=True,
