@@ -1,10 +1,11 @@
 """Running one trial's job in a slot.
 
 With one slot the job goes through `launcher.launch` in this thread, like any Hydra sweep. With
-several slots and Hydra's basic launcher, each job runs `launcher.launch` in a process of its own
-(as hydra-joblib-launcher does), forked from a fork server: Hydra's job setup (the HydraConfig
-singleton, logging, the working directory) is process-global and cannot run twice at once in one
-process, and a process per trial isolates memory, CUDA state and crashes. Other launchers (submitit,
+several slots and Hydra's basic launcher, each job runs `launcher.launch` in its slot's process
+(_workers: one long-lived process per slot; this module's `launch` with spawn=True, a fork-server
+process per trial, is what it replaced): Hydra's job setup (the HydraConfig singleton, logging, the
+working directory) is process-global and cannot run twice at once in one process, and a process of
+its own isolates memory, CUDA state and crashes. Other launchers (submitit,
 joblib, ray) already run jobs elsewhere; each slot thread calls their `launch` with its one job.
 
 Start-up cost: the fork server imports once what every job needs (the app's module, and for
