@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-gpu bench-hpo bench-pbt bench-memory ui clean
+.PHONY: install run test test-all bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory ui clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,9 @@ bench-gpu: install      ## GPT-2 124M tokens/s and MFU; ResNet-18 CIFAR shape sa
 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
 	$(PY) -m runner.bench_hpo
+
+bench-hpo-slots: install ## 2 slots vs 1 on short trials (toy app instant / 1 s, digits 1 epoch): seconds and ratios
+	$(PY) -m runner.bench_hpo --slots $(ARGS)
 
 bench-pbt: install      ## PBT and PB2 (4 members) vs random search, same total steps, digits MLP with SGD: best val/loss, wall time
 	$(PY) -m runner.bench_pbt $(ARGS)

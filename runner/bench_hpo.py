@@ -14,6 +14,11 @@ one-line objective (n_jobs=1 and 2), what is left after its last trial (the repo
 from the command's start to the end of the first trial with n_jobs=2; and for the digits study
 (MLflow on, one epoch per trial) that time with n_jobs=2 next to n_jobs=1, whose jobs run in the
 sweep process itself as hydra-optuna-sweeper's do.
+
+    python -m runner.bench_hpo --slots [--trials 20] [--repeat 3]
+
+Two slots against one on short trials: a toy app's instant trials and 1-second trials, and the digits
+study's one-epoch trials; the ratio of the two (ideal for 1-second trials: about 0.5).
 """
 from __future__ import annotations
 
@@ -140,10 +145,69 @@ def overhead(repeat: int) -> None:
         print(f"{name:<80}" + "".join(f"{v:8.1f}" for v in values) + f"   median {sorted(values)[len(values) // 2]:.1f}")
 
 
+SLEEPY_APP = '''
+import time
+import hydra
+
+
+@hydra.main(version_base=None, config_path=".", config_name="config")
+def cost(cfg) -> float:
+    time.sleep(cfg.sleep)
+    return (cfg.width - 1.25) ** 2 + 0.5 * abs(cfg.layers - 3)
+
+
+if __name__ == "__main__":
+    cost()
+'''
+
+
+def slots(repeat: int, trials: int) -> None:
+    """Two slots against one: a toy app whose trials return at once or sleep 1 s, and the digits
+    study (one epoch a trial, MLflow on). Per row: seconds with 1 and 2 slots (the whole command, and
+    from the first trial's start to the last one's end), and the ratio of 2 slots to 1."""
+    rows: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-hpo-slots-") as tmp:
+        app = Path(tmp) / "toy"
+        app.mkdir()
+        (app / "app.py").write_text(SLEEPY_APP)
+        (app / "config.yaml").write_text(TOY_CONFIG.replace("layers: 1", "layers: 1\nsleep: 0.0"))
+        cases = {f"toy app, {trials} instant trials": [sys.executable, str(app / "app.py"), "-m", "sleep=0"],
+                 f"toy app, {trials} trials of 1 s": [sys.executable, str(app / "app.py"), "-m", "sleep=1"],
+                 f"digits study, {trials} trials of 1 epoch": [
+                     sys.executable, "-m", "runner", "-m", "hparams_search=digits_optuna", "hydra/sweeper/pruner=none",
+                     "trainer.max_epochs=1"]}
+        for i in range(repeat):
+            for case, (name, cmd) in enumerate(cases.items()):
+                for jobs in (1, 2):
+                    run = Path(tmp) / f"round{i}-case{case}-jobs{jobs}"
+                    run.mkdir(parents=True)
+                    wall, _, _ = timed_sweep([*cmd, f"hydra.sweeper.n_trials={trials}", f"hydra.sweeper.n_jobs={jobs}"],
+                                             run, run / "sweep")
+                    rows.setdefault(name, {}).setdefault(jobs, []).append((wall, trial_span(run, run / "sweep")))
+                print(f"bench-hpo: {name}, round {i + 1} of {repeat} done", flush=True)
+    print(f"\n{'':<40}{'1 slot s':>10}{'2 slots s':>10}{'ratio':>7}   {'trials only: 1':>14}{'2':>6}{'ratio':>7}")
+    for name, by_jobs in rows.items():
+        median = {j: sorted(v)[len(v) // 2] for j, v in by_jobs.items()}
+        (w1, s1), (w2, s2) = median[1], median[2]
+        print(f"{name:<40}{w1:>10.1f}{w2:>10.1f}{w2 / w1:>7.2f}   {s1:>14.1f}{s2:>6.1f}{s2 / s1:>7.2f}")
+    print("\n(medians over rounds; ratio: 2 slots / 1 slot; 'trials only' counts from the first trial's start to the "
+          "last one's end)")
+
+
+def trial_span(cwd: Path, sweep_dir: Path) -> float:
+    journal = sweep_dir / "optuna.journal"
+    storage = open_storage(str(journal if journal.exists() else cwd / "outputs" / "optuna.journal"))
+    done = [t for name in optuna.get_all_study_names(storage)
+            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+            if t.datetime_complete is not None]
+    return (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--overhead", action="store_true", help="time the sweeper's own cost on a toy app instead")
-    parser.add_argument("--repeat", type=int, default=3, help="--overhead: rounds (the median is printed)")
+    parser.add_argument("--slots", action="store_true", help="time 2 slots against 1 on short trials instead")
+    parser.add_argument("--repeat", type=int, default=3, help="--overhead, --slots: rounds (the median is printed)")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=1, help="parallel trial slots of each sweep")
     parser.add_argument("--pruners", nargs="+", default=["hyperband", "none"])
@@ -151,6 +215,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.overhead:
         overhead(args.repeat)
+        return
+    if args.slots:
+        slots(args.repeat, args.trials)
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench-hpo-") as tmp:

@@ -35,7 +35,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from . import _bookkeeping as books
-from . import _slots
+from . import _compose_cache, _slots, _workers
 from ._builders import build_pruner, build_sampler, check_sampler, pruner_config
 from ._checks import check_settings, custom_search_space
 from ._results import write_results
@@ -103,8 +103,10 @@ class OptunaSweeperImpl(Sweeper):
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
         self.n_jobs = self._slot_count()
         self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
-        if self.spawn:  # the fork server's imports overlap the study's and MLflow's setup
-            _slots.set_preload(self._preload())
+        _compose_cache.install(self.launcher)  # trials that pick the same config groups share one composition
+        self.workers = _workers.SlotProcesses(self.launcher, self.n_jobs, self._preload()[1:]) if self.spawn else None
+        if self.spawn and not self.workers.start():  # forked: the fork server starts only to replace one
+            _slots.set_preload(self._preload())  # its imports overlap the study's and MLflow's setup
             _slots.warm_up()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         opened = open_study(self.s.storage, self.s.study_name, sweep_dir, self.directions, self.space,
@@ -177,6 +179,8 @@ class OptunaSweeperImpl(Sweeper):
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if self.workers is not None:
+                self.workers.close()
         if self._too_many_failures():
             raise SweepFailed(f"{self._failed()} of this sweep's trials failed, more than max_failure_rate="
                               f"{self.s.max_failure_rate} x n_trials={self.n_trials} allows (raise "
@@ -204,8 +208,11 @@ class OptunaSweeperImpl(Sweeper):
                 overrides = self._overrides(trial)
                 # the hook's overrides reach the job but not its "#N : ..." line: that shows what the user swept
                 internal = self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
-                value = _slots.launch(self.launcher, overrides + internal, trial.number, slot, self.n_jobs, self.spawn,
-                                      hidden=internal)
+                if self.workers is not None:  # a slot's process runs trial after trial
+                    value = self.workers.launch(overrides + internal, trial.number, slot, hidden=internal)
+                else:
+                    value = _slots.launch(self.launcher, overrides + internal, trial.number, slot, self.n_jobs,
+                                          self.spawn, hidden=internal)
                 values = self._values(trial, value)
                 state = TrialState.COMPLETE
         except optuna.TrialPruned:

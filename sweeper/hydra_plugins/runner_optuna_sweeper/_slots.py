@@ -1,10 +1,11 @@
 """Running one trial's job in a slot.
 
 With one slot the job goes through `launcher.launch` in this thread, like any Hydra sweep. With
-several slots and Hydra's basic launcher, each job runs `launcher.launch` in a process of its own
-(as hydra-joblib-launcher does), forked from a fork server: Hydra's job setup (the HydraConfig
-singleton, logging, the working directory) is process-global and cannot run twice at once in one
-process, and a process per trial isolates memory, CUDA state and crashes. Other launchers (submitit,
+several slots and Hydra's basic launcher, each job runs `launcher.launch` in its slot's process
+(_workers: one long-lived process per slot; this module's `launch` with spawn=True, a fork-server
+process per trial, is what it replaced): Hydra's job setup (the HydraConfig singleton, logging, the
+working directory) is process-global and cannot run twice at once in one process, and a process of
+its own isolates memory, CUDA state and crashes. Other launchers (submitit,
 joblib, ray) already run jobs elsewhere; each slot thread calls their `launch` with its one job.
 
 Start-up cost: the fork server imports once what every job needs (the app's module, and for
@@ -36,7 +37,7 @@ from hydra.plugins.launcher import Launcher
 SWEEP_PID_ENV = "RUNNER_SWEEP_PID"
 _GUARD = "hydra_plugins.runner_optuna_sweeper._forkserver_guard"
 _KILL_AFTER_S = 10.0  # an interrupted trial's grace to end its MLflow run KILLED before it is killed
-_live: set[multiprocessing.process.BaseProcess] = set()
+live: set[multiprocessing.process.BaseProcess] = set()
 _preload: list[str] = []
 
 
@@ -60,10 +61,10 @@ def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, sl
 
     env = {**os.environ, **slot_env(slot, slots)}  # the sweep's environment now (the MLflow parent run id) + the slot's share
     payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env, os.getpid(), list(hidden)))
-    receiver, sender = _context().Pipe(duplex=False)
-    process = _context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
+    receiver, sender = context().Pipe(duplex=False)
+    process = context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
     process.start()
-    _live.add(process)
+    live.add(process)
     sender.close()
     try:
         kind, value = cloudpickle.loads(receiver.recv_bytes())
@@ -72,7 +73,7 @@ def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, sl
         raise JobDied(process.exitcode) from None
     finally:
         process.join()
-        _live.discard(process)
+        live.discard(process)
         receiver.close()
     if kind == "error":
         raise value
@@ -110,7 +111,7 @@ def _log_traceback(ret: JobReturn, error: BaseException) -> str:
 
 def terminate_all() -> None:
     """Stop every running job process (the sweep was interrupted)."""
-    for process in list(_live):
+    for process in list(live):
         if process.is_alive():
             process.terminate()
 
@@ -145,7 +146,7 @@ def set_preload(modules: list[str]) -> None:
     _preload[:] = [_GUARD, __name__, "cloudpickle", "hydra.core.utils", *modules]
 
 
-def _context() -> Any:
+def context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_preload or [_GUARD, __name__])
     return ctx
@@ -157,7 +158,7 @@ def warm_up() -> None:
     from multiprocessing import forkserver
 
     os.environ[SWEEP_PID_ENV] = str(os.getpid())
-    _context()
+    context()
     forkserver.ensure_running()
 
 
@@ -198,13 +199,21 @@ def _run_in_child(payload: bytes, sender: Any) -> None:
     launcher, overrides, idx, singleton_state, env, sweep_pid, hidden = cloudpickle.loads(payload)
     # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: the engine
     # ends its MLflow run KILLED. Not SIGINT itself: a sweep started in the background ignores it.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     die_with_parent(signal.SIGTERM, os.getppid(), sweep_pid)
     os.environ.clear()
     os.environ.update(env)  # before CUDA initializes: CUDA_VISIBLE_DEVICES picks this slot's GPU
     if "torch" in sys.modules:  # the fork server imported torch: its thread count is set, not read from env
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     Singleton.set_state(singleton_state)
+    sender.send_bytes(run_job_here(launcher, overrides, idx, hidden))
+    sender.close()
+
+
+def run_job_here(launcher: Launcher, overrides: list[str], idx: int, hidden: Sequence[str]) -> bytes:
+    """Run the job in this (trial) process: ("value", v) or ("error", exception), pickled for the sweep."""
+    import cloudpickle
+
     try:
         with job_line_without(hidden):
             result: tuple[str, Any] = ("value", _value(launcher.launch([overrides], initial_job_idx=idx)[0]))
@@ -215,14 +224,12 @@ def _run_in_child(payload: bytes, sender: Any) -> None:
     except BaseException as e:  # noqa: BLE001 - everything else goes back to the sweeper
         result = ("error", e)
     try:
-        data = cloudpickle.dumps(result)
+        return cloudpickle.dumps(result)
     except Exception:  # an exception that does not pickle: send its text
-        data = cloudpickle.dumps(("error", RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
-    sender.send_bytes(data)
-    sender.close()
+        return cloudpickle.dumps(("error", RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}: the sweep is gone")
 
 
