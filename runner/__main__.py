@@ -6,7 +6,6 @@ importing torch, MLflow or Optuna; a mistake is one `error: <key>: ...` line and
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
@@ -26,10 +25,6 @@ def main(cfg: DictConfig) -> float:
         spec = spec_from_hydra(cfg)
     except SpecError as e:
         fail(str(e))
-    if _logs_here(spec):  # MLflow's seconds of opening the store overlap with building the engine
-        from runner.store_opening import open_in_background
-
-        open_in_background(spec.tracking)
     # torch, MLflow and the engine: only now that the spec is known to be good
     from runner.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
     from runner.launch import WorkersFailed, run
@@ -48,16 +43,6 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"runner: {e}")
         print(f"runner: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-
-
-def _logs_here(spec: RunSpec) -> bool:
-    """Whether this process will open the spec's MLflow store to log a run: not a launcher of ddp/fsdp workers,
-    not a rank but 0, and not a resume (its store is the resumed run's, known only once it is read)."""
-    if spec.tracking.name == "none" or spec.trainer.resume:
-        return False
-    if under_torchrun():
-        return os.environ.get("RANK", "0") == "0"
-    return spec.parallelism.name == "single"
 
 
 def _to_job_log(line: str) -> None:

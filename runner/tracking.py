@@ -21,7 +21,6 @@ from typing import Any, Protocol
 from runner import run_record
 from runner.mlflow_store import DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags
 from runner.spec import RunSpec, TrackingSpec
-from runner.store_opening import opened
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,8 @@ class MlflowTracker:
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
         check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
-        self.client, self.experiment_id = opened(self.uri, self.experiment, self.artifact_root)  # maybe opened already
+        self.client = open_client(self.uri)
+        self.experiment_id = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and run_exists(self.client, resume_run_id):
