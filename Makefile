@@ -24,7 +24,7 @@ test: install           ## the test suite CI runs (slow tests excluded)
 test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q
 
-bench: install          ## engine vs a hand-written loop, steps interleaved: digits MLP, CNN, the ResNet and GPT presets; ratio and us overhead
+bench: install          ## start-up times beside their targets; engine vs a hand-written loop, steps interleaved: digits MLP, CNN, the ResNet and GPT presets; ratio and us overhead
 	$(PY) -m runner.bench $(ARGS)
 
 bench-gpu: install      ## GPT-2 124M tokens/s and MFU; ResNet-18 CIFAR shape samples/s beside a hand loop (small shapes on a CPU)

@@ -4,7 +4,8 @@ For each workload (the tiny digits MLP and CNN, and the presets' ResNet-18 and G
 shape) both train the same model on the same data with the same batch, optimizer, precision and data
 loader, the engine with MLflow tracking on; their steps alternate within one run (runner/bench_workloads.py)
 and the medians of per-step wall times are compared. Where no GPU is available the presets run with
-smaller batches (the table says so). Numbers are printed, never asserted.
+smaller batches (the table says so). Before them, the start-up times of `python -m runner` beside their
+targets (runner/bench_startup.py). Numbers are printed, never asserted.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from runner.bench_startup import bench_startup
 from runner.bench_workloads import WORKLOADS, interleaved, workload_spec
 from runner.parallel import pick_device
 
@@ -47,11 +49,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the main thread's CPU time per step (with --threads 1; for a busy machine)")
+    parser.add_argument("--startup-runs", type=int, default=3,
+                        help="runs of each start-up measurement (median printed; 0: skip them)")
     parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu counts the main thread only: use it with --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.startup_runs:  # first, before this process's own training loads the machine
+        bench_startup(args.startup_runs)
+        print()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(workload_spec(args.overrides, 1, Path(".")).trainer.device)

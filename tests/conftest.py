@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from runner.registry import CONF_DIR
 from runner.spec import RunSpec
+from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)
 
 REPO = CONF_DIR.parent
 

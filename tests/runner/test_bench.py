@@ -31,7 +31,8 @@ def test_ratio_overhead_and_target_verdict() -> None:
 def test_a_tiny_bench_run_prints_its_table(capsys: pytest.CaptureFixture) -> None:
     from runner import bench
 
-    bench.main(["--steps", "3", "--warmup", "1", "--rounds", "1", "--only", "digits", "--nproc", "1", "tracking=none"])
+    bench.main(["--steps", "3", "--warmup", "1", "--rounds", "1", "--only", "digits", "--nproc", "1", "--startup-runs", "0",
+                "tracking=none"])
     out = capsys.readouterr().out
     header, row = out.strip().splitlines()[-2:]
     assert header.split() == ["workload", "batch", "engine", "ms", "hand", "ms", "ratio", "overhead", "us", "target"]

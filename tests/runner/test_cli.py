@@ -38,8 +38,8 @@ def preflight_ok(args: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
-@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job", "+accum=4"], ["--help"], ["optimizer.lrr=1"]],
-                         ids=["bad value", "--cfg job", "--help", "unknown key"])
+@pytest.mark.parametrize("args", [["optimizer.lr=-1"], ["--cfg", "job", "+accum=4"], ["--help"], ["optimizer.lrr=1"],
+                                  ["--info"]], ids=["bad value", "--cfg job", "--help", "unknown key", "--info"])
 def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(tmp_path: Path, args: list[str]) -> None:
     """The spec is checked before the heavy imports: -X importtime lists every module a process imports."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
