@@ -122,3 +122,50 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     for k, v in tree.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
+
+
+@pytest.mark.slow  # ~40 s; test_a_killed_population_resumes_and_exploit_copies_the_exact_state keeps the resume in CI
+def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_again(tmp_path: Path) -> None:
+    """A real SIGKILL of the whole sweep (coordinator and member) during round 2 of 3; the same command on the
+    same sweep directory finishes rounds 2 and 3 with the same members and MLflow runs, each step's
+    train/loss logged once, and every run ends FINISHED."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sweep, db = tmp_path / "sweep", tmp_path / "mlflow.db"
+    cmd = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_pbt", "trainer.max_steps=30",
+           "hydra.sweeper.ready=10", "hydra.sweeper.population=2", "hydra.sweeper.quantile=0.5",
+           "trainer.log_every_n_steps=1", "trainer.progress_bar=off", "trainer.memory_estimate=false",
+           f"hydra.sweep.dir={sweep}", f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'art'}"]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    state_file, deadline = sweep / "pbt_state.json", time.time() + 300
+    try:
+        while time.time() < deadline and first.poll() is None:
+            if state_file.exists() and json.loads(state_file.read_text()).get("round") == 1:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(1.0)  # into round 2
+        os.killpg(first.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    before = json.loads(state_file.read_text())
+    assert before["round"] == 1
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    state = json.loads(state_file.read_text())
+    assert state["round"] == 3 and [m["run_id"] for m in state["members"]] == [m["run_id"] for m in before["members"]]
+    client = MlflowClient(f"sqlite:///{db}")
+    for member in state["members"]:
+        steps = [m.step for m in client.get_metric_history(member["run_id"], "train/loss")]
+        assert steps == list(range(1, 31)), (member["id"], steps)
+        assert client.get_run(member["run_id"]).data.tags.get("mlflow.parentRunId")
+    members = {m["run_id"] for m in state["members"]}
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert {r.info.status for r in runs if r.info.run_id in members} == {"FINISHED"}
