@@ -135,6 +135,16 @@ def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_aga
     import sys
     import time
 
+    import sqlite3
+
+    def in_round_2(db: Path) -> bool:  # a member has logged a step of round 2 (steps 11-20)
+        try:
+            with sqlite3.connect(db, timeout=1) as con:
+                (top,) = con.execute("select max(step) from metrics where key = 'train/loss'").fetchone()
+            return (top or 0) > 11
+        except sqlite3.Error:
+            return False
+
     sweep, db = tmp_path / "sweep", tmp_path / "mlflow.db"
     cmd = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_pbt", "trainer.max_steps=30",
            "hydra.sweeper.ready=10", "hydra.sweeper.population=2", "hydra.sweeper.quantile=0.5",
@@ -144,12 +154,9 @@ def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_aga
                              start_new_session=True)
     state_file, deadline = sweep / "pbt_state.json", time.time() + 300
     try:
-        while time.time() < deadline and first.poll() is None:
-            if state_file.exists() and json.loads(state_file.read_text()).get("round") == 1:
-                break
-            time.sleep(0.05)
+        while time.time() < deadline and first.poll() is None and not in_round_2(db):
+            time.sleep(0.02)
         assert first.poll() is None, first.communicate()[0][-3000:]
-        time.sleep(1.0)  # into round 2
         os.killpg(first.pid, signal.SIGKILL)
     finally:
         if first.poll() is None:
