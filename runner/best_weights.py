@@ -46,7 +46,7 @@ class BestWeights:
         """After a validation; every rank decides alike (the metrics were reduced across ranks)."""
         if not self.on or self.engine.monitor.best_step.get(self.metric) != step:
             return
-        state = {"step": step, "model": _full_model_state(self.engine.module),
+        state = {"step": step, "model": parallel.full_model_state(self.engine.module),
                  "averages": self.engine.averages.state_dict()}  # both collectives under fsdp
         if self.engine.env.is_main:
             _atomic_save(state, self.directory / f"best-step-{step:08d}.pt")
@@ -121,11 +121,6 @@ def _test(engine: Any) -> dict[str, float]:
     return {**engine.evaluate("test"), **engine.averages.evaluate("test")}
 
 
-def _full_model_state(module: torch.nn.Module) -> dict:
-    # imported here: torch.distributed.checkpoint costs 0.7 s of start-up before the first training line
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

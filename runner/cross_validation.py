@@ -31,7 +31,8 @@ from runner import components, folds, run_lock
 from runner.engine import RunResult
 from runner.spec import RunSpec, SpecError, TrialSpec
 from runner.tracking import RUN_FILE, build_tracker
-from runner.trial import TrialReporter, open_trial, parent_run_id, pruned
+from runner.parallel import in_torchrun
+from runner.trial import TrialReporter, is_pruned, open_trial, parent_run_id, pruned
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
     from runner.launch import run  # late: launch starts this module
 
     cv, metric = spec.trainer.cross_validation, spec.objective.metric
-    if _in_torchrun():  # each fold's run would form its own process group among ranks already in one
+    if in_torchrun():  # each fold's run would form its own process group among ranks already in one
         raise SpecError(f"trainer.cross_validation.folds: {cv.folds} folds cannot run inside torchrun; start "
                         "`python -m runner parallelism=ddp parallelism.nproc_per_node=N ...` without torchrun: it "
                         "starts each fold's workers itself")
@@ -108,25 +109,13 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
         tracker.finish("KILLED")
         raise
     except BaseException as e:
-        if not _is_pruned(e):
+        if not is_pruned(e):
             tracker.set_tags({"runner.outcome": "failed"})
             tracker.finish("FAILED")
         raise
     log.info(table(spec, done, mean, std, stratified) + f"\n  {tracker.describe()}")
     return RunResult(mean, {f"cv/{metric}_mean": mean, f"cv/{metric}_std": std}, {}, final,
                      sum(done[k]["steps"] for k in range(cv.folds)), time.perf_counter() - started)
-
-
-def _in_torchrun() -> bool:
-    from runner.parallel import in_torchrun
-
-    return in_torchrun()
-
-
-def _is_pruned(error: BaseException) -> bool:
-    from runner.trial import is_pruned
-
-    return is_pruned(error)
 
 
 def _write_record(run_dir: Path, cv: Any, metric: str, done: dict[int, dict[str, Any]]) -> None:

@@ -146,3 +146,21 @@ def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
     """'did you mean X? ' for the closest candidate, or '' when none is close."""
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"did you mean {close[0]}? " if close else ""
+
+
+def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys -> values (a spec's keys as the command line names them)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_keys(value, f"{prefix}{key}."))
+    return out
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """tree[a][b][c] = value for "a.b.c", making the mappings on the way."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value

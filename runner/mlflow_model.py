@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runner import components
+from runner import components, parallel
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ModelLogger:
         source = engine.best_weights.source if self.which == "best" else f"last@step {engine.progress.step}"
         step = int(source.rpartition(" ")[2])
         if step == engine.progress.step:  # the module holds these weights: full tensors (fsdp: every rank gathers)
-            state = _full_model_state(engine.module)
+            state = parallel.full_model_state(engine.module)
         else:  # a kept best file, read on the main rank only
             state = engine.best_weights.saved_model(step) if engine.env.is_main else None
         if not engine.env.is_main or engine.tracker.run_id is None:
@@ -157,12 +157,6 @@ def pip_requirements(target: str) -> list[str]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             pins.append(f"{name}=={importlib.metadata.version(name).split('+')[0]}")
     return pins
-
-
-def _full_model_state(module: torch.nn.Module) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from runner.fields import SpecError
+from runner.fields import SpecError, set_dotted
 from runner.resume import typed_keys
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def source_spec(spec):
             kept = {k: merged[group][k] for k in ("batch_size", "num_workers") if group == "dataset" and f"dataset.{k}" not in typed}
             merged[group] = {**now[group], **kept}
         elif key.split(".")[0] not in _OWN_KEYS:
-            _set(merged, key, _get(now, key))
+            set_dotted(merged, key, _get(now, key))
     merged.update({k: now[k] for k in _OWN_KEYS})
     merged["trainer"]["resume"] = str(path)
     merged["model"].pop("weights", None)  # the checkpoint's weights replace any starting weights
@@ -124,8 +124,3 @@ def _get(tree: dict, dotted: str):
     return tree
 
 
-def _set(tree: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[leaf] = value

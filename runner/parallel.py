@@ -178,6 +178,14 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
     return get_state_dict(module, optimizer, options=options)
 
 
+def full_model_state(module: nn.Module) -> dict:
+    """The model's state as full tensors on the CPU (a collective under fsdp: every rank calls it)."""
+    # imported here: torch.distributed.checkpoint costs 0.7 s of start-up before the first training line
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 

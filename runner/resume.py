@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from runner import checkpoint
+from runner.fields import set_dotted
 from runner.spec import COMPONENT_GROUPS, RunSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def plan(spec: RunSpec) -> RunSpec:
                             f"{new_flat[key]!r}; a resume continues the run's own spec and may change only how long it "
                             "trains (trainer.max_steps/max_epochs), where it runs (device, parallelism, data workers) "
                             "and where it logs (tracking.*)")
-        _set(merged, key, new_flat[key])
+        set_dotted(merged, key, new_flat[key])
     if not _typed("trainer.stop_at_step", typed):  # a paused run's resume goes on unless it pauses again
         merged["trainer"]["stop_at_step"] = None
     merged["run_dir"] = str(target) if in_place else spec.run_dir
@@ -109,13 +109,6 @@ def _saved_spec(target: Path) -> RunSpec:
             raise SpecError(f"trainer.resume: {path} holds no run spec and no spec.yaml lies beside its run directory")
         text = spec_file.read_text()
     return RunSpec.from_yaml(text)
-
-
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[leaf] = value
 
 
 def _world(spec: RunSpec) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from runner.fields import SpecError, build as _build, did_you_mean, opt, to_plain as _to_plain
+from runner.fields import SpecError, build as _build, did_you_mean, flat_keys, opt, to_plain as _to_plain
 from runner.averaging_keys import EmaSpec, SwaSpec, check_averaging
 from runner.cross_validation_keys import CrossValidationSpec, check_cross_validation
 from runner.debug_keys import DebugKeys
@@ -286,17 +286,7 @@ class RunSpec:
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys -> values, for MLflow params."""
-        out: dict[str, Any] = {}
-
-        def walk(node: Any, prefix: str) -> None:
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    walk(value, f"{prefix}{key}.")
-            else:
-                out[prefix[:-1]] = node
-
-        walk(self.to_dict(), "")
-        return out
+        return flat_keys(self.to_dict())
 
     def replace(self, **changes: Any) -> "RunSpec":
         return dataclasses.replace(self, **changes)

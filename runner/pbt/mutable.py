@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from runner.fields import flat_keys
+
 log = logging.getLogger(__name__)
 
 # flat spec keys (RunSpec.flat) a population member may change at a round boundary
@@ -40,7 +42,7 @@ def apply_changed(saved_yaml: str | None, spec: Any, optimizer: Any, schedule: A
     replace the loaded ones. Returns the changed keys (none for an ordinary resume, whose spec is the saved one)."""
     if not saved_yaml:
         return []
-    saved = _flat(yaml.safe_load(saved_yaml))
+    saved = flat_keys(yaml.safe_load(saved_yaml))
     new = spec.flat()
     changed = sorted(k for k in set(saved) | set(new) if is_mutable(k) and saved.get(k) != new.get(k))
     if not changed:
@@ -66,17 +68,3 @@ def apply_changed(saved_yaml: str | None, spec: Any, optimizer: Any, schedule: A
     return changed
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
-    return out
-
-
-def set_key(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[leaf] = value

@@ -30,7 +30,7 @@ import yaml
 
 from runner import checkpoint
 from runner.pbt import explore
-from runner.pbt.mutable import set_key
+from runner.fields import set_dotted
 from runner.spec import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Population:
             for member, result in zip(state["members"], results):
                 member["objectives"].append([boundary, result["objective"]])
                 member["run_id"] = result["run_id"] or member["run_id"]
-            best = self._ranked(state)[0]
+            best = ranked(state["members"], self.maximize)[0]
             state["best_per_round"].append([boundary, best["objectives"][-1][1], best["id"]])
             self._log_parent({"pbt/best_objective": best["objectives"][-1][1]}, boundary)
             if r + 1 < len(self.boundaries):
@@ -135,17 +135,11 @@ class Population:
                 self.on_round(r + 1)
         return state
 
-    def _ranked(self, state: dict[str, Any]) -> list[dict[str, Any]]:
-        def key(m: dict[str, Any]) -> float:
-            value = m["objectives"][-1][1]
-            return -math.inf if math.isnan(value) else (value if self.maximize else -value)
-        return sorted(state["members"], key=key, reverse=True)
-
     def _member_spec(self, member: dict[str, Any], r: int, boundary: int) -> RunSpec:
         tree = self.base.to_dict()
         tree["run_dir"], tree["seed"] = member["run_dir"], member["seed"]
         for key, value in member["hparams"].items():
-            set_key(tree, key, value)
+            set_dotted(tree, key, value)
         last = boundary >= self.base.trainer.max_steps
         # after round 0, or a round 0 killed after a checkpoint (a signal writes one): go on from it
         goes_on = r > 0 or checkpoint.has_checkpoint(member["run_dir"])
@@ -185,9 +179,9 @@ class Population:
 
     def _exploit_and_explore(self, state: dict[str, Any], r: int, boundary: int) -> None:
         rng = _rng_from_json(state["rng"])
-        ranked = self._ranked(state)
-        n = max(1, int(len(ranked) * self.settings.quantile))
-        top, bottom = ranked[:n], ranked[-n:]
+        order = ranked(state["members"], self.maximize)
+        n = max(1, int(len(order) * self.settings.quantile))
+        top, bottom = order[:n], order[-n:]
         for member in state["members"]:  # PB2's data: how much each member improved in this round
             objectives = member["objectives"]
             if len(objectives) >= 2:
@@ -220,6 +214,14 @@ class Population:
         for key, value in metrics.items():
             if math.isfinite(value):
                 client.log_metric(self.parent_run_id, key, value, step=step)
+
+
+def ranked(members: list[dict[str, Any]], maximize: bool) -> list[dict[str, Any]]:
+    """Best first by the objective at the last boundary; a NaN objective last."""
+    def key(m: dict[str, Any]) -> float:
+        value = m["objectives"][-1][1]
+        return -math.inf if math.isnan(value) else (value if maximize else -value)
+    return sorted(members, key=key, reverse=True)
 
 
 def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bool:

@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.pbt import explore
-from runner.pbt.population import Population, Settings
+from runner.pbt.population import Population, Settings, ranked
 from runner.preflight import resolved
-from runner.spec import RunSpec, SpecError
+from runner.spec import RunSpec
 
 log = logging.getLogger(__name__)
 PARENT_FILE = "pbt_parent_run_id"
@@ -61,7 +61,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     finally:
         if parent is not None and status != "FINISHED":
             parent.finish(status)
-    best = winner(state, base.objective.direction == "maximize")
+    best = ranked(state["members"], base.objective.direction == "maximize")[0]
     schedule = {"member": best["id"], "objective": best["objectives"][-1][1], "metric": base.objective.metric,
                 "schedule": [{"from_step": s, **h} for s, h in best["schedule"]], "lineage": best["lineage"]}
     (sweep_dir / "pbt_winner_schedule.json").write_text(json.dumps(schedule, indent=1))
@@ -76,13 +76,6 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
                                           for s, h in best["schedule"]) +
           f"\n  sweep directory: {sweep_dir}", flush=True)
     return schedule["objective"]
-
-
-def winner(state: dict[str, Any], maximize: bool) -> dict[str, Any]:
-    def key(m: dict[str, Any]) -> float:
-        value = m["objectives"][-1][1]
-        return -math.inf if math.isnan(value) else (value if maximize else -value)
-    return max(state["members"], key=key)
 
 
 def _open_parent(cfg: DictConfig, sweep_dir: Path, base: RunSpec, pbt: Settings, space: dict) -> Any:

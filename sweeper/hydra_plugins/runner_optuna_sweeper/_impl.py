@@ -211,8 +211,7 @@ class OptunaSweeperImpl(Sweeper):
                 if self.workers is not None:  # a slot's process runs trial after trial
                     value = self.workers.launch(overrides + internal, trial.number, slot, hidden=internal)
                 else:
-                    value = _slots.launch(self.launcher, overrides + internal, trial.number, slot, self.n_jobs,
-                                          self.spawn, hidden=internal)
+                    value = _slots.launch(self.launcher, overrides + internal, trial.number, hidden=internal)
                 values = self._values(trial, value)
                 state = TrialState.COMPLETE
         except optuna.TrialPruned:

@@ -2,9 +2,8 @@
 
 With one slot the job goes through `launcher.launch` in this thread, like any Hydra sweep. With
 several slots and Hydra's basic launcher, each job runs `launcher.launch` in its slot's process
-(_workers: one long-lived process per slot; this module's `launch` with spawn=True, a fork-server
-process per trial, is what it replaced): Hydra's job setup (the HydraConfig singleton, logging, the
-working directory) is process-global and cannot run twice at once in one process, and a process of
+(_workers: one long-lived process per slot; the fork server here starts a slot's replacement):
+Hydra's job setup (the HydraConfig singleton, logging, the working directory) is process-global and cannot run twice at once in one process, and a process of
 its own isolates memory, CUDA state and crashes. Other launchers (submitit,
 joblib, ray) already run jobs elsewhere; each slot thread calls their `launch` with its one job.
 
@@ -30,7 +29,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 
@@ -50,34 +48,12 @@ class JobDied(RuntimeError):
         super().__init__(f"the job's process {how} before returning a result")
 
 
-def launch(launcher: Launcher, overrides: Sequence[str], idx: int, slot: int, slots: int, spawn: bool,
-           hidden: Sequence[str] = ()) -> Any:
-    """The job's return value; raises the job's exception (optuna.TrialPruned for a pruned run).
+def launch(launcher: Launcher, overrides: Sequence[str], idx: int, hidden: Sequence[str] = ()) -> Any:
+    """The job's return value, the job run through `launcher.launch` in this thread (one slot, or a launcher
+    that runs jobs elsewhere); raises the job's exception (optuna.TrialPruned for a pruned run).
     `hidden`: overrides the launcher's job line leaves out (the app's own, not the user's)."""
-    if not spawn:
-        with job_line_without(hidden):
-            return _value(launcher.launch([list(overrides)], initial_job_idx=idx)[0])
-    import cloudpickle
-
-    env = {**os.environ, **slot_env(slot, slots)}  # the sweep's environment now (the MLflow parent run id) + the slot's share
-    payload = cloudpickle.dumps((launcher, list(overrides), idx, Singleton.get_state(), env, os.getpid(), list(hidden)))
-    receiver, sender = context().Pipe(duplex=False)
-    process = context().Process(target=_run_in_child, args=(payload, sender), name=f"trial-{idx}")
-    process.start()
-    live.add(process)
-    sender.close()
-    try:
-        kind, value = cloudpickle.loads(receiver.recv_bytes())
-    except EOFError:
-        process.join()
-        raise JobDied(process.exitcode) from None
-    finally:
-        process.join()
-        live.discard(process)
-        receiver.close()
-    if kind == "error":
-        raise value
-    return value
+    with job_line_without(hidden):
+        return _value(launcher.launch([list(overrides)], initial_job_idx=idx)[0])
 
 
 def _value(ret: JobReturn) -> Any:
@@ -191,23 +167,6 @@ def job_line_without(hidden: Sequence[str]) -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(drop)
-
-
-def _run_in_child(payload: bytes, sender: Any) -> None:
-    import cloudpickle
-
-    launcher, overrides, idx, singleton_state, env, sweep_pid, hidden = cloudpickle.loads(payload)
-    # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: the engine
-    # ends its MLflow run KILLED. Not SIGINT itself: a sweep started in the background ignores it.
-    signal.signal(signal.SIGTERM, interrupt)
-    die_with_parent(signal.SIGTERM, os.getppid(), sweep_pid)
-    os.environ.clear()
-    os.environ.update(env)  # before CUDA initializes: CUDA_VISIBLE_DEVICES picks this slot's GPU
-    if "torch" in sys.modules:  # the fork server imported torch: its thread count is set, not read from env
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-    Singleton.set_state(singleton_state)
-    sender.send_bytes(run_job_here(launcher, overrides, idx, hidden))
-    sender.close()
 
 
 def run_job_here(launcher: Launcher, overrides: list[str], idx: int, hidden: Sequence[str]) -> bytes:
