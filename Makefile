@@ -25,25 +25,25 @@ test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q
 
 bench: install          ## start-up times beside their targets; engine vs a hand-written loop, steps interleaved: digits MLP, CNN, the ResNet and GPT presets; ratio and us overhead
-	$(PY) -m runner.bench $(ARGS)
+	$(PY) -m benchmarks.bench $(ARGS)
 
 bench-gpu: install      ## GPT-2 124M tokens/s and MFU; ResNet-18 CIFAR shape samples/s beside a hand loop (small shapes on a CPU)
-	$(PY) -m runner.bench_gpu $(ARGS)
+	$(PY) -m benchmarks.bench_gpu $(ARGS)
 
 bench-hpo: install      ## the digits Optuna study, 20 trials, hyperband pruning vs none: epochs, wall time, best value
-	$(PY) -m runner.bench_hpo
+	$(PY) -m benchmarks.bench_hpo
 
 bench-hpo-slots: install ## 2 slots vs 1 on short trials (toy app instant / 1 s, digits 1 epoch): seconds and ratios
-	$(PY) -m runner.bench_hpo --slots $(ARGS)
+	$(PY) -m benchmarks.bench_hpo --slots $(ARGS)
 
 bench-pbt: install      ## PBT and PB2 (4 members) vs random search, same total steps, digits MLP with SGD: best val/loss, wall time
-	$(PY) -m runner.bench_pbt $(ARGS)
+	$(PY) -m benchmarks.bench_pbt $(ARGS)
 
 bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
-	$(PY) -m runner.bench_memory
+	$(PY) -m benchmarks.bench_memory
 
 ui: install             ## the MLflow UI over the local store, experiments opening on their runs table
-	$(PY) -m runner.mlflow_ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
+	$(PY) -m runner.tracking.mlflow_ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf outputs multirun

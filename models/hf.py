@@ -5,7 +5,7 @@ downloaded: a `path` must be a local directory written by `save_pretrained` (run
 hub model once elsewhere and save it), and it is opened with `local_files_only=True`.
 
 The returned module wraps the HF model as `.model`, so parameter names read `model.<HF name>` (freeze
-patterns: `model.distilbert.embeddings.*`); runner.finetune.load_weights maps HF's own names onto it.
+patterns: `model.distilbert.embeddings.*`); runner.engine.finetune.load_weights maps HF's own names onto it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`python -m runner [overrides]`: Hydra composes conf/ once; the run spec takes it from there.
 
-Before Hydra starts the run, runner/preflight.py checks everything a user can get wrong without
+Before Hydra starts the run, runner/cli/preflight.py checks everything a user can get wrong without
 importing torch, MLflow or Optuna; a mistake is one `error: <key>: ...` line and exit code 2.
 """
 from __future__ import annotations
@@ -12,23 +12,23 @@ import hydra
 from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
-from runner import registry
-from runner.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
-from runner.run_dir import shared_run_dir_overrides, under_torchrun
-from runner.spec import RunSpec, SpecError
+from runner.cli import registry
+from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
+from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
+from runner.spec.run import RunSpec, SpecError
 
 
 @hydra.main(config_path=str(registry.CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
-@sweep_hook("runner.sweep_hook.RunnerSweepHook")  # what the Optuna sweeper adds to runner's jobs
+@sweep_hook("runner.search.sweep_hook.RunnerSweepHook")  # what the Optuna sweeper adds to runner's jobs
 def main(cfg: DictConfig) -> float:
     try:
         spec = spec_from_hydra(cfg)
     except SpecError as e:
         fail(str(e))
     # torch, MLflow and the engine: only now that the spec is known to be good
-    from runner.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
-    from runner.launch import WorkersFailed, run
-    from runner.monitor import Diverged
+    from runner.engine.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
+    from runner.cli.launch import WorkersFailed, run
+    from runner.engine.monitor import Diverged
 
     try:
         return run(spec).objective
@@ -65,7 +65,7 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
 
 
 # `runner <subcommand> ...`: a first argument Hydra would never take (an override holds `=`)
-SUBCOMMANDS = {"reproduce": "runner.reproduce", "compare": "runner.compare"}
+SUBCOMMANDS = {"reproduce": "runner.results.reproduce", "compare": "runner.results.compare"}
 
 
 def cli() -> None:
@@ -79,7 +79,7 @@ def cli() -> None:
         sys.argv += shared_run_dir_overrides(run_dir)
     try:
         main()
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.preemption.Stopped)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.engine.preemption.Stopped)
         print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 130))
 

@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.registry import CONF_DIR
-from runner.spec import RunSpec
+from runner.cli.registry import CONF_DIR
+from runner.spec.run import RunSpec
 from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)
 
 REPO = CONF_DIR.parent

@@ -26,7 +26,7 @@ def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> N
                     "trainer.max_epochs=1", "tracking=none"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
-    assert "label_smoothing: 0.1" in spec and "nesterov: true" in spec and "_target_: runner.schedule.onecycle" in spec
+    assert "label_smoothing: 0.1" in spec and "nesterov: true" in spec and "_target_: runner.engine.schedule.onecycle" in spec
     assert "crop_padding: 4" in spec and "hflip: true" in spec
     assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
 
@@ -40,7 +40,7 @@ def test_imdb_distilbert_fine_tunes_on_reviews_in_the_imdb_layout(tmp_path: Path
                    tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
-    assert "_target_: runner.models.hf.hf_model" in spec and "clip_grad_norm: 1.0" in spec and "_target_: runner.schedule.wsd" in spec
+    assert "_target_: runner.models.hf.hf_model" in spec and "clip_grad_norm: 1.0" in spec and "_target_: runner.engine.schedule.wsd" in spec
     assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
 
 
@@ -78,8 +78,8 @@ def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_
     from mlflow.tracking import MlflowClient
     from optuna.trial import TrialState
 
-    from runner.trial import RUN_DIR_ATTR
-    from tests.runner.test_hparams_search import load, run_of
+    from runner.search.trial import RUN_DIR_ATTR
+    from tests.runner.search.test_hparams_search import load, run_of
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = run_cli(["-m", "hparams_search=gpt_small_optuna", "hydra.sweeper.n_trials=2", "model.n_embd=choice(32,64)",

@@ -21,7 +21,7 @@ import torch
 from tests.conftest import run_cli
 from tests.data.test_text import write_imdb
 from tests.data.test_torchvision_datasets import _write_cifar
-from tests.runner.test_parallel import final_weights, metric_history
+from tests.runner.engine.test_parallel import final_weights, metric_history
 
 COMMON = ["precision=fp32", "trainer.progress_bar=off", "trainer.log_every_n_steps=2", "trainer.checkpoint_every_n_steps=4",
           "trainer.keep_checkpoints=10"]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner import checkpoint
-from runner.engine import Engine
+from runner.engine import checkpoint
+from runner.engine.engine import Engine
 from tests.conftest import REPO, compose_spec, run_cli
 
 SEARCH = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
@@ -20,8 +20,8 @@ def compose(overrides: list[str], run_dir: Path):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from runner.registry import CONF_DIR
-    from runner.spec import RunSpec
+    from runner.cli.registry import CONF_DIR
+    from runner.spec.run import RunSpec
 
     overrides = [*overrides, "tracking=none"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -64,7 +64,7 @@ def user_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_users_model_and_dataset_from_yaml_alone_train_under_ddp_and_fsdp_like_one_process(tmp_path: Path, user_path) -> None:
     """89 sequences at 2 x 4 (and 17 in val and test): the second rank's share of each split's last batch
     is empty, a dict batch whose stand-in must count no token."""
-    from tests.runner.test_parallel import metric_history
+    from tests.runner.engine.test_parallel import metric_history
 
     common = [SEARCH, *LM, "dataset.size=89", "optimizer=sgd", "optimizer.lr=0.5", "trainer.max_epochs=1",
               "trainer.log_every_n_steps=1", f"tracking.artifact_root={tmp_path / 'artifacts'}"]  # sgd: see above
@@ -124,8 +124,8 @@ def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, u
     import yaml
     from optuna.trial import TrialState
 
-    from runner.trial import RUN_DIR_ATTR
-    from tests.runner.test_hparams_search import load
+    from runner.search.trial import RUN_DIR_ATTR
+    from tests.runner.search.test_hparams_search import load
 
     proc = run_cli(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net", "model.width=choice(8,16,24)",
                     "hydra.sweeper.n_trials=2", "trainer.max_steps=6", "trainer.progress_bar=off", "tracking=none",
@@ -158,8 +158,8 @@ EMPTY_SHARE = [("ddp", OWN_LOSS_DICT), ("fsdp", REGRESSION_TUPLE),
 @pytest.mark.parametrize("strategy, kind", EMPTY_SHARE, ids=lambda v: v if isinstance(v, str) else v[0])
 def test_an_empty_rank_share_adds_nothing_two_ranks_log_and_train_like_one_process(tmp_path: Path, user_path,
                                                                                   strategy: str, kind: list) -> None:
-    from runner.tracking import build_tracker
-    from tests.runner.test_parallel import assert_same, final_weights, metric_history
+    from runner.tracking.tracker import build_tracker
+    from tests.runner.engine.test_parallel import assert_same, final_weights, metric_history
 
     common = [SEARCH, "dataset=shares", *kind, "optimizer=sgd", "optimizer.lr=0.2", "trainer.max_epochs=2",
               "trainer.log_every_n_steps=1", "trainer.progress_bar=off"]
@@ -182,7 +182,7 @@ def test_an_empty_rank_share_adds_nothing_two_ranks_log_and_train_like_one_proce
 def test_mixup_with_an_empty_rank_share_trains(tmp_path: Path, user_path, strategy: str) -> None:
     """Mixup pairs samples within a rank's batch, so 2 ranks cannot equal one process; the stand-in must
     still count nothing (it raised 'Class values must be non-negative' on its -100 labels)."""
-    from tests.runner.test_parallel import metric_history
+    from tests.runner.engine.test_parallel import metric_history
 
     proc = run_cli([SEARCH, "dataset=shares", "dataset.mixup_alpha=0.4", "trainer.max_epochs=2",
                     "trainer.progress_bar=off", f"parallelism={strategy}", "parallelism.nproc_per_node=2",

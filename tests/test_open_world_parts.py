@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.engine import Engine
+from runner.engine.engine import Engine
 from tests.conftest import REPO, compose_spec, run_cli
-from tests.runner.test_parallel import metric_history
+from tests.runner.engine.test_parallel import metric_history
 from tests.user_pkg.training import FocalLoss, Lion
 
 SEARCH = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
@@ -32,7 +32,7 @@ def test_a_users_optimizer_schedule_and_loss_from_yaml_train_from_the_command_li
 def test_mlflow_holds_only_the_chosen_parts_keys_and_the_users_schedule(tmp_path: Path) -> None:
     import mlflow
 
-    from runner.launch import run
+    from runner.cli.launch import run
 
     db = tmp_path / "mlflow.db"
     run(compose_spec([SEARCH, "optimizer=lion", "scheduler=halving", "task=focal", *FAST], tmp_path / "run",

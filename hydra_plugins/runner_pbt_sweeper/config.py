@@ -1,4 +1,4 @@
-"""`hydra/sweeper=pbt`: the config schema (runner/pbt/population.py's Settings, plus the search space).
+"""`hydra/sweeper=pbt`: the config schema (runner/search/pbt/population.py's Settings, plus the search space).
 Imported by Hydra's plugin scan on every start: it imports neither torch nor runner."""
 from dataclasses import dataclass, field
 from typing import Any, Dict, List

@@ -1,4 +1,4 @@
-"""The Hydra Sweeper plugin class: composes the base config once, then runner/pbt/sweep.py runs the
+"""The Hydra Sweeper plugin class: composes the base config once, then runner/search/pbt/sweep.py runs the
 population. runner is imported only when a sweep runs (Hydra imports this module on every start)."""
 import sys
 from typing import Any, List
@@ -16,8 +16,8 @@ class PbtSweeper(Sweeper):
         self.config, self.hydra_context = config, hydra_context
 
     def sweep(self, arguments: List[str]) -> Any:
-        from runner.pbt.sweep import run_sweep
-        from runner.spec import SpecError
+        from runner.search.pbt.sweep import run_sweep
+        from runner.spec.run import SpecError
 
         settings = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in self.settings.items()}
         try:

@@ -27,7 +27,7 @@ nothing. A model whose forward takes `labels` gets them, for tuple and dict batc
 
 Batches are `(inputs, labels)` tuples or dicts (`input_ids`, `attention_mask`, `labels`, ...); labels
 of -100 (padding tokens) do not count. A rank whose share of a batch is empty gets a stand-in of real
-samples marked `Batch.empty`: it counts 0 and its loss is multiplied by 0 (runner/engine.py).
+samples marked `Batch.empty`: it counts 0 and its loss is multiplied by 0 (runner/engine/engine.py).
 
 This module imports no torch (the built-in tasks import it when they compute), so the spec's checks
 read a task's declared metrics and unit before torch is loaded.
@@ -124,7 +124,7 @@ def metric_values(task: Task, sums: dict[str, float], count: float, split: str) 
 def build_task(spec: Any, num_classes: int | None) -> Task:
     """The task `spec.target` (a TaskSpec) with its own arguments, and the data's number of classes where
     its class takes one."""
-    from runner.components import build_component
+    from runner.spec.components import build_component
 
     return build_component("task", spec.target, spec.params, {"num_classes": num_classes})
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from runner.fields import SpecError
-from runner.loader import EmptyShare
+from runner.spec.fields import SpecError
+from runner.engine.loader import EmptyShare
 from runner.tasks import Batch, Task
 
 

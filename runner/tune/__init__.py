@@ -14,11 +14,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner import parallel
-from runner.engine import Engine, RunResult
-from runner.parallel import DistEnv
-from runner.spec import RunSpec, TuneSpec
-from runner.tracking import NullTracker, Tracker
+from runner.engine import parallel
+from runner.engine.engine import Engine, RunResult
+from runner.engine.parallel import DistEnv
+from runner.spec.run import RunSpec, TuneSpec
+from runner.tracking.tracker import NullTracker, Tracker
 from runner.tune import batch_size, lr_find
 from runner.tune.probing import free_memory
 

@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from runner import parallel
-from runner.spec import RunSpec, SpecError, TuneSpec
+from runner.engine import parallel
+from runner.spec.run import RunSpec, SpecError, TuneSpec
 from runner.tune.probing import free_memory, probing, step_batches
 
 log = logging.getLogger(__name__)

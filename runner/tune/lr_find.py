@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from runner.spec import RunSpec, SpecError, TuneSpec
+from runner.spec.run import RunSpec, SpecError, TuneSpec
 from runner.tune.probing import mean_loss, probing, set_base_lr, step_batches
 
 log = logging.getLogger(__name__)

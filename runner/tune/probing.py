@@ -15,9 +15,9 @@ from typing import Iterator
 
 import torch
 
-from runner import parallel
-from runner.loader import optimizer_steps
-from runner.rng import rng_state, set_rng_state
+from runner.engine import parallel
+from runner.engine.loader import optimizer_steps
+from runner.engine.rng import rng_state, set_rng_state
 
 
 class Snapshot:

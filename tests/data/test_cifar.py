@@ -14,8 +14,8 @@ import yaml
 from hydra.utils import instantiate
 
 from runner.data import cifar
-from runner.loader import make_loader
-from runner.registry import CONF_DIR
+from runner.engine.loader import make_loader
+from runner.cli.registry import CONF_DIR
 
 PER_BATCH, N_TEST = 60, 50
 

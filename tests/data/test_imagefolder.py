@@ -14,8 +14,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import decode_image
 
 from runner.data import imagefolder
-from runner.loader import make_loader
-from runner.registry import CONF_DIR
+from runner.engine.loader import make_loader
+from runner.cli.registry import CONF_DIR
 
 MEAN, STD = imagefolder.IMAGENET_MEAN, imagefolder.IMAGENET_STD
 CLASSES = ("zebra", "ant", "Bee")  # sorted as ImageFolder sorts: Bee, ant, zebra

@@ -69,8 +69,8 @@ def build_datasets(name: str = "digits", **kwargs):
     """The dataset option `name` built as the engine builds it: its YAML's _target_ with these arguments."""
     import yaml
 
-    from runner import components
-    from runner.registry import CONF_DIR
+    from runner.spec import components
+    from runner.cli.registry import CONF_DIR
 
     target = yaml.safe_load((CONF_DIR / "dataset" / f"{name}.yaml").read_text())["_target_"]
     return components.load_target("dataset", target)(**kwargs)

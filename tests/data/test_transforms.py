@@ -10,7 +10,7 @@ from PIL import Image
 
 from runner.data.images import AugmentedImages
 from runner.data.transforms import batch_mixing, image_transforms
-from runner.loader import make_loader
+from runner.engine.loader import make_loader
 
 MEAN, STD = [0.5, 0.4, 0.3], [0.2, 0.25, 0.3]
 SHAPE = (3, 8, 8)

@@ -12,7 +12,7 @@ import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from runner.trial import open_storage
+from runner.search.trial import open_storage
 
 APPS = Path(__file__).parent / "apps"
 

@@ -13,8 +13,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from hydra_plugins.runner_optuna_sweeper._builders import build_sampler
 from hydra_plugins.runner_optuna_sweeper._search_space import distribution_from_config, grid_values, parse_params
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError
-from runner.registry import CONF_DIR
-from runner.trial import storage_url
+from runner.cli.registry import CONF_DIR
+from runner.search.trial import storage_url
 
 
 def space(override: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner.mlflow_store import open_client
+from runner.tracking.mlflow_store import open_client
 from tests.hydra_plugins.test_sweep_mechanics import alive, descendants
 
 APP = '''
@@ -23,9 +23,9 @@ from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 
 
 @hydra.main(version_base=None, config_path=".", config_name="config")
-@sweep_hook("runner.sweep_hook.RunnerSweepHook")
+@sweep_hook("runner.search.sweep_hook.RunnerSweepHook")
 def main(cfg) -> float:
-    from runner.mlflow_store import open_client, open_experiment, owner_tags
+    from runner.tracking.mlflow_store import open_client, open_experiment, owner_tags
 
     client = open_client(cfg.tracking.uri)
     experiment = open_experiment(client, cfg.tracking.experiment, cfg.tracking.uri, cfg.tracking.artifact_root)
@@ -56,7 +56,7 @@ tracking: {name: mlflow, uri: "sqlite:///${oc.env:STORE}/mlflow.db", experiment:
 hydra:
   callbacks:
     mlflow_parent_run:
-      _target_: runner.sweep_hook.ParentRunCallback
+      _target_: runner.search.sweep_hook.ParentRunCallback
 '''
 OPTUNA = ["hydra.sweeper.n_trials=2", "hydra.sweeper.heartbeat_interval=1", "x=range(0, 9)"]
 
@@ -133,7 +133,7 @@ def test_only_runs_whose_process_is_gone_from_this_host_are_ended(tmp_path: Path
     """end_orphaned_runs, what every open of the store runs first: a killed owner's run ends KILLED, and
     so does one whose pid now names another process (a pid reused); a live owner's run, another host's
     and a run that names no owner stay RUNNING."""
-    from runner.mlflow_store import HOST_TAG, PID_TAG, STARTED_TAG, end_orphaned_runs
+    from runner.tracking.mlflow_store import HOST_TAG, PID_TAG, STARTED_TAG, end_orphaned_runs
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.create_experiment("runner")

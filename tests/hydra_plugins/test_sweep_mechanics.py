@@ -12,7 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from runner.trial import open_storage
+from runner.search.trial import open_storage
 
 APP = '''
 import os, time

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner import components
-from runner.registry import CONF_DIR
-from runner.spec import SpecError
+from runner.spec import components
+from runner.cli.registry import CONF_DIR
+from runner.spec.run import SpecError
 from tests.conftest import compose_spec
 
 FILES = sorted((CONF_DIR / "model").glob("*.yaml")) + sorted((CONF_DIR / "dataset").glob("*.yaml"))

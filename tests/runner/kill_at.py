@@ -11,7 +11,7 @@ import runpy
 import signal
 import sys
 
-from runner import engine, monitor
+from runner.engine import engine, monitor
 
 point, _, signame = sys.argv[1].partition(":")
 nth = int(sys.argv[2])

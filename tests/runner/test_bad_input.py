@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.runner.test_cli import mlflow_runs
+from tests.runner.cli.test_cli import mlflow_runs
 
 SUB = "subprocess"
 PRE = "preflight"  # caught before Hydra starts the run
@@ -349,7 +349,7 @@ CASES = [
     case("trainer.checkpoint_every_n_steps=-1", "error: trainer.checkpoint_every_n_steps: -1 is out of range; allowed: "
          "a value >= 0"),
     case("trainer.keep_checkpoints=0", "error: trainer.keep_checkpoints: 0 is out of range; allowed: a value > 0"),
-    # --- weight averaging (helper averaging: runner/averaging.py)
+    # --- weight averaging (helper averaging: runner/addons/averaging.py)
     case("trainer.ema.decay=1.5", "error: trainer.ema.decay: 1.5 is out of range; allowed: a value > 0 and < 1"),
     case("trainer.ema.decay=0", "error: trainer.ema.decay: 0.0 is out of range; allowed: a value > 0 and < 1"),
     case("trainer.ema.warmup=true", "error: trainer.ema.warmup: true needs trainer.ema.decay (the EMA it warms up)"),
@@ -373,7 +373,7 @@ CASES = [
     case("model.freeze=5", "error: model.freeze: 5 is not a list"),
     case("precision=fp16 precision.init_scale=0", "error: precision.init_scale: 0.0 is out of range; allowed: a value > 0"),
     case("dataset.num_workers=abc", "error: dataset.num_workers: 'abc' is not an integer; allowed: a value >= 0"),
-    # --- the profiler (trainer.profile, runner/profiling.py)
+    # --- the profiler (trainer.profile, runner/addons/profiling.py)
     case("trainer.profile=true trainer.profile_steps=0", "error: trainer.profile_steps: 0 is out of range; allowed: a value > 0"),
     case("trainer.profile_skip_steps=-1", "error: trainer.profile_skip_steps: -1 is out of range; allowed: a value >= 0"),
     case("trainer.profile=sometimes", "error: trainer.profile: 'sometimes' is not a boolean; use true or false"),
@@ -435,7 +435,7 @@ CASES = [
          "there holds a spec.yaml); give a run directory or a checkpoint file"),
     # --- issue 16 (helper mlmodel): tracking.log_model
     case("tracking.log_model=best_val", "error: tracking.log_model: 'best_val' is not allowed; choose one of best, last, none"),
-    # --- debug presets (conf/debug/, runner/debug_keys.py)
+    # --- debug presets (conf/debug/, runner/spec/debug.py)
     case("debug=nope", "error: debug: unknown option 'nope'; choose one of anomaly, fast, limit, overfit, profile"),
     case("debug=limit trainer.limit_train=0", "error: trainer.limit_train: 0.0 is out of range; allowed: a value > 0 and <= 1"),
     case("debug=overfit trainer.overfit_batches=-1", "error: trainer.overfit_batches: -1 is out of range; allowed: a value >= 0"),
@@ -567,7 +567,7 @@ class Places:
         return write_reviews(self.tmp / "reviews.csv")
     def nan_weights(self) -> Path:
         """The default model's state dict, every value NaN."""
-        from runner import components
+        from runner.spec import components
         from tests.conftest import compose_spec
 
         spec = compose_spec([], self.tmp / "weights_run")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.engine import Engine
-from runner.loader import EmptyShare
+from runner.engine.engine import Engine
+from runner.engine.loader import EmptyShare
 from tests.test_open_world import compose
 
 SHARES = ["dataset=shares", "optimizer=sgd", "optimizer.lr=0.5", "optimizer.momentum=0", "optimizer.weight_decay=0",
@@ -115,7 +115,7 @@ def test_labels_reach_a_model_with_tuple_batches_and_a_plain_dict_output_is_read
 
 
 def test_label_smoothing_is_refused_for_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
-    from runner.spec import SpecError
+    from runner.spec.run import SpecError
 
     with pytest.raises(SpecError) as err:
         Engine(compose([*SHARES, OWN_LOSS, "task.label_smoothing=0.1"], tmp_path))

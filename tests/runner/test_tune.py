@@ -13,10 +13,10 @@ import yaml
 from torch import nn
 
 from runner import tune
-from runner.engine import Engine
-from runner.launch import run_in_process
-from runner.parallel import DistEnv
-from runner.spec import AccumulationSpec, DatasetSpec, ModelSpec, RunSpec, TuneSpec
+from runner.engine.engine import Engine
+from runner.cli.launch import run_in_process
+from runner.engine.parallel import DistEnv
+from runner.spec.run import AccumulationSpec, DatasetSpec, ModelSpec, RunSpec, TuneSpec
 from runner.tune import batch_size, lr_find
 from tests.conftest import compose_spec, run_cli
 

@@ -1,4 +1,4 @@
-"""A user's model whose forward starts producing NaN at a given training step (tests/runner/test_debugging.py)."""
+"""A user's model whose forward starts producing NaN at a given training step (tests/runner/engine/test_debugging.py)."""
 from __future__ import annotations
 
 import math

@@ -1,0 +1,141 @@
+"""The workloads `make bench` times, the minimal hand-written loop each is compared with, and the
+interleaved timing of the two.
+
+Engine and hand loop run in one process, in blocks of steps that alternate (one step each by default):
+the hand loop's block runs inside the engine's step hook, right after an engine step, so machine noise
+(other processes, frequency changes) hits both alike, far better than whole runs taking turns. On a GPU
+each block ends with a synchronize, so a block's time is the device's time for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.spec import components
+from runner.engine.engine import Engine
+from runner.engine.loader import make_loader, on_device
+from runner.engine.optim import build_optimizer
+from runner.engine.parallel import pick_device
+from runner.cli.registry import CONF_DIR
+from runner.engine.rng import seed_everything
+from runner.spec.run import RunSpec
+from runner.tasks import IGNORE
+from runner.tracking.tracker import build_tracker
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    overrides: tuple[str, ...]
+    steps: int                      # timed steps, after `warmup` more
+    warmup: int = 10
+    cpu: tuple[str, ...] = ()       # where no GPU: smaller shapes, so that the CPU bench ends in minutes
+    cpu_steps: int | None = None
+
+
+# the presets' own workloads, on data of their shape: no download is possible (synthetic images for
+# CIFAR-10; the offline corpus for GPT)
+WORKLOADS = [
+    Workload("digits mlp", ("dataset=digits", "model=mlp"), 300),
+    Workload("synthetic cnn", ("dataset=synthetic", "model=cnn", "model.norm=false"), 100, cpu_steps=60),
+    Workload("cifar10_resnet", ("experiment=cifar10_resnet", "dataset=synthetic", "dataset.shape=[3,32,32]",
+                                "dataset.num_classes=10", "dataset.size=8192", "dataset.num_workers=0",
+                                "trainer.channels_last=true"), 100,
+             cpu=("dataset.batch_size=16", "dataset.size=1024", "precision=fp32"), cpu_steps=12, warmup=3),
+    Workload("gpt_small", ("experiment=gpt_small", "trainer.eval_every_n_steps=0"), 100, cpu_steps=60),
+]
+
+
+def workload_spec(overrides: list[str], steps: int, workdir: Path) -> RunSpec:
+    """The run spec of a workload, `steps` long, evaluating never, tracked in its own MLflow store."""
+    overrides = [*overrides, f"trainer.max_steps={steps}", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
+                 f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"tracking.artifact_root={workdir}/artifacts",
+                 "tracking.experiment=bench"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+    cfg["run_dir"] = str(workdir / "run")
+    return RunSpec.from_config(cfg, tuple(overrides))
+
+
+def hand_steps(spec: RunSpec) -> Iterator[None]:
+    """What a user would write for the same work: the same model, optimizer, loader, precision, clipping
+    and a schedule, with no tracking and no checks. Yields after each optimizer step."""
+    seed_everything(spec.seed, False)
+    device = pick_device(spec.trainer.device)
+    data = components.build_data(spec)
+    model = components.build_model(spec, data).to(device)
+    if spec.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(spec.optimizer, model, device)
+    schedule = None
+    if not spec.scheduler.target.endswith(".constant"):
+        total = spec.trainer.max_steps or 1
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))
+    forward = torch.compile(model) if spec.trainer.compile else model
+    loader = make_loader(on_device(data.train, device), spec.dataset.batch_size, seed=spec.seed, shuffle=True,
+                         num_workers=spec.dataset.num_workers, pin_memory=device.type == "cuda", collate=data.collate)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision.name)
+    smoothing, clip = spec.task.get("label_smoothing", 0.0), spec.trainer.clip_grad_norm
+    epoch = 0
+    while True:
+        loader.batch_sampler.set_epoch(epoch)
+        for batch in loader:
+            inputs, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else batch
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+                logits = forward(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
+                                   label_smoothing=smoothing)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            if schedule is not None:
+                schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            yield
+        epoch += 1
+
+
+def interleaved(spec: RunSpec, block: int = 1, hand: Callable[[RunSpec], Iterator[None]] = hand_steps,
+                clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float], Engine]:
+    """Seconds per step of the engine (MLflow on) and of the hand loop, per block of `block` steps,
+    the blocks alternating within one engine run; warm-up blocks included (the caller drops them).
+    `clock`: wall time, or time.thread_time (this thread's CPU time: on a CPU with one torch thread,
+    the work of a step without the time other processes took the core)."""
+    engine = Engine(spec, build_tracker(spec))
+    loop = hand(engine.spec)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    engine_times: list[float] = []
+    hand_times: list[float] = []
+    since: list[float] = []
+    on_step = engine.monitor.on_step
+
+    def stamped(step: int, *args, **kwargs) -> None:  # after the engine's whole step, logging included
+        on_step(step, *args, **kwargs)
+        if step % block:  # a ragged last block is not timed
+            return
+        sync()
+        now = clock()
+        if since:
+            engine_times.append((now - since[0]) / block)
+        for _ in range(block):
+            next(loop)
+        sync()
+        since[:] = [clock()]
+        hand_times.append((since[0] - now) / block)
+
+    engine.monitor.on_step = stamped
+    sync()
+    since.append(clock())
+    engine.fit()
+    return engine_times, hand_times, engine

@@ -1,0 +1,244 @@
+"""`trainer.profile=true`: profiles a window of training steps with torch.profiler.
+
+The window skips `trainer.profile_skip_steps` first steps (warm-up, compilation, the loader's first
+batches), then measures `trainer.profile_steps` steps: each phase of the step (waiting for data, batch to
+device, forward, backward, optimizer) in wall time, synchronising the device at phase edges, and the
+torch.profiler trace, from which communication, host-to-device copies and the GPU's idle time come.
+Every rank writes its own trace (Chrome trace JSON: https://ui.perfetto.dev, or TensorBoard's profiler
+plugin) to <run_dir>/profile/; the main rank logs the shares to MLflow and prints the report with its
+advice (runner/addons/profile_advice.py).
+
+With profiling off the engine holds a `NoProfiler`: its phases are one shared no-op context each and
+its step iterator is the loader's own, so a run pays nothing per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from runner.addons import profile_advice
+from runner.engine.optim import fused_kernel_runs, kernels
+from runner.engine.parallel import DistEnv
+from runner.spec.run import RunSpec
+from runner.tracking.tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+_OFF = contextlib.nullcontext()  # reusable: entering it has no state
+# Collectives as torch.profiler names them: c10d ops (c10d::allreduce_, gloo:all_reduce, nccl:all_reduce, and
+# record_param_comms around them) and NCCL kernels (ncclDevKernel_AllReduce_...). By namespace, not by words
+# like "broadcast": aten::broadcast_tensors is arithmetic.
+_COMMUNICATION = re.compile(r"^(c10d::|gloo:|nccl|record_param_comms)")
+_END = object()
+
+
+class Phases:
+    """The step's phases as the engine's train_step enters them (`with phases.forward:`)."""
+
+    __slots__ = ("rank_sync", "to_device", "forward", "backward", "optimizer")
+
+    def __init__(self, make: Callable[[str], contextlib.AbstractContextManager]):
+        for name in self.__slots__:
+            setattr(self, name, make(name))
+
+
+OFF = Phases(lambda name: _OFF)
+
+
+class NoProfiler:
+    """Profiling off: nothing per step."""
+
+    phase = OFF
+
+    def steps(self, groups: Iterable) -> Iterable:
+        return groups
+
+    def finish(self) -> None:
+        pass
+
+
+class _Timed:
+    """A phase while the window is open: labelled in the trace and timed in wall seconds. The device is
+    synchronised at both edges, so queued kernels count in the phase that launched them."""
+
+    def __init__(self, name: str, totals: dict[str, float], sync: Callable[[], None]):
+        self.name, self.totals, self.sync = name, totals, sync
+        self.label: torch.autograd.profiler.record_function | None = None
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.sync()
+        self.label = torch.autograd.profiler.record_function(f"runner/{self.name}")
+        self.label.__enter__()
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.sync()
+        self.totals[self.name] += time.perf_counter() - self.started
+        self.label.__exit__(*exc)
+
+
+class WindowProfiler:
+    def __init__(self, spec: RunSpec, env: DistEnv, device: torch.device, tracker: Tracker,
+                 optimizer: torch.optim.Optimizer, total_steps: int, start_step: int):
+        self.spec, self.env, self.device, self.tracker = spec, env, device, tracker
+        want, remaining = spec.trainer.profile_steps, max(total_steps - start_step, 0)
+        self.asked_skip = spec.trainer.profile_skip_steps
+        self.skip = min(self.asked_skip, max(remaining - want, 0))  # a short run is still profiled, at its end
+        self.want, self.start_step = want, start_step
+        self.setup = _setup(spec, env, device, optimizer)
+        self.totals: dict[str, float] = defaultdict(float)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync = sync
+        self.live = Phases(lambda name: _Timed(name, self.totals, sync))
+        self.phase = OFF
+        self.started = 0   # steps started by this process
+        self.prof: torch.profiler.profile | None = None
+        self.opened_at = 0.0
+        self.figures: profile_advice.Figures | None = None
+        self._trace: torch.profiler.profile | None = None  # the closed window's profiler, exported by finish()
+
+    def steps(self, groups: Iterable) -> Iterator:
+        """The engine's optimizer steps, the window opened and closed at step boundaries."""
+        it = iter(groups)
+        try:
+            while True:
+                if self.started == self.skip and self.prof is None and self.figures is None:
+                    self._open()  # before the fetch: the first step's wait for data is in the window
+                elif self.started == self.skip + self.want and self.prof is not None:
+                    self._close()
+                group = self._fetch(it)
+                if group is _END:
+                    return  # the epoch ended: an open window goes on into the next one
+                self.started += 1
+                yield group
+        except BaseException:
+            # the step loop broke off (its last step, early stopping) or failed: the window ends here
+            if self.prof is not None:
+                self._close()
+            raise
+
+    def finish(self) -> None:
+        """Training ended normally: report the window (rank 0) and write this rank's trace."""
+        if self.prof is not None:
+            self._close()
+        if self.figures is None:
+            if self.env.is_main:
+                log.warning("trainer.profile: the run stopped after %d step(s), before the profiling window "
+                            "(after %d skipped steps): nothing profiled; lower trainer.profile_skip_steps",
+                            self.started, self.skip)
+            return
+        out = Path(self.spec.run_dir) / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        trace = out / f"profile_rank{self.env.rank}.pt.trace.json"
+        self._trace.export_chrome_trace(str(trace))
+        if not self.env.is_main:
+            return
+        text = profile_advice.report(self.figures, self.setup, self.start_step + self.skip, self.env.rank)
+        if self.skip < self.asked_skip:
+            text += (f"\n(skipped the first {self.skip} steps, not trainer.profile_skip_steps={self.asked_skip}: "
+                     f"the run has too few steps)")
+        text += f"\ntrace: {trace} (open it in https://ui.perfetto.dev or TensorBoard's profiler plugin)"
+        log.info("%s", text)
+        (out / "profile_report.txt").write_text(text + "\n")
+        last_step = self.start_step + self.skip + self.figures.steps
+        self.tracker.log_metrics({f"profile/{k}": v for k, v in self.figures.shares().items()}
+                                 | {"profile/step_ms": self.figures.window_s / max(self.figures.steps, 1) * 1e3},
+                                 last_step)
+        self.tracker.log_artifact(out / "profile_report.txt")
+        self.tracker.log_artifact(trace)
+
+    def _fetch(self, it: Iterator):
+        if self.prof is None:
+            return next(it, _END)
+        self.sync()
+        started = time.perf_counter()
+        with torch.autograd.profiler.record_function("runner/data"):
+            group = next(it, _END)
+        self.totals["data"] += time.perf_counter() - started
+        return group
+
+    def _open(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities)
+        self.prof.start()
+        self.sync()
+        self.opened_at = time.perf_counter()
+        self.phase = self.live
+
+    def _close(self) -> None:
+        self.sync()
+        window_s = time.perf_counter() - self.opened_at
+        self.phase = OFF
+        prof, self.prof = self.prof, None
+        prof.stop()
+        events = prof.events()
+        gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        on_gpu = self.device.type == "cuda"
+        # on a GPU the collectives' kernels; gloo (CPU) runs them as host ops
+        comm = [e for e in gpu if _COMMUNICATION.search(e.name)] or [e for e in events if _COMMUNICATION.search(e.name)]
+        labels = [e for e in events if e.name.startswith("runner/")]  # the phases, as _Timed labels them
+        self.figures = profile_advice.Figures(
+            steps=self.started - self.skip, window_s=window_s, phase_s=dict(self.totals),
+            communication_s=_overlap_s(comm, [e for e in labels if e.name != "runner/rank_sync"]),
+            between_comm_s=_union_s(comm) - _overlap_s(comm, labels),
+            # no device events at all means the trace missed them (CUPTI unavailable), not an idle GPU
+            gpu_busy_s=_union_s(gpu) if on_gpu and gpu else None,
+            h2d_copy_s=_union_s([e for e in gpu if "HtoD" in e.name]) if on_gpu and gpu else None)
+        self._trace = prof
+
+
+def build(spec: RunSpec, env: DistEnv, device: torch.device, tracker: Tracker, optimizer: torch.optim.Optimizer,
+          total_steps: int, start_step: int) -> NoProfiler | WindowProfiler:
+    if not spec.trainer.profile:
+        return NoProfiler()
+    return WindowProfiler(spec, env, device, tracker, optimizer, total_steps, start_step)
+
+
+def _spans(events: list) -> list[tuple[float, float]]:
+    """The time the events cover, as disjoint sorted spans (overlapping ones, e.g. on several threads, merged)."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _union_s(events: list) -> float:
+    return sum(b - a for a, b in _spans(events)) / 1e6  # the profiler's clock is in microseconds
+
+
+def _overlap_s(events: list, others: list) -> float:
+    """Seconds covered both by one of `events` and by one of `others`."""
+    total, theirs = 0.0, _spans(others)
+    for a, b in _spans(events):
+        total += sum(max(0.0, min(b, d) - max(a, c)) for c, d in theirs)
+    return total / 1e6
+
+
+def _setup(spec: RunSpec, env: DistEnv, device: torch.device, optimizer: torch.optim.Optimizer) -> profile_advice.Setup:
+    defaults = optimizer.defaults
+    kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for_loop"
+    cls = type(optimizer)
+    offered = tuple(k for k in kernels(cls) if k != "fused" or fused_kernel_runs(cls, device.type))
+    mode = spec.trainer.compile  # a bool, or a torch.compile mode
+    mode = "off" if mode in (False, None, "false", "none") else "default" if mode is True else str(mode)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return profile_advice.Setup(
+        device=device.type, bf16_supported=device.type == "cuda" and torch.cuda.is_bf16_supported(),
+        precision=spec.precision.name, num_workers=spec.dataset.num_workers, cpus=cpus, compile=mode,
+        parallelism=spec.parallelism.name, world=env.world, accumulation=spec.accumulation.steps,
+        batch_size=spec.dataset.batch_size, optimizer_kernel=kernel, kernels_offered=offered,
+        log_every=spec.trainer.log_every_n_steps)

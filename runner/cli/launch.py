@@ -1,0 +1,230 @@
+"""From a composed config to a finished run: build the spec, write spec.yaml, run the engine."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+import yaml
+
+from runner.spec import components, resume
+
+from runner.engine import preemption
+
+from runner.cli import process_state, run_lock
+from runner.engine.engine import Engine, RunResult, pick_device
+from runner.engine.monitor import Diverged
+from runner.cli.run_dir import latest_run
+from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
+from runner.spec.run import ParallelismSpec, RunSpec, SpecError
+from runner.tracking.tracker import build_tracker, check_tracking, end_left_running
+from runner.search.trial import parent_run_id
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.yaml"  # rank 0's RunResult, for the launcher that started the workers
+PRUNED_FILE = "pruned"       # rank 0's note that an Optuna pruner stopped the run
+DIVERGED_FILE = "diverged"   # rank 0's one-line account of a loss that stopped being finite
+
+
+def run(spec: RunSpec) -> RunResult:
+    """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
+    Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
+    with process_state.isolated() as start_state, preemption.handled():
+        if spec.mode != "train":  # eval, predict, export: a trained run's model, in this process
+            from runner.results import modes
+
+            return modes.run(spec)
+        return _run(spec, start_state)
+
+
+def _run(spec: RunSpec, start_state: dict) -> RunResult:
+    if spec.trainer.resume == "latest":
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=str(latest_run())))
+    if not spec.trainer.resume and run_lock.requeued(Path(spec.run_dir)):  # a requeued SLURM job goes on in place
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
+    key = "trainer.resume" if spec.trainer.resume else "hydra.run.dir"
+    if spec.trainer.resume:
+        spec = resume.plan(spec)
+    # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
+    # is then the fully resolved record
+    spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
+    run_dir = Path(spec.run_dir)
+    # One process group per run directory, held by its first process (under torchrun rank 0, for every
+    # rank; on several nodes, node 0's launcher). A new run refuses a directory that holds an old one:
+    # the other torchrun ranks check before the group forms, so before rank 0 writes spec.yaml.
+    first = os.environ.get("RANK", "0") == "0" and _node_rank(spec.parallelism) == 0
+    if key == "hydra.run.dir" and not first and in_torchrun():
+        run_lock.refuse_existing_run(run_dir)
+    with run_lock.owned(run_dir, key) if first else contextlib.nullcontext():
+        if key == "hydra.run.dir" and first:
+            run_lock.refuse_existing_run(run_dir)
+        return _run_owned(spec, run_dir, start_state)
+
+
+def _node_rank(par: ParallelismSpec) -> int:
+    return int(os.environ.get("SLURM_NODEID", 0)) if par.rdzv_endpoint.startswith("slurm:") else par.node_rank
+
+
+def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
+        check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
+    if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
+        from runner.search import cross_validation  # K runs, each started here as this one would be
+
+        return cross_validation.run_folds(spec, run_dir)
+    if spec.parallelism.name != "single" and not in_torchrun():
+        return launch_workers(spec)
+    env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
+    if env.world > 1 and spec.parallelism.name == "single":
+        raise SpecError(f"parallelism: torchrun started {env.world} processes but parallelism=single; "
+                        "add parallelism=ddp or parallelism=fsdp")
+    if env.is_main:
+        (run_dir / "spec.yaml").write_text(spec.to_yaml())
+        # the process state the job started from: equal for every job, and recorded to reproduce it
+        (run_dir / "process_state.yaml").write_text(yaml.safe_dump(process_state.describe(start_state)))
+    return run_in_process(spec, env)
+
+
+def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
+    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec))
+    if spec.tune.name and not spec.trainer.resume:  # a resumed run trains on with what its finder found
+        from runner import tune
+
+        spec, tracker = tune.run_finder(spec, env, tracker)
+        if spec is None:  # tune.apply=false: found and reported, nothing to train
+            return tune.NOTHING_TRAINED
+    engine = Engine(spec, tracker, env)
+    result = engine.fit()
+    if env.is_main:
+        (Path(spec.run_dir) / RESULT_FILE).write_text(yaml.safe_dump(dataclasses.asdict(result)))
+        print_summary(spec, result, engine.tracker.describe())
+    return result
+
+
+def launch_workers(spec: RunSpec) -> RunResult:
+    """torch's elastic agent (what torchrun runs) starts nproc_per_node workers on this node; each
+    reads spec.yaml, so Hydra composed once and every rank shares this run directory."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    check_parallel(spec)
+    spec = spec.replace(parallelism=on_cluster(spec.parallelism))
+    for note in (PRUNED_FILE, DIVERGED_FILE, RESULT_FILE):  # a resumed run directory: the last attempt's notes
+        (Path(spec.run_dir) / note).unlink(missing_ok=True)
+    spec_path = Path(spec.run_dir) / "spec.yaml"
+    spec_path.write_text(spec.to_yaml())
+    par = spec.parallelism
+    multi_node = par.nnodes > 1
+    config = LaunchConfig(
+        min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=par.nproc_per_node,
+        run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
+        rdzv_configs={"join_timeout": par.rdzv_timeout, "read_timeout": max(1, int(par.rdzv_timeout)),
+                      "is_host": par.node_rank == 0},
+        max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
+    if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun does: workers sharing the CPU must not each start a thread per core
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // par.nproc_per_node))
+    log.info("starting %d %s workers on this node (%d node%s)", par.nproc_per_node, par.name, par.nnodes,
+             "s" if multi_node else "")
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
+    except ChildFailedError as e:
+        end_left_running(spec, "FAILED")
+        diverged = Path(spec.run_dir) / DIVERGED_FILE
+        if diverged.exists():
+            raise Diverged(diverged.read_text()) from None
+        raise WorkersFailed(_describe_failure(e)) from None
+    except KeyboardInterrupt:
+        end_left_running(spec, "KILLED")
+        raise
+    except SignalException as e:  # the agent forwarded SIGTERM/SIGHUP; the workers stopped at a step boundary
+        end_left_running(spec, "KILLED")
+        raise preemption.Stopped(int(e.sigval)) from None
+    except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
+        end_left_running(spec, "FAILED")
+        if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
+            raise SpecError(f"parallelism.rdzv_endpoint: no rendezvous at {par.rdzv_endpoint} within {par.rdzv_timeout:g} s "
+                            f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
+                            "was started") from None
+        raise
+    pruned = Path(spec.run_dir) / PRUNED_FILE
+    if pruned.exists():
+        import optuna
+
+        raise optuna.TrialPruned(pruned.read_text())
+    result_file = Path(spec.run_dir) / RESULT_FILE
+    if not result_file.exists():  # global rank 0 ran on another node
+        return RunResult(math.nan, {}, {}, {}, 0, 0.0)
+    return RunResult(**yaml.safe_load(result_file.read_text()))
+
+
+def check_parallel(spec: RunSpec) -> None:
+    """What can be known before any worker starts."""
+    par = spec.parallelism
+    if spec.trainer.resume:
+        resume.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
+    device = pick_device(spec.trainer.device)
+    if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
+        raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
+                        f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
+    if par.name == "fsdp":
+        data = components.build_data(spec)
+        with torch.device("meta"):
+            model = components.build_model(spec, data)
+        shard_blocks(model)  # raises when the model has nothing to shard
+
+
+def on_cluster(par: ParallelismSpec) -> ParallelismSpec:
+    """rdzv_endpoint `slurm:<port>`: the job's first node hosts the rendezvous; this node's rank is SLURM_NODEID."""
+    if not par.rdzv_endpoint.startswith("slurm:"):
+        return par
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} needs a SLURM job (SLURM_JOB_NODELIST is not set); "
+                        "give host:port instead")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True).stdout.split()
+    host = hosts[0] if hosts else nodelist.split(",")[0]
+    return dataclasses.replace(par, rdzv_endpoint=f"{host}:{par.rdzv_endpoint.split(':', 1)[1]}",
+                               node_rank=int(os.environ.get("SLURM_NODEID", 0)))
+
+
+class WorkersFailed(RuntimeError):
+    """A worker died or raised and no restart was left: the message says which and how."""
+
+
+def _describe_failure(error: Exception) -> str:
+    failures = getattr(error, "failures", {})
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        parts.append(f"rank {rank} ({how})")
+    return "workers failed: " + (", ".join(parts) or str(error).splitlines()[0])
+
+
+def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:
+    metric = spec.objective.metric
+    best_step = f" (step {result.best_step[metric]})" if metric in result.best_step else ""
+    final = "  ".join(f"{k} {v:.4f}" for k, v in result.final.items())
+    if result.test_from and result.final:  # "best@step 40": the weights the test metrics came from
+        kind, _, step = result.test_from.partition("@")
+        final += f"  (the {kind} weights, {step})"
+    mfu = f"MFU {result.mfu * 100:.3g}%" if result.mfu is not None else "MFU unknown (set trainer.peak_tflops)"
+    speed = f"  {result.tflops:.3g} TFLOP/s per device, {mfu}\n" if result.tflops is not None else ""
+    # through the logger: the console shows it once and the run log (runner.log) keeps it
+    log.info(f"runner: trained {result.steps} optimizer steps in {result.seconds:.1f} s\n"
+             f"  best {metric}: {result.objective:.4f}{best_step}\n"
+             f"  {final}\n{speed}"
+             f"  run directory: {spec.run_dir}\n"
+             f"  {tracking}")

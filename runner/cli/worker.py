@@ -1,0 +1,74 @@
+"""One worker of a ddp/fsdp run, started by the elastic agent: `python -m runner.cli.worker <spec.yaml>`.
+
+It reads the spec the launcher wrote (no Hydra here: the spec is the contract), joins the process
+group, and runs the engine. After an elastic restart it resumes from the run's newest checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from runner.engine import checkpoint, preemption
+from runner.engine.engine import pick_device
+from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
+from runner.engine.monitor import Diverged
+from runner.engine.parallel import broadcast_object, init_process_group
+from runner.spec.run import RunSpec, SpecError
+from runner.search.trial import is_pruned
+
+
+def main(spec_path: str) -> None:
+    spec = RunSpec.from_yaml(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", 0))
+    # as a Hydra job logs: the console (stdout) and, on rank 0, the run log the launcher also appends to
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if rank == 0:
+        handlers.append(logging.FileHandler(Path(spec.run_dir) / "runner.log"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", handlers=handlers)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    try:
+        env = init_process_group(pick_device(spec.trainer.device).type)
+        if restarts:
+            # Rank 0 decides for every node (another node's disk may hold other files): after a restart
+            # the run goes on from its own newest checkpoint, even when it started from trainer.resume=X.
+            own = broadcast_object(_has_checkpoint(spec.run_dir) if env.is_main else None)
+            if own:
+                logging.getLogger("runner").info("restart %d: resuming from the newest checkpoint in %s", restarts,
+                                                 spec.run_dir)
+                spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
+        with preemption.handled():  # every rank stops at one step boundary, its checkpoint written
+            run_in_process(spec, env)
+        dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
+    except preemption.Stopped as e:  # the agent forwarded SIGTERM/SIGHUP: exit as the signal would
+        sys.exit(e.exit_code)
+    except SpecError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Diverged as e:  # every rank stops at the same step; the launcher tells the user in one line
+        if rank == 0:
+            (Path(spec.run_dir) / DIVERGED_FILE).write_text(str(e))
+        sys.exit(1)
+    except BaseException as e:
+        if not is_pruned(e):
+            raise
+        # every rank gets the prune decision together; the launcher tells the sweeper
+        if rank == 0:
+            (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    try:
+        checkpoint.resolve(run_dir)
+        return True
+    except SpecError:
+        return False
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,142 @@
+"""What the debug presets (conf/debug/) switch on: smaller splits, overfitting a few batches, autograd
+anomaly detection. The keys are the trainer's (runner/spec/debug.py); the engine calls these in a few hooks.
+
+Limits take each split's first samples, before the loader deals them to ranks: every rank, every
+world size and a resumed run then see the same subset, and the loader's order stays a function of
+(seed, epoch) alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from runner.engine.monitor import Diverged
+from runner.spec.run import RunSpec
+from runner.engine.stopping import Stop
+
+
+class Head(Dataset):
+    """The first `size` items of a map-style dataset. The loader only asks for indices below `size`,
+    so an index (or an (index, seed) key) passes through unchanged."""
+
+    def __init__(self, dataset: Dataset, size: int):
+        self.dataset, self.size = dataset, size
+        self.takes_sample_seeds = bool(getattr(dataset, "takes_sample_seeds", False))
+        if hasattr(dataset, "__getitems__"):
+            self.__getitems__ = dataset.__getitems__
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.dataset[index]
+
+
+def head(dataset: Dataset, size: int) -> Dataset:
+    if size >= len(dataset):
+        return dataset
+    if isinstance(dataset, TensorDataset):  # views of the tensors: the whole-batch gather fast path stays
+        return TensorDataset(*(t[:size] for t in dataset.tensors))
+    return Head(dataset, size)
+
+
+class LimitedData:
+    """The dataset builder's result with smaller splits; everything else (num_classes, collate, ...) is its own."""
+
+    def __init__(self, data: Any, splits: dict[str, Dataset]):
+        self._data, self._splits = data, splits
+
+    def __getattr__(self, name: str) -> Any:
+        splits = self.__dict__.get("_splits", {})
+        return splits[name] if name in splits else getattr(self.__dict__["_data"], name)
+
+
+def split_limits(spec: RunSpec, sizes: dict[str, int], world: int) -> dict[str, int]:
+    """How many of each split's first samples the run uses."""
+    t = spec.trainer
+    global_batch = spec.dataset.batch_size * world
+    limits = {}
+    for split, fraction in (("train", t.limit_train), ("val", t.limit_val), ("test", t.limit_test)):
+        size = sizes[split]
+        # at least one sample of a split that has any: a fraction never empties a split
+        n = min(size, max(1, math.floor(fraction * size + 1e-9))) if size else 0
+        if split == "train" and t.overfit_batches:
+            n = min(n, t.overfit_batches * global_batch)
+        if split != "train" and t.max_eval_batches is not None:
+            n = min(n, t.max_eval_batches * global_batch)
+        limits[split] = n
+    return limits
+
+
+def limit_data(spec: RunSpec, data: Any, world: int) -> Any:
+    sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
+    limits = split_limits(spec, sizes, world)
+    if limits == sizes:
+        return data
+    return LimitedData(data, {split: head(getattr(data, split), limits[split]) for split in limits})
+
+
+class OverfitGoal:
+    """trainer.overfit_batches: the run stops once the training loss of each of the last pass's steps is
+    below overfit_target_loss, and says at the end whether it got there."""
+
+    def __init__(self, spec: RunSpec, steps_per_pass: int, reduce_sum: Callable):
+        self.on = spec.trainer.overfit_batches > 0
+        self.target = spec.trainer.overfit_target_loss
+        self.reduce_sum = reduce_sum
+        self.recent: deque[float] = deque(maxlen=max(steps_per_pass, 1))
+        self.reached_at: int | None = None
+
+    def on_step(self, step: int, loss_sum: torch.Tensor, samples: int) -> Stop | None:
+        if not self.on:
+            return None
+        total, count = self.reduce_sum([loss_sum.detach().double(), torch.tensor(float(samples), dtype=torch.float64,
+                                                                                   device=loss_sum.device)])
+        self.recent.append(float(total) / max(float(count), 1.0))  # a sync per step: only under this debug key
+        if len(self.recent) == self.recent.maxlen and max(self.recent) < self.target:
+            self.reached_at = step
+            return Stop(f"overfit: reached, training loss {max(self.recent):.4g} < {self.target:g} at step {step}")
+        return None
+
+    def state_dict(self) -> dict:
+        """The last pass's losses (every rank holds the same): a resumed run reaches the goal at the same step."""
+        return {"recent": list(self.recent), "reached_at": self.reached_at}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:  # none in a checkpoint written before the goal was checkpointed
+            self.recent.extend(state["recent"])
+            self.reached_at = state["reached_at"]
+
+    def report(self, say: Callable[[str], None], step: int) -> None:
+        if self.on:
+            say(self.summary(step))
+
+    def summary(self, step: int) -> str:
+        if self.reached_at is not None:
+            return f"overfit: reached, training loss {max(self.recent):.4g} < {self.target:g} at step {self.reached_at}"
+        last = f"{self.recent[-1]:.4g}" if self.recent else "none"
+        return (f"overfit: not reached, training loss {last} after {step} steps (target {self.target:g}); "
+                f"raise trainer.max_steps or optimizer.lr")
+
+
+@contextlib.contextmanager
+def anomaly_detection(spec: RunSpec, step: Callable[[], int]) -> Iterator[None]:
+    """trainer.detect_anomaly: autograd checks every backward function's output; its error (a NaN made
+    in the backward) becomes one line naming the optimizer step it happened in."""
+    if not spec.trainer.detect_anomaly:
+        yield
+        return
+    with torch.autograd.set_detect_anomaly(True):
+        try:
+            yield
+        except RuntimeError as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "nan" not in text.lower():
+                raise
+            raise Diverged(f"step {step() + 1}: autograd anomaly detection: {text} (the forward call that "
+                           f"made it is in the warning above)") from None

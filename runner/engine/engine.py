@@ -1,0 +1,372 @@
+"""The engine: builds every part from the run spec, then runs the step loop.
+
+Correctness rules it keeps (../shared/DESIGN.md): the optimizer step sees the gradient of the mean
+loss over every sample of all its micro-batches (normalized by their total count, so a ragged batch
+changes nothing); one optimizer step is one scheduler step; fp16 unscales before clipping; a
+checkpoint holds everything needed to continue as if never stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from runner.engine import activation_checkpointing, finetune, fit_checks, memory_estimate, parallel, preemption
+
+from runner.addons import averaging, profiling
+
+from runner.spec import components, metric_names
+
+from runner import tasks
+from runner.engine import compiling, debugging, flops
+from runner.addons import mlflow_model
+from runner.tasks import batches
+from runner.addons.best_weights import BestWeights
+from runner.engine.engine_checkpoints import EngineCheckpoints, Progress
+from runner.engine.loader import make_loader, on_device, optimizer_steps
+from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
+from runner.engine.optim import build_optimizer
+from runner.engine.parallel import DistEnv, pick_device
+from runner.engine.precision import Precision
+from runner.engine.schedule import build_scheduler
+from runner.spec.resume import typed_keys
+from runner.engine.rng import seed_everything
+from runner.spec.run import RunSpec, SpecError
+from runner.engine.stopping import Stop, Stopping, pause_due
+from runner.tracking.tracker import NullTracker, Tracker
+from runner.search.trial import open_trial, pruned
+
+log = logging.getLogger(__name__)
+
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it has no state
+
+
+@dataclass
+class RunResult:
+    objective: float
+    best: dict[str, float]
+    best_step: dict[str, int]
+    final: dict[str, float]
+    steps: int
+    seconds: float
+    samples_per_s: float = 0.0  # training samples (all ranks) per second of the whole run
+    tflops: float | None = None  # achieved TFLOP/s per device over the timed training steps (runner/engine/flops.py)
+    mfu: float | None = None     # tflops / the device's peak; None where no peak is known
+    compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
+    test_from: str = ""  # the weights the test metrics came from: "best@step 40", "last@step 60"
+
+
+class Engine(EngineCheckpoints):
+    def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None):
+        spec = components.resolved_spec(spec, typed_keys(spec.overrides))
+        self.spec = spec
+        self.tracker = tracker or NullTracker()
+        self.env = env or DistEnv()
+        self.device = pick_device(spec.trainer.device, self.env.local_rank)
+        sharded = spec.parallelism.name == "fsdp" and self.env.distributed
+        self.precision = Precision(spec.precision, self.device, sharded)
+        resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
+        seed_everything(spec.seed, spec.trainer.deterministic)
+
+        data = fit_checks.check_data(spec, components.build_data(spec))
+        data = debugging.limit_data(spec, data, self.env.world)  # trainer.limit_*, overfit_batches, max_eval_batches
+        self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
+        if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
+            raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
+                            f"training split holds ({self.split_sizes['train']} samples); use at most "
+                            f"{max(self.split_sizes['train'] // self.env.world, 1)}")
+        self.task = tasks.build_task(spec.task, data.num_classes)
+        metric_names.check_produced(spec, self.task, self.split_sizes)
+        self.batch_transform = data.batch_transform
+        loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
+                           rank=self.env.rank, world=self.env.world, collate=data.collate)
+        self.train_loader = make_loader(on_device(data.train, self.device), spec.dataset.batch_size, shuffle=True,
+                                        **loader_args)
+        self.eval_loaders = {split: make_loader(on_device(getattr(data, split), self.device), spec.dataset.batch_size,
+                                                shuffle=False, **loader_args) for split in ("val", "test")}
+        self.accum = spec.accumulation.steps
+        self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
+        self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
+
+        self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
+        if spec.trainer.channels_last:  # 4-D weights only; a convolution then gives channels-last outputs too
+            self.module = self.module.to(memory_format=torch.channels_last)
+        self.pass_labels = batches.accepts_labels(self.module)
+        stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
+        batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
+        flop_rate = flops.measure(self.module, stand_in, int(self.task.count(stand_in.labels)), spec, self.device,
+                                  self.pass_labels, self.env.world)  # before the wrap: FSDP shards in place
+        # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
+        activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
+        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
+                                   # parameters unfrozen mid-run must still be reduced across ranks
+                                   find_unused=spec.model.unfreeze_after_epochs is not None)
+        self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
+        self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
+        self.unfreezer = None
+        if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
+            # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
+            self.unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
+                                            spec.model.unfreeze_after_epochs)
+        self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        self.averages = averaging.Averages(spec, self)  # EMA/SWA of the weights; nothing when both are off
+        self.schedule = self.averages.schedule(self.schedule)  # SWALR from SWA's first epoch, with swa.lr
+        self.progress = Progress()
+        self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
+        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
+                               self.env.is_main, self.trial)
+        self.monitor.flop_rate = flop_rate
+        self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
+        self.logged_model = mlflow_model.ModelLogger(spec, self, data)  # tracking.log_model: the model in MLflow
+        self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
+        self.watch = NonFiniteWatch(spec, self.device)
+        self.overfit = debugging.OverfitGoal(spec, self.steps_per_epoch, parallel.all_reduce_sum)
+        self.stop_vote = preemption.StopVote(self.env.distributed)
+        self.finished, self.final = False, {}
+        self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
+        self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
+        if resume_state is not None:
+            self._load_state(resume_state)
+        self.profiler = profiling.build(spec, self.env, self.device, self.tracker, self.optimizer, self.total_steps,
+                                        self.progress.step)  # trainer.profile; otherwise a no-op
+
+    def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
+        """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
+        module = fit_checks.check_model(spec, components.build_model(spec, data))
+        if spec.model.weights:
+            report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
+            if self.env.is_main:
+                log.info("%s", report.describe())
+        if spec.model.freeze and spec.model.unfreeze_after_epochs is None:
+            frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
+            if self.env.is_main:
+                log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
+        return fit_checks.check_model(spec, module, loaded=True)
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def fit(self) -> RunResult:
+        self.tracker.start(self.spec, self.resume_run_id)
+        started, stop = time.perf_counter(), Stop("finished before")
+        try:  # from here on, whatever fails ends the MLflow run FAILED (or KILLED), never RUNNING
+            batch = self.spec.dataset.batch_size
+            self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
+                                   "global_batch_size": str(batch * self.accum * self.env.world), **self.resumed_from})
+            if self.finished:
+                log.info("the run already finished at step %d: nothing left to do", self.progress.step)
+            else:
+                if self.spec.trainer.memory_estimate:
+                    memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
+                                           self.train_loader, self._micro_loss)
+                with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
+                    stop = self._train()
+                self.overfit.report(self.monitor.say, self.progress.step)
+                self.profiler.finish()
+                if stop.paused:
+                    self.pause()
+                elif not stop.pruned:
+                    self._finish_training()
+            if stop.paused:  # no summary or plot yet: the run goes on
+                self.monitor.close()
+            else:
+                self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
+            self.tracker.finish("FINISHED")
+        except KeyboardInterrupt:
+            self.monitor.close()
+            self.tracker.finish("KILLED")
+            raise
+        except BaseException as e:
+            self.monitor.close()
+            self.tracker.set_tags({"runner.outcome": "failed"})
+            self.tracker.log_text("".join(traceback.format_exception(e)), "error.txt")
+            self.tracker.finish("FAILED")
+            raise
+        if stop.pruned:
+            raise pruned(stop.reason)  # how a job tells the sweeper its trial was pruned
+        seconds, rates = time.perf_counter() - started, self.monitor.run_rates()
+        return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
+                         self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
+                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.best_weights.source)
+
+    @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
+    def _train(self) -> Stop:
+        """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
+        trainer, p = self.spec.trainer, self.progress
+        stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
+        global_micro_batch = self.spec.dataset.batch_size * self.env.world
+        self.model.train()
+        self.monitor.window.start()
+        while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
+            self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
+            if self.unfreezer is not None:
+                unfrozen = self.unfreezer.on_epoch_start(p.epoch)
+                if unfrozen and self.env.is_main:
+                    log.info("epoch %d: unfroze %d parameter tensors (%s)", p.epoch, len(unfrozen),
+                             ", ".join(self.spec.model.freeze))
+            for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
+                lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
+                self.monitor.step_starts()
+                loss_sum, samples, grad_norm = self.train_step(micro_batches)
+                p.step += 1
+                self.averages.on_step(p.step)
+                p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
+                                         self.split_sizes["train"])
+                self.watch.on_step(p.step, loss_sum)
+                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps)
+                if self.monitor.is_log_step(p.step) or trainer.check_finite_every_step:
+                    self.watch.check(parallel.all_reduce_max)
+                with self.monitor.window.paused():  # throughput counts training time only
+                    if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
+                        stop = self._evaluate_and_watch()
+                    signum = self.stop_vote.agreed()  # SIGTERM/SIGHUP: every rank stops here, with this step's checkpoint
+                    if signum or (stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0):
+                        self.save_checkpoint()
+                if signum:
+                    raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
+                stop = (stop or self.overfit.on_step(p.step, loss_sum, samples)
+                        or pause_due(trainer.stop_at_step, p.step, self.total_steps))  # PBT's round boundary
+                if p.step >= self.total_steps or stop is not None:
+                    break
+            if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
+                p.epoch, p.samples_in_epoch = p.epoch + 1, 0
+                self.averages.on_epoch_end(p.epoch)
+                if trainer.eval_every_epoch and stop is None:
+                    with self.monitor.window.paused():
+                        stop = self._evaluate_and_watch()
+        return stop or Stop("the last step")
+
+    def _finish_training(self) -> None:
+        """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
+        step), test, and write the final checkpoint: a run resumed after this has nothing left to do.
+        The run trained to its end: what that validation would decide (stop, prune) no longer matters."""
+        self.averages.finish()
+        self._evaluate_and_watch()
+        self.final = self.best_weights.test()
+        self.tracker.set_tags({"test_from": self.best_weights.source})
+        self.finished = True
+        self.save_checkpoint()
+        self.logged_model.log()
+
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        step_batches = [batches.split_batch(b) for b in micro_batches]
+        # samples, or tokens that are not padding; a stand-in for an empty share counts 0
+        counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
+        # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
+        # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
+        # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
+        losses, phase = [], self.profiler.phase  # phase: no-op contexts unless this step is profiled
+        with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
+            total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
+            scale = self.env.world / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+        last = len(step_batches) - 1
+        for i, (batch, count) in enumerate(zip(step_batches, counts)):
+            with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
+                with phase.to_device:
+                    batch = self._prepare(batch, train=True)
+                with phase.forward:
+                    loss = self._loss_sum(batch, count)
+                with phase.backward:
+                    self.precision.backward(loss * scale)
+            losses.append(loss.detach())
+        loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        with phase.optimizer:
+            grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
+            if self.precision.step(self.optimizer):
+                self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, sum(counts), grad_norm
+
+    def _micro_loss(self, raw) -> torch.Tensor:
+        """The memory estimate's micro-step, eager even under trainer.compile: a compilation here would fall
+        outside the steps the compile clock times (and eager activations bound the compiled ones from above)."""
+        batch = self._prepare(batches.split_batch(raw), train=True)
+        count = 0 if batch.empty else self.task.count(batch.labels)
+        with self.precision.autocast():
+            output = batches.call_model(getattr(self.model, "_orig_mod", self.model), batch, self.pass_labels)
+        return batches.loss_sum(output, batch, count, self.task, self.spec.model.target)
+
+    def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
+        batch = self.precision.prepare_batch(batches.to_device(batch, self.device))
+        if train and self.batch_transform is not None and not batch.empty:  # a stand-in's loss counts 0 anyway
+            inputs, labels = self.batch_transform(batch.inputs, batch.labels)  # mixup/cutmix: soft labels
+            batch = tasks.Batch(inputs, labels)
+        return batch
+
+    def _forward(self, batch: tasks.Batch):
+        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
+        with self.precision.autocast():
+            return batches.call_model(model, batch, self.pass_labels)
+
+    def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
+        """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under
+        DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
+        forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
+        forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
+        return batches.loss_sum(self._forward(batch), batch, count, self.task, self.spec.model.target)
+
+    def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
+        trainer = self.spec.trainer
+        if trainer.clip_grad_norm is None and trainer.clip_grad_value is None and not need_norm:
+            return None
+        self.precision.unscale(self.optimizer)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if trainer.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
+        if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
+            return parallel.local_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
+        return parallel.local_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+    # --- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, split: str) -> dict[str, float]:
+        """The task's metrics over the whole split, each sample counted once. Every rank runs as many
+        batches (a stand-in where its share of the last one is empty), so FSDP's collectives stay in step."""
+        if not self.split_sizes[split]:
+            return {}  # an empty split reports nothing
+        self.model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        count = 0
+        for raw in self.eval_loaders[split]:
+            batch = self._prepare(batches.split_batch(raw), train=False)
+            n = 0 if batch.empty else self.task.count(batch.labels)
+            for name, value in batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target).items():
+                totals[name] = totals.get(name, 0) + value.double()
+            count += n
+        names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
+        values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])
+        *sums, n = [v.item() for v in values]
+        return tasks.metric_values(self.task, dict(zip(names, sums)), n, split)
+
+    def _evaluate_and_watch(self) -> Stop | None:
+        """Validates once per step, whatever asks; returns why training stops here (pruned, early stopping)."""
+        p = self.progress
+        if p.last_eval_step == p.step:
+            return None
+        p.last_eval_step = p.step
+        self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
+        metrics = {**self.evaluate("val"), **self.averages.evaluate("val")}
+        self.model.train()
+        if metrics:
+            self.schedule.on_eval(metrics)
+        self.monitor.on_eval(metrics, p.step, p.epoch)
+        self.best_weights.after_eval(p.step)
+        stop = self.stopping.after_eval(metrics)
+        if stop is not None:
+            self.monitor.say(stop.reason)
+        return stop
+
+def _finetune_call(key: str, fn, *args):
+    """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
+    not weights) becomes one line naming the key."""
+    try:
+        return fn(*args)
+    except SpecError:
+        raise
+    except ValueError as e:
+        raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None

@@ -1,0 +1,146 @@
+"""Numeric precision: autocast, loss scaling, parameter dtype; each checked against the device first."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, ContextManager
+
+if TYPE_CHECKING:
+    from runner.tasks import Batch
+
+import torch
+
+from runner.spec.run import PrecisionSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+
+
+class Precision:
+    """What one precision option means for the step loop.
+
+    fp32: nothing. tf32: TF32 matmuls/convs on Ampere+ GPUs. fp16: float16 autocast with a
+    GradScaler. bf16: bfloat16 autocast, fp32 parameters. bf16_true: bfloat16 parameters (no
+    autocast, no master copy). fp8: float8 matmuls through torchao on GPUs of compute capability 8.9+.
+    """
+
+    def __init__(self, spec: PrecisionSpec, device: torch.device, sharded: bool = False):
+        self.name = spec.name
+        self.device = device
+        _check_supported(spec.name, device)
+        self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.name)
+        # Under FSDP2 the MixedPrecisionPolicy casts the sharded fp32 parameters for compute
+        # (and reduces gradients in fp32); autocast still covers the ops between layers.
+        self.param_dtype = self.autocast_dtype if sharded else None
+        self.scaler = None
+        if spec.name == "fp16":
+            # FSDP2 too: its gradients are DTensors, whose inf check is reduced across ranks, so
+            # torch.amp's GradScaler (not FSDP1's ShardedGradScaler) is the one to use (torchtitan's docs)
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale)
+        self.skipped_steps = 0
+        if spec.name == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.name == "bf16_true":
+            return model.to(torch.bfloat16)
+        if self.name == "fp8":
+            from torchao.float8 import convert_to_float8_training
+
+            # torchao's fp8 GEMMs need dims divisible by 16; other layers stay in bf16 autocast
+            model = convert_to_float8_training(
+                model, module_filter_fn=lambda m, _: isinstance(m, torch.nn.Linear)
+                and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+            converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+            if not converted:
+                raise SpecError("precision: fp8 found no Linear layer with both dims divisible by 16 in this model; "
+                                "use precision=bf16")
+            log.info("fp8: %d Linear layers train with float8 matmuls", converted)
+            return model
+        return model
+
+    def prepare_batch(self, batch: "Batch") -> "Batch":
+        from runner.tasks import IGNORE, Batch
+
+        inputs, labels = batch.inputs, batch.labels
+        if self.name == "bf16_true":
+            def cast(t):
+                return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+            inputs = {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, dict) else cast(inputs)
+        if self.name == "fp8" and isinstance(inputs, torch.Tensor) and len(labels) % 16 and not labels.is_floating_point():
+            # fp8 GEMMs need the batch dim divisible by 16: pad a ragged batch with samples whose
+            # label the loss ignores, so the sum over real samples is unchanged
+            pad = 16 - len(labels) % 16
+            inputs = torch.cat([inputs, inputs.new_zeros((pad, *inputs.shape[1:]))])
+            labels = torch.cat([labels, labels.new_full((pad, *labels.shape[1:]), IGNORE)])
+        return Batch(inputs, labels, batch.empty)
+
+    def autocast(self) -> ContextManager:
+        dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping or reading the grad norm, gradients must be in true units."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when the scaler skipped it for inf/nan gradients."""
+        if not self.scaler:
+            optimizer.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= scale
+        self.skipped_steps += not stepped
+        return stepped
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def _check_supported(name: str, device: torch.device) -> None:
+    cuda = device.type == "cuda"
+    if name == "tf32" and not (cuda and torch.cuda.get_device_capability(device)[0] >= 8):
+        raise SpecError(f"precision: tf32 needs an NVIDIA GPU of the Ampere generation or newer; "
+                        f"this run is on {_describe(device)}: use precision=fp32 or precision=bf16")
+    if name in ("bf16", "bf16_true") and cuda and not torch.cuda.is_bf16_supported():
+        raise SpecError(f"precision: {name} is not supported on {_describe(device)}: use precision=fp16 or fp32")
+    if name == "fp16" and device.type == "cpu" and not _cpu_fp16_works():
+        raise SpecError("precision: fp16 autocast does not run on this CPU build of torch: use precision=bf16 or fp32")
+    if name == "fp8":
+        if not (cuda and torch.cuda.get_device_capability(device) >= (8, 9)):
+            raise SpecError(f"precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (H100, L4, RTX 4090); "
+                            f"this run is on {_describe(device)}: use precision=bf16")
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise SpecError("precision: fp8 training needs torchao: pip install torchao, or use precision=bf16") from None
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+    return "the CPU"
+
+
+def _cpu_fp16_works() -> bool:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+        return True
+    except RuntimeError:
+        return False

@@ -1,0 +1,191 @@
+"""Export: a trained model for use outside runner (`mode=export trainer.resume=<run dir | checkpoint>`).
+
+Into `<run_dir>/export/` (and the MLflow run's `export/` artifacts when tracking is on):
+- model.safetensors: the weights, tied tensors stored once (safetensors.torch.save_model; load_model re-ties);
+- model.yaml: the model's `_target_` with its arguments and those the data decided (sizes, vocabulary),
+  so `hydra.utils.instantiate` rebuilds it, plus the input it takes and where the weights came from;
+- example_inputs.safetensors: one batch of the source run's validation data, by argument name;
+- model.pt2: a `torch.export` program (batch size free where the model allows), where the model exports.
+Reading them back needs no runner code beyond the model's own module: see HOW_TO_LOAD.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from runner.engine import checkpoint
+
+from runner.spec import components
+from runner.spec.run import RunSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+HOW_TO_LOAD = """\
+# How to load this model without runner (only the model's own module must be importable):
+#   import yaml, torch, hydra.utils, safetensors.torch
+#   model = hydra.utils.instantiate(yaml.safe_load(open("model.yaml"))["model"]).eval()
+#   safetensors.torch.load_model(model, "model.safetensors")
+#   inputs = safetensors.torch.load_file("example_inputs.safetensors")   # one batch, by argument name
+#   outputs = model(**inputs)
+# or, where model.pt2 was written (no model code needed at all):
+#   outputs = torch.export.load("model.pt2").module()(**inputs)
+"""
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def run(spec: RunSpec) -> Path:
+    """mode=export: the model of the checkpoint `trainer.resume` names, written to <run_dir>/export and,
+    when tracking is on, logged to a new MLflow run tagged with its source. Returns the export directory."""
+    from runner.tracking.tracker import build_tracker
+
+    if not spec.trainer.resume:
+        raise SpecError("trainer.resume: null; mode=export exports a trained model: "
+                        "give trainer.resume=<run dir | checkpoint>")
+    from runner.results.source import resolve_source
+
+    source = resolve_source(spec)[0]  # a run dir, checkpoint file or MLflow run id; refused before any MLflow run exists
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    try:
+        out = export_checkpoint(source, Path(spec.run_dir) / "export")
+        info = yaml.safe_load((out / "model.yaml").read_text())["source"]
+        tracker.set_tags({"runner.exported_from_checkpoint": str(source),
+                          **({"runner.exported_from_run": info["mlflow_run_id"]} if info.get("mlflow_run_id") else {})})
+        tracker.log_artifact(out)  # a directory: its files land under the run's export/ artifacts
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    return out
+
+
+def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = True) -> Path:
+    """Export the model of a checkpoint file, or of a run directory's newest good checkpoint, into out_dir
+    (`program=False`: no torch.export program, which takes seconds to trace)."""
+    path = checkpoint.verify(source)
+    state = checkpoint.load(path)
+    if not state.get("spec"):
+        raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
+    spec = RunSpec.from_yaml(state["spec"])
+    data = components.build_data(spec)
+    model = components.build_model(spec, data)
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as e:
+        raise SpecError(f"trainer.resume: the weights in {path} do not fit {spec.model.target} "
+                        f"({str(e).splitlines()[0]})") from None
+    model.eval()
+    inputs = example_inputs(spec, data, model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import safetensors.torch
+
+    safetensors.torch.save_model(model, str(out / "model.safetensors"))
+    safetensors.torch.save_file({k: v.contiguous() for k, v in inputs.items()}, str(out / "example_inputs.safetensors"))
+    program = _export_program(model, inputs, out / "model.pt2", spec.model.target) if program else "not asked for"
+    record = {
+        "model": {"_target_": spec.model.target, "_convert_": "all", **spec.model.params, **_data_decided(spec, data)},
+        "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in inputs.items()},
+        "torch_export": program,
+        "source": {"checkpoint": str(path), "step": int(state.get("progress", {}).get("step", 0)),
+                   "mlflow_run_id": state.get("mlflow_run_id") or None},
+    }
+    (out / "model.yaml").write_text(HOW_TO_LOAD + yaml.safe_dump(record, sort_keys=False))
+    log.info("exported step %d of %s to %s (%s)", record["source"]["step"], path, out,
+             ", ".join(sorted(p.name for p in out.iterdir())))
+    return out
+
+
+def example_inputs(spec: RunSpec, data: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One batch of the model's inputs, by the forward argument each goes to (a tuple batch's inputs go to
+    the first argument): from validation, else test, else training data."""
+    from runner.engine.loader import make_loader
+    from runner.tasks.batches import split_batch
+
+    dataset = next(d for d in (data.val, data.test, data.train) if len(d))
+    loader = make_loader(dataset, spec.dataset.batch_size, seed=spec.seed, shuffle=False, num_workers=0,
+                         pin_memory=False, collate=data.collate)
+    inputs = split_batch(next(iter(loader))).inputs
+    if isinstance(inputs, dict):
+        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return {next(iter(inspect.signature(model.forward).parameters)): inputs}
+
+
+def load_exported(directory: str | Path) -> torch.nn.Module:
+    """The exported model, rebuilt from model.yaml with its weights (what HOW_TO_LOAD spells out)."""
+    import safetensors.torch
+    from hydra.utils import instantiate
+
+    directory = Path(directory)
+    model = instantiate(yaml.safe_load((directory / "model.yaml").read_text())["model"]).eval()
+    safetensors.torch.load_model(model, str(directory / "model.safetensors"))
+    return model
+
+
+def _data_decided(spec: RunSpec, data: Any) -> dict[str, Any]:
+    """What the data gave the model (build_model's rule), where YAML can hold it; a tokenizer object cannot
+    and is left out with a note."""
+    try:
+        names = inspect.signature(components.load_target("model", spec.model.target)).parameters
+    except (TypeError, ValueError):
+        return {}
+    decided = {}
+    for name in components.DATA_DECIDED:
+        value = getattr(data, name, None)
+        if name not in names or value is None:
+            continue
+        if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+            decided[name] = list(value)
+        elif isinstance(value, _PLAIN):
+            decided[name] = value
+        else:
+            log.warning("export: model.yaml lacks %s (a %s, not storable as YAML); pass it yourself when rebuilding",
+                        name, type(value).__name__)
+    return decided
+
+
+def _export_program(model: torch.nn.Module, inputs: dict[str, torch.Tensor], path: Path, target: str) -> str:
+    """model.pt2 with the batch size left free where the model allows; one line saying why not where it fails."""
+    from torch.export import Dim
+
+    shapes = {k: {0: Dim.AUTO} for k in inputs}
+    try:
+        program = torch.export.export(model, (), dict(inputs), dynamic_shapes=shapes)
+        torch.export.save(program, str(path))
+        return path.name
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        log.warning("export: %s could not be exported as a torch.export program (%s: %s); "
+                    "model.safetensors and model.yaml are written", target, type(e).__name__, reason)
+        path.unlink(missing_ok=True)
+        return f"not written: {type(e).__name__}: {reason}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runner.results.export <run dir | checkpoint> [--out DIR]`: export without an MLflow run."""
+    parser = argparse.ArgumentParser(prog="python -m runner.results.export", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a run directory (its newest good checkpoint) or a checkpoint file")
+    parser.add_argument("--out", help="where to write (default: <run dir>/export)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    source = Path(args.source)
+    run_dir = source if source.is_dir() else source.parent.parent if source.parent.name == "checkpoints" else source.parent
+    out = Path(args.out) if args.out else run_dir / "export"
+    try:
+        print(export_checkpoint(source, out))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Population-based training (PBT and PB2): a population of runs trained side by side in rounds; at each
+round's boundary the worst copy the exact checkpoint of the best and explore new hyperparameters
+(runner/search/pbt/population.py coordinates, member.py runs one member's round, explore.py proposes)."""

@@ -1,0 +1,78 @@
+"""One member's round: train from where the member is to the round's boundary (trainer.stop_at_step),
+or to its end in the last round, in this process or as `python -m runner.search.pbt.member <job.json>`.
+
+The job file names the member's spec (its run directory, its hyperparameters, `trainer.resume` after
+the first round), the population's MLflow parent run, the hyperparameters to log as metrics at the step
+the round starts from and the lineage tags. The result, written next to it, is the objective at the
+boundary (the last validation, not the best so far: PBT compares members where they are now).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.engine import preemption
+
+from runner.cli import process_state
+from runner.spec.run import RunSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+
+def run_job(job_file: Path) -> dict[str, Any]:
+    """Run the round a job file describes; its result is also written to job["result"]."""
+    from mlflow.entities import Metric
+
+    from runner.engine.engine import Engine
+    from runner.engine.parallel import DistEnv
+    from runner.tracking.tracker import build_tracker
+
+    job = json.loads(Path(job_file).read_text())
+    spec = RunSpec.from_yaml(job["spec"])
+    run_dir = Path(spec.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    with process_state.isolated(), preemption.handled():
+        engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")))
+        start = engine.progress.step
+        result = engine.fit()
+        client = getattr(engine.tracker, "client", None)
+        if client is not None and engine.tracker.run_id:
+            now = int(time.time() * 1000)
+            # the values in force from the step after `start` on, logged at the step they changed
+            metrics = [Metric(f"pbt/{k}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
+            client.log_batch(engine.tracker.run_id, metrics=metrics,
+                             tags=[_tag(k, v) for k, v in job.get("tags", {}).items()])
+    history = engine.monitor.history.get(spec.objective.metric, [])
+    out = {"step": engine.progress.step, "objective": history[-1][1] if history else math.nan,
+           "best": result.objective, "run_id": engine.tracker.run_id or "", "seconds": result.seconds,
+           "finished": engine.finished}
+    Path(job["result"]).write_text(json.dumps(out))
+    return out
+
+
+def _tag(key: str, value: Any):
+    from mlflow.entities import RunTag
+
+    return RunTag(key, str(value)[:5000])
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        run_job(Path(argv[0]))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except preemption.Stopped as e:
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""`hydra/sweeper=pbt`'s sweep: the base spec composed once, the population run, the MLflow parent run.
+
+The parent (runner.search.sweep_hook.ParentRun) gets `pbt/best_objective` at each round's boundary and, at the
+end, the winner's hyperparameter schedule along its lineage (pbt_winner_schedule.json) and its tags.
+Each member's run is a child of it. A rerun with the same hydra.sweep.dir goes on with the same parent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.search.pbt import explore
+from runner.search.pbt.population import Population, Settings, ranked
+from runner.cli.preflight import resolved
+from runner.spec.run import RunSpec
+
+log = logging.getLogger(__name__)
+PARENT_FILE = "pbt_parent_run_id"
+
+
+def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Command-line overrides: fixed values for every member, and sweeps (interval, choice) for the space."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    fixed, sweeps = [], {}
+    for override in OverridesParser.create().parse_overrides(arguments):
+        if override.is_sweep_override():
+            sweeps[override.get_key_element()] = override.input_line.split("=", 1)[1]
+        else:
+            fixed.append(override.input_line)
+    return fixed, sweeps
+
+
+def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig, config_loader: Any,
+              on_round: Any = None) -> float:
+    settings = dict(settings)
+    settings.pop("_target_", None)
+    fixed, sweeps = split_arguments(arguments)
+    space = explore.parse_space({**(settings.pop("params", None) or {}), **sweeps})  # before anything is made
+    settings["perturb"] = tuple(float(f) for f in settings.get("perturb", (0.8, 1.2)))
+    pbt = Settings(**settings)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    cfg = config_loader.load_sweep_config(config, list(fixed))
+    container = resolved(cfg)
+    container["run_dir"] = str(sweep_dir / "base")
+    base = RunSpec.from_config(container, tuple(fixed))
+    pbt.check(base)
+    parent = _open_parent(cfg, sweep_dir, base, pbt, space)
+    status = "FAILED"
+    try:
+        state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round).run()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if parent is not None and status != "FINISHED":
+            parent.finish(status)
+    best = ranked(state["members"], base.objective.direction == "maximize")[0]
+    schedule = {"member": best["id"], "objective": best["objectives"][-1][1], "metric": base.objective.metric,
+                "schedule": [{"from_step": s, **h} for s, h in best["schedule"]], "lineage": best["lineage"]}
+    (sweep_dir / "pbt_winner_schedule.json").write_text(json.dumps(schedule, indent=1))
+    if parent is not None:
+        parent.client.log_artifact(parent.run_id, str(sweep_dir / "pbt_winner_schedule.json"))
+        parent.client.set_tag(parent.run_id, "pbt.winner", f"member {best['id']} ({best['run_id']})")
+        if math.isfinite(schedule["objective"]):
+            parent.client.log_metric(parent.run_id, "best_objective", schedule["objective"])
+        parent.finish("FINISHED")
+    print(f"PBT: best {base.objective.metric} {schedule['objective']:.4f} (member {best['id']}, {best['run_dir']})\n"
+          f"  its schedule: " + "; ".join(f"from step {s}: " + ", ".join(f"{k}={v:.4g}" for k, v in h.items())
+                                          for s, h in best["schedule"]) +
+          f"\n  sweep directory: {sweep_dir}", flush=True)
+    return schedule["objective"]
+
+
+def _open_parent(cfg: DictConfig, sweep_dir: Path, base: RunSpec, pbt: Settings, space: dict) -> Any:
+    from runner.search.sweep_hook import ParentRun
+
+    parent = ParentRun.from_config(cfg)
+    if parent is None:
+        return None
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    saved = sweep_dir / PARENT_FILE
+    reuse = saved.read_text().strip() if saved.is_file() else None
+    params = {"pbt.population": pbt.population, "pbt.ready": pbt.ready, "pbt.quantile": pbt.quantile,
+              "pbt.explore": pbt.explore, **{f"space.{k}": d for k, d in space.items()}}
+    parent.start(name=f"pbt {' '.join(base.overrides)}"[:200], tags={"runner.sweeper": "pbt", "sweep_dir": str(sweep_dir)},
+                 params=params, reuse=reuse)
+    saved.write_text(parent.run_id)
+    return parent

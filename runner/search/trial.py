@@ -1,0 +1,142 @@
+"""A run that is one trial of an Optuna study (hparams_search).
+
+The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` and `trial.number`;
+the job opens the study's storage itself, so reporting and pruning work whatever the launcher
+(in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
+evaluation the objective metric is reported to the trial at the run's optimizer step (so a resumed
+or restarted run reports new steps, never ones Optuna has seen), then the step loop asks the study's
+pruner; a rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned` and
+raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
+
+The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
+the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it. The job
+writes its run directory into the trial's system attributes (`RUN_DIR_ATTR`): the run directory's
+`mlflow_run_id` file then names the trial's MLflow run, so a sweep can end the run of a trial whose
+process was killed, whichever process or machine ran it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storage, storage_url  # the sweeper's protocol
+
+if TYPE_CHECKING:
+    from runner.spec.run import RunSpec
+
+log = logging.getLogger(__name__)
+
+PARENT_RUN_ENV = "RUNNER_PARENT_RUN_ID"      # MLflow parent run of the sweep this job belongs to
+PARENT_RUN_ATTR = "runner.mlflow_parent_run"  # study user attr: the sweep's MLflow parent run id
+RUN_DIR_ATTR = "runner.run_dir"               # trial system attr: the job's run directory
+
+
+def is_pruned(error: BaseException) -> bool:
+    """Whether an exception is Optuna's prune signal (without importing optuna into plain runs)."""
+    optuna = sys.modules.get("optuna")
+    return optuna is not None and isinstance(error, optuna.TrialPruned)
+
+
+class TrialReporter:
+    """Reports a run's evaluations to its trial (`report`) and says whether the pruner stops it (`verdict`).
+
+    Under ddp/fsdp every rank holds one (their metrics are all-reduced, hence equal): rank 0 alone
+    reports and asks the pruner, and broadcasts the verdict, so all ranks stop at the same step.
+    """
+
+    def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool):
+        self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
+        self.last: tuple[int, dict[str, float]] = (0, {})
+
+    def report(self, metrics: dict[str, float], step: int) -> None:
+        """The objective at this optimizer step (Optuna prunes single objectives only)."""
+        self.last = (step, metrics)
+        value = metrics.get(self.metric)
+        if self.trial is not None and value is not None and math.isfinite(value) and not self.multi_objective:
+            self.trial.report(value, step)
+
+    def verdict(self) -> str | None:
+        """Why the study's pruner stops this run after the last report, or None to go on."""
+        step, metrics = self.last
+        for name, value in metrics.items():
+            if not math.isfinite(value):  # a diverged run: FAIL now rather than train on NaN
+                raise FloatingPointError(f"the run diverged: {name} is {value} at step {step}")
+        verdict = None
+        if self.trial is not None and self.metric in metrics and not self.multi_objective and self.trial.should_prune():
+            verdict = f"trial {self.trial.number} pruned at step {step}: {self.metric} {metrics[self.metric]:.4f}"
+        if self.distributed:
+            from runner.engine.parallel import broadcast_object
+
+            verdict = broadcast_object(verdict)
+        return verdict
+
+
+def pruned(reason: str) -> BaseException:
+    """Optuna's prune signal: how a job tells the sweeper that its trial was pruned."""
+    import optuna
+
+    return optuna.TrialPruned(reason)
+
+
+def open_trial(spec: "RunSpec") -> TrialReporter | None:
+    """The reporter for this run's trial, or None when the run is not a trial."""
+    t = spec.trial
+    if t.number is None or t.study_name is None:
+        return None
+    _check_storage(spec)
+    distributed, rank = _rank()
+    metric = spec.objective.metric
+    if rank != 0:
+        return TrialReporter(None, metric, False, distributed)
+    import optuna
+    from hydra.utils import instantiate
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = open_storage(storage_url(t.storage))
+    study = optuna.load_study(study_name=t.study_name, storage=storage)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(t.study_name), t.number)
+    state = storage.get_trial(trial_id).state
+    if state != optuna.trial.TrialState.RUNNING:
+        log.warning("trial %d of study %r is %s, not RUNNING: this run will not report to it",
+                    t.number, t.study_name, state.name)
+        return TrialReporter(None, metric, False, distributed)
+    storage.set_trial_system_attr(trial_id, RUN_DIR_ATTR, str(Path(spec.run_dir).resolve()))
+    pruner = study.user_attrs.get(PRUNER_ATTR)
+    study.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
+    return TrialReporter(optuna.trial.Trial(study, trial_id), metric, len(study.directions) > 1, distributed)
+
+
+def _rank() -> tuple[bool, int]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return False, 0
+    return True, dist.get_rank()
+
+
+def parent_run_id(spec: "RunSpec") -> str | None:
+    """The MLflow parent run a sweep's job logs under: from the sweep process's environment, or,
+    for a job that runs elsewhere, from its study's user attributes. A k-fold run's fold: its K-fold run."""
+    if spec.trainer.cross_validation.parent_run:
+        return spec.trainer.cross_validation.parent_run
+    if os.environ.get(PARENT_RUN_ENV):
+        return os.environ[PARENT_RUN_ENV]
+    t = spec.trial
+    if t.number is None or t.study_name is None or spec.tracking.name == "none":
+        return None
+    _check_storage(spec)
+    import optuna
+
+    study = optuna.load_study(study_name=t.study_name, storage=open_storage(storage_url(t.storage)))
+    return study.user_attrs.get(PARENT_RUN_ATTR)
+
+
+def _check_storage(spec: "RunSpec") -> None:
+    if spec.trial.storage is None:
+        from runner.spec.run import SpecError
+
+        raise SpecError(f"trial.storage: null, but trial.study_name={spec.trial.study_name!r} and trial.number="
+                        f"{spec.trial.number} are set; name the study's Optuna storage too (the sweeper sets all three)")

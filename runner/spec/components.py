@@ -1,0 +1,315 @@
+"""Components named by `_target_`: the model and the dataset, a user's or a built-in one alike.
+
+A component's YAML names a callable (`_target_`, Hydra's instantiate convention) and gives its keyword
+arguments. `resolve` checks them against the callable's signature before anything starts (an unknown
+key names the key and lists the accepted ones; annotated types are checked), fills in the signature's
+defaults, so spec.yaml is the fully resolved record, and keeps only the chosen component's own keys.
+
+What the data decides reaches a model only through constructor parameters of the documented names
+(DATA_DECIDED); a model that does not name them takes its sizes from its YAML.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+import types
+import typing
+from typing import Any, Callable
+
+from runner.engine import fit_checks
+
+from runner.spec import metric_names
+from runner.spec.fields import SpecError, convert
+from runner.spec.run import RunSpec, did_you_mean
+
+log = logging.getLogger(__name__)
+
+DATA_DECIDED = ("num_classes", "input_shape", "vocab_size", "max_length", "pad_token_id", "tokenizer")
+
+
+def load_target(group: str, target: str) -> Callable:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise SpecError(f"{group}._target_: cannot import {target!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        "give a dotted path to a class or function importable from here") from None
+
+
+def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = frozenset()) -> dict[str, Any]:
+    """`params` checked against the target's signature and completed with its defaults.
+
+    A `_target_` typed on the command line starts from its own signature's defaults: of the option's YAML
+    (written for the option's callable) only the keys typed with it are applied. Otherwise keys that came
+    from the YAML and that the target does not take are dropped with a note. A typed key the target does
+    not take is an error. A mapping with its own `_target_` among the arguments is a component too
+    (Hydra's instantiate convention): its keys are checked the same way, and it is built before the call."""
+    if f"{group}._target_" in typed:
+        dropped = sorted(k for k in params if f"{group}.{k}" not in typed and not k.startswith("_"))
+        if dropped:
+            log.info("%s._target_=%s: the option's own keys (%s) are not used", group, target, ", ".join(dropped))
+        params = {k: v for k, v in params.items() if k not in dropped}
+    fn = load_target(group, target)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return dict(params)
+    annotations = hints(fn)
+    decided = decided_by_runner(group, fn)  # e.g. a model's sizes come from the data, a dataset's are its own
+    accepted = {name: p for name, p in signature.parameters.items()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in decided}
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if key.startswith("_") and key.endswith("_"):  # instantiate's own keys: _partial_, _args_, _convert_
+            out[key] = value
+            continue
+        if key not in accepted and not open_ended:
+            if key in decided and key in signature.parameters:
+                raise SpecError(f"{group}.{key}: decided by {decided[key]} for {target}; remove it from the config")
+            if f"{group}.{key}" not in typed:
+                log.info("%s.%s dropped: %s does not take it", group, key, target)
+                continue
+            raise SpecError(f"{group}.{key}: unknown key for {target}; {did_you_mean(key, accepted)}"
+                            f"accepted keys: {', '.join(sorted(accepted)) or '(none)'}")
+        out[key] = _nested(value, f"{group}.{key}", typed)
+        if out[key] is value:  # not a component: its annotation says what it may be
+            out[key] = _convert_param(annotations.get(key), value, f"{group}.{key}")
+    if params.get("_partial_") is True:
+        return out  # the rest of the arguments come at call time
+    for name, p in accepted.items():
+        if name not in out:
+            if p.default is p.empty:
+                raise SpecError(f"{group}.{name}: {target} needs a value for it; add +{group}.{name}=...")
+            out[name] = _plain(p.default)
+    return out
+
+
+def _nested(value: Any, key: str, typed: set[str]) -> Any:
+    """A nested component (a mapping with a `_target_`, or a list of them) resolved; anything else as it is."""
+    if isinstance(value, dict) and isinstance(value.get("_target_"), str):
+        rest = {k: v for k, v in value.items() if k != "_target_"}
+        if key in typed:  # the whole mapping was typed: so was each of its keys
+            typed = {*typed, *(f"{key}.{k}" for k in value)}
+        return {"_target_": value["_target_"], **resolve(key, value["_target_"], rest, typed)}
+    if isinstance(value, list) and any(isinstance(v, dict) and "_target_" in v for v in value):
+        return [_nested(v, f"{key}[{i}]", typed) for i, v in enumerate(value)]
+    return value
+
+
+def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
+    """The spec with its model and dataset arguments checked and completed, and the metric modes the
+    task declares filled in."""
+    model = resolve("model", spec.model.target, spec.model.params, typed)
+    data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
+    # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
+    fit_checks.check_model_reads(spec, fit_checks.declared_inputs(load_target("dataset", spec.dataset.target)))
+    spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
+    return resolved_parts(metric_names.with_declared_modes(spec), typed)
+
+
+# --- the training parts: task, optimizer, schedule ------------------------------------------------
+
+# What runner decides for a part's callable, by parameter name, and who decides it (never from YAML).
+RUN_DECIDED = {
+    "task": {"num_classes": "the data"},
+    "optimizer": {"foreach": "optimizer.impl", "fused": "optimizer.impl"},
+    "scheduler": {"total_steps": "the run's length", "warmup_steps": "scheduler.warmup",
+                  "last_epoch": "the run's step", "verbose": "runner"},
+}
+
+
+def decided_by_runner(group: str, fn: Callable) -> dict[str, str]:
+    """Parameters of a component's callable that runner fills in, and who decides them: a model's sizes
+    come from the data; an optimizer gets the parameter groups first, a schedule the optimizer (a class)
+    or the step (a function)."""
+    if group == "model":
+        return {name: "the data" for name in DATA_DECIDED}
+    decided = dict(RUN_DECIDED.get(group, {}))
+    if group in ("optimizer", "scheduler"):
+        try:
+            first = next(iter(inspect.signature(fn).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        if first is not None:
+            decided[first] = "runner"
+    return decided
+
+
+def resolved_parts(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
+    """The spec with its task, optimizer and schedule arguments checked against their callables and completed."""
+    parts = {group: getattr(spec, group) for group in ("task", "optimizer", "scheduler")}
+    return spec.replace(**{group: part.with_params(resolve(group, part.target, part.params, typed))
+                           for group, part in parts.items()})
+
+
+def build_component(group: str, target: str, params: dict[str, Any], decided: dict[str, Any],
+                    *args: Any) -> Any:
+    """Call a part's callable with `args`, its own arguments and those of `decided` its signature names;
+    a ValueError or TypeError it raises about its arguments becomes one line naming the key."""
+    fn = load_target(group, target)
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        names = {}
+    kwargs = {**{k: v for k, v in decided.items() if k in names}, **params}
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise SpecError(complaint(group, fn, e, list(kwargs))) from None
+
+
+def complaint(group: str, fn: Callable, error: Exception, keys: list[str]) -> str:
+    """One line for a component's error: `<group>.<key>: ...` when it names one of its arguments."""
+    if isinstance(error, SpecError):
+        return str(error)
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    head = first.split(":", 1)[0].strip()
+    if head in keys:  # the convention of runner's built-ins: "milestones: 5 is not allowed; ..."
+        return f"{group}.{first}"
+    found = [(first.lower().find(k.lower()), -len(k), k) for k in keys if k.lower() in first.lower()]
+    named = min(found)[2] if found else None  # the argument the message names first
+    where = f"{group}.{named}" if named else group
+    return f"{where}: {getattr(fn, '__qualname__', fn)} refuses it ({first})"
+
+
+def build_data(spec: RunSpec) -> Any:
+    """The dataset's splits, refused in one line where the model cannot read them or the task cannot
+    learn from their labels; a builder that declares token data is refused before it runs."""
+    builder = load_target("dataset", spec.dataset.target)
+    data = _call("dataset", builder, spec.dataset.params)
+    from runner.search import folds  # late: torch and scikit-learn, which the spec checks before the run do without
+
+    data = folds.for_run(spec, data)  # a k-fold run's fold: its own train and val, the same test
+    fit_checks.check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
+    fit_checks.check_task_labels(spec, data)
+    return data
+
+
+def build_model(spec: RunSpec, data: Any) -> Any:
+    """The model from its YAML's arguments plus what the data decides, for the parameters its signature names."""
+    fn = load_target("model", spec.model.target)
+    kwargs = dict(spec.model.params)
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        names = {}
+    for name in DATA_DECIDED:
+        value = getattr(data, name, None)
+        if name in names and value is not None:
+            kwargs[name] = tuple(value) if name == "input_shape" else value
+    missing = [n for n, p in names.items() if p.default is p.empty and n not in kwargs
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing:
+        decided = missing[0] in DATA_DECIDED  # the data's to give: a value in the config would be refused
+        raise SpecError(f"model.{missing[0]}: {spec.model.target} needs it and the dataset ({spec.dataset.target}) "
+                        f"does not provide it; choose a dataset that does" +
+                        ("" if decided else f", or set +model.{missing[0]}=..."))
+    return _call("model", fn, kwargs, dataset_keys=set(spec.dataset.params))
+
+
+def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[str] = frozenset()) -> Any:
+    """The component built; its plain complaint (ValueError, TypeError, a file it cannot find), a
+    built-in's or a user's alike, becomes the one line `<group>.<its key>: ...`."""
+    kwargs = {k: _instantiated(v, f"{group}.{k}") for k, v in kwargs.items()}
+    try:
+        return fn(**{k: list(v) if isinstance(v, tuple) and k != "input_shape" else v for k, v in kwargs.items()})
+    except SpecError:
+        raise
+    except (ValueError, TypeError) as e:  # a component's one-line complaint about its own arguments
+        raise SpecError(_keyed(group, _first_line(e), dataset_keys)) from None
+    except FileNotFoundError as e:
+        raise SpecError(f"{group}: {_name(fn)} could not open {e.filename} ({e.strerror})") from None
+    except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
+        raise SpecError(f"{group}: building {_name(fn)} failed ({_first_line(e)[:200]}); check its sizes") from None
+    except Exception as e:  # a user's builder failing its own way (KeyError, OSError, ...): what it said, on one line
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise SpecError(f"{group}._target_: {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} raised "
+                        f"{type(e).__name__}{f' ({first[:200]})' if first else ''}; fix it or name another") from None
+
+
+def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
+    """`key: why` under its group; a model's complaint about what the data decided names the dataset's
+    key of that name where it has one (dataset.tokenizer, dataset.vocab_size): that is what to change."""
+    key, sep, _ = message.partition(": ")
+    if not sep or not _KEY.fullmatch(key):
+        return f"{group}: {message}"
+    if key in DATA_DECIDED and key in dataset_keys:
+        group = "dataset"
+    return f"{group}.{message}"
+
+
+_KEY = re.compile(r"[A-Za-z_][\w.]*(\[\d+\])?")  # width, config.dim, channels[1]
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", str(fn))
+
+
+def _instantiated(value: Any, key: str) -> Any:
+    """Nested components built as hydra.utils.instantiate builds them (recursively, `_partial_` and `_args_`
+    included), with plain containers rather than OmegaConf's."""
+    if isinstance(value, dict) and "_target_" in value:
+        from hydra.utils import instantiate
+
+        try:
+            return instantiate({"_convert_": "all", **value})
+        except Exception as e:  # instantiate wraps the callable's own error: that one is the user's
+            cause = e.__cause__ or e
+            first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+            raise SpecError(f"{key}: building {value['_target_']} failed ({first[:200]})") from None
+    if isinstance(value, dict):
+        return {k: _instantiated(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_instantiated(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def hints(fn: Callable) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # unresolvable annotations: types are then not checked
+        return {}
+
+
+def _convert_param(tp: Any, value: Any, key: str) -> Any:
+    """A value converted by its annotation; what runner.spec.fields does not type (Any, dicts, unions of
+    several types, no annotation) is passed as given."""
+    tp = yaml_type(tp)
+    if tp is None or tp is Any:
+        return _plain(value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args and len(args) == 2:
+        return None if value is None else _convert_param(next(a for a in args if a is not type(None)), value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise SpecError(f"{key}: {value!r} is not a list")
+        return [_convert_param(args[0] if args else None, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple or tp in (bool, int, float, str) or origin is typing.Literal:
+        return _plain(convert(tp, value, key))
+    return _plain(value)
+
+
+def yaml_type(tp: Any) -> Any:
+    """An annotation without the members a YAML value cannot be (torch's `float | Tensor` is a float here)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        kept = [a for a in args if a in (bool, int, float, str, type(None)) or typing.get_origin(a) in (list, tuple, dict)]
+        return typing.Union[tuple(kept)] if kept else tp
+    if origin is tuple and args:
+        return tuple[tuple(yaml_type(a) for a in args)]
+    return tp
+
+
+def _plain(value: Any) -> Any:
+    """YAML-safe: tuples as lists."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,98 @@
+"""The memory estimate: its arithmetic on known models and optimizers, its measured activations, its
+advice, and that measuring leaves training untouched."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import timm.optim
+import torch
+from torch import nn
+
+from runner.engine import memory_estimate
+from runner.engine.engine import Engine
+from runner.engine.memory_estimate import Figures
+from runner.tracking.tracker import NullTracker
+from tests.conftest import compose_spec
+
+# 10*20+20 + 20*4+4 = 304 fp32 parameters: 1216 bytes
+KNOWN = lambda: nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 4))  # noqa: E731
+OPTIMIZERS = {
+    "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.1), 0),
+    "sgd, momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1216),
+    "adam": (lambda ps: torch.optim.Adam(ps), 2 * 1216),
+    "adamw, amsgrad": (lambda ps: torch.optim.AdamW(ps, amsgrad=True), 3 * 1216),
+    "rmsprop, centered": (lambda ps: torch.optim.RMSprop(ps, centered=True), 2 * 1216),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps), 1216),
+    # factored: rows + columns of each matrix (20+10, 4+20), the biases whole (20, 4)
+    "adafactor": (lambda ps: torch.optim.Adafactor(ps), (30 + 24 + 20 + 4) * 4),
+    "lamb": (lambda ps: timm.optim.Lamb(ps), 2 * 1216),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_state_is_computed_as_the_optimizer_keeps_it_after_a_step(name: str) -> None:
+    build, expected = OPTIMIZERS[name]
+    model = KNOWN()
+    optimizer = build(model.parameters())
+    assert memory_estimate.optimizer_state_bytes(optimizer) == expected
+    model(torch.randn(3, 10)).sum().backward()
+    optimizer.step()
+    kept = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)  # not the step counters
+    assert kept == expected
+
+
+def test_parameters_gradients_and_measured_activations_of_a_known_model() -> None:
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 1000))
+    model[2].requires_grad_(False)
+    inputs = torch.randn(256, 1000)
+    model(inputs).sum().backward()  # a process's first pass also allocates the math library's workspaces
+    model.zero_grad(set_to_none=True)
+    figures = memory_estimate.estimate(model, torch.optim.AdamW(model[0].parameters()), torch.device("cpu"), 0,
+                                       lambda: model(inputs).sum(), micro_batch=256)
+    assert figures.parameters == 2 * 1_001_000 * 4 and figures.gradients == 1_001_000 * 4
+    assert figures.optimizer == 2 * 1_001_000 * 4
+    # kept for backward: the ReLU's output, 256 x 1000 fp32 (the first Linear's output is not needed, nor
+    # the frozen second Linear's input); within the allocator's own bookkeeping
+    assert figures.activations == pytest.approx(256 * 1000 * 4, rel=0.05)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_run_that_will_not_fit_is_told_what_to_change() -> None:
+    figures = Figures(rank=1, device="cuda:1", parameters=2 * 2**30, gradients=2 * 2**30, optimizer=4 * 2**30,
+                      optimizer_name="AdamW", activations=30 * 2**30, micro_batch=16, available=20 * 2**30)
+    assert figures.line() == ("memory on rank 1 (cuda:1): parameters 2.00 GiB, gradients 2.00 GiB, optimizer state "
+                              "4.00 GiB, activations 30.00 GiB (measured, one micro-batch of 16); total 38.00 GiB of "
+                              "20.00 GiB available: WILL NOT FIT")
+    spec = compose_spec(["dataset.batch_size=16", "+accum=2"], Path("unused"))
+    assert memory_estimate.advice(figures, spec) == (
+        "to make it fit, try: dataset.batch_size=8 +accum=4 (the same global batch); "
+        "trainer.activation_checkpointing=selective or full; precision=bf16; "
+        "parallelism=fsdp (shards parameters, gradients and optimizer state)")
+
+
+class RecordingTracker(NullTracker):
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
+def test_measuring_before_training_changes_nothing_and_is_logged(tmp_path: Path) -> None:
+    """BatchNorm statistics and dropout draw from what the measuring micro-step touches. (The tags reach
+    MLflow through Tracker.set_tags, as the world_size tags do: test_parallel reads those back.)"""
+    common = ["model=cnn", "model.channels=[4,8]", "model.norm=true", "model.dropout=0.3",
+              "trainer.max_steps=3", "trainer.eval_every_epoch=false", "trainer.progress_bar=off"]
+    weights, tracker = {}, RecordingTracker()
+    for measured in (True, False):
+        spec = compose_spec([*common, f"trainer.memory_estimate={str(measured).lower()}"], tmp_path / str(measured))
+        engine = Engine(spec, tracker if measured else None)
+        engine.fit()
+        weights[measured] = engine.module.state_dict()
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[False])
+    params = sum(v.numel() * 4 for k, v in weights[True].items() if "running" not in k and "num_batches" not in k)
+    assert float(tracker.tags["memory.parameters_mib"]) == pytest.approx(params / 2**20, abs=1e-3)
+    assert float(tracker.tags["memory.optimizer_mib"]) == pytest.approx(2 * params / 2**20, abs=1e-3)  # adam: 2 moments
+    assert float(tracker.tags["memory.activations_mib"]) > 0 and "memory.available_mib" in tracker.tags

@@ -1,0 +1,105 @@
+"""Memory options under real processes (gloo on CPU): SyncBatchNorm, FSDP2's reshard_after_forward and CPU
+offload, activation checkpointing under fsdp. One process group runs several short trainings in turn."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from runner.engine.engine import Engine
+from runner.engine.parallel import DistEnv, full_state
+from runner.spec.run import RunSpec
+from tests.conftest import compose_spec
+from tests.runner.engine.test_parallel import free_port
+
+COMMON = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=200", "dataset.val_fraction=0.1",
+          "dataset.test_fraction=0.1", "trainer.max_steps=2", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
+          "trainer.memory_estimate=false"]
+MLP = [*COMMON, "model=mlp", "model.hidden=[32,32]", "optimizer=adamw"]
+CNN = [*COMMON, "model=cnn", "model.channels=[4,8]", "model.norm=true", "optimizer=sgd"]
+PER_RANK = 8
+
+
+def two_rank_runs(cases: dict[str, list[str]], where: Path) -> dict[str, dict]:
+    """Each case trained by 2 gloo ranks with dataset.batch_size=PER_RANK: its full model state dict."""
+    # composed here: the workers read spec YAML and need not start Hydra
+    specs = {name: compose_spec([*overrides, f"dataset.batch_size={PER_RANK}"], where / name).to_yaml()
+             for name, overrides in cases.items()}
+    port, ctx = free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, port, specs, str(where))) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    return {name: torch.load(where / f"{name}.pt") for name in cases}
+
+
+def _worker(rank: int, port: int, specs: dict[str, str], where: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo")
+    for name, spec in specs.items():
+        engine = Engine(RunSpec.from_yaml(spec), env=DistEnv(rank, 2, rank))
+        engine.fit()
+        model_state, _ = full_state(engine.module, engine.optimizer)
+        if rank == 0:
+            torch.save(model_state, Path(where) / f"{name}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def one_process(overrides: list[str], where: Path) -> dict:
+    engine = Engine(compose_spec([*overrides, f"dataset.batch_size={2 * PER_RANK}"], where))
+    engine.fit()
+    return engine.module.state_dict()
+
+
+def assert_equal(a: dict, b: dict, rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=rtol * a[key].abs().max().item(), msg=key)
+
+
+FAST = {
+    # sync_batchnorm with every fsdp memory option at once, and checkpointed BatchNorm blocks; in the slow
+    # test below: ddp's sync_batchnorm, and each fsdp option alone
+    "fsdp, sync_batchnorm, every memory option": [*CNN, "parallelism=fsdp", "parallelism.sync_batchnorm=true",
+                                                  "parallelism.reshard_after_forward=false", "parallelism.cpu_offload=true",
+                                                  "trainer.activation_checkpointing=full"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    where = tmp_path_factory.mktemp("two_ranks")
+    return {**two_rank_runs(FAST, where), "one process": one_process(CNN, where / "one")}
+
+
+def assert_statistics_of_one_process(two_ranks: dict, one: dict) -> None:
+    stats = [k for k in one if "running" in k]
+    assert len(stats) == 4
+    assert_equal({k: two_ranks[k] for k in stats}, {k: one[k] for k in stats}, rtol=1e-5)
+    assert_equal(two_ranks, one, rtol=1e-4)  # and so the same training
+
+
+def test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options(runs: dict) -> None:
+    assert_statistics_of_one_process(runs["fsdp, sync_batchnorm, every memory option"], runs["one process"])
+
+
+@pytest.mark.slow  # in CI: all of them at once in test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_...
+def test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone(tmp_path: Path) -> None:
+    fsdp = [*MLP, "parallelism=fsdp"]
+    options = ("parallelism.reshard_after_forward=false", "parallelism.cpu_offload=true",
+               "trainer.activation_checkpointing=full", "trainer.activation_checkpointing=selective")
+    cases = {"fsdp": fsdp, **{option: [*fsdp, option] for option in options},
+             "ddp": [*CNN, "parallelism=ddp"], "ddp, sync_batchnorm": [*CNN, "parallelism=ddp", "parallelism.sync_batchnorm=true"]}
+    results = two_rank_runs(cases, tmp_path)
+    for option in options:
+        assert_equal(results[option], results["fsdp"])
+    one = one_process(CNN, tmp_path / "cnn")
+    assert_statistics_of_one_process(results["ddp, sync_batchnorm"], one)
+    # without sync_batchnorm each rank normalises by its own half of the batch: rank 0's statistics differ
+    assert not all(torch.allclose(results["ddp"][k], one[k], rtol=1e-3) for k in one if "running" in k)

@@ -1,0 +1,55 @@
+"""runner/engine/preemption.py: the stop vote that makes every rank stop at the same step."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS, SIGNAL_AT = 400, 30
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    from runner.engine import preemption
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    collectives = 0
+    real_all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        nonlocal collectives
+        collectives += 1
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    vote, stop = preemption.StopVote(distributed=True, every_s=0.05), None
+    with preemption.handled(), preemption.at_step_boundaries():
+        for step in range(1, STEPS + 1):
+            time.sleep(0.001 * (1 + rank))  # ranks run at different speeds between boundaries
+            if rank == 1 and step == SIGNAL_AT:
+                os.kill(os.getpid(), signal.SIGTERM)  # noted, not raised: the loop stops where all agree
+            if vote.agreed():
+                stop = step
+                break
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"stop": stop, "collectives": collectives}))
+    dist.destroy_process_group()
+
+
+def test_ranks_vote_every_few_steps_yet_all_stop_at_one_step_soon_after_a_signal_to_one_of_them(tmp_path: Path) -> None:
+    """A signal to one rank stops both at the same step, within a vote interval (about every_s seconds of
+    steps) of its arrival; the ranks all-reduce at few of the steps, not at each one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children reuse the imported torch (spawning two fresh interpreters costs ~10 s of CPU)
+    mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["stop"] == ranks[1]["stop"] is not None
+    # the slower rank's 2 ms steps (plus the vote) make an interval of at most 25 steps
+    assert SIGNAL_AT <= ranks[0]["stop"] <= SIGNAL_AT + 26
+    assert ranks[0]["collectives"] == ranks[1]["collectives"] <= ranks[0]["stop"] // 5

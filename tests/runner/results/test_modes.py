@@ -1,0 +1,200 @@
+"""runner/results/modes.py, runner/results/predict.py, runner/results/source.py: `mode=eval|predict` on a trained run's checkpoint,
+named by its run directory, a checkpoint file or its MLflow run id. In-process (launch.run), tiny runs."""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from runner.engine import checkpoint
+
+from runner.spec import components
+from runner.cli.launch import run
+from runner.results.predict import generate
+from runner.results.source import resolve_source
+from runner.tracking.tracker import RUN_FILE
+from tests.conftest import compose_spec
+
+# three optimizer steps of an epoch of ~20: one validation, at the end, so the best weights are the last
+TRAIN = ["trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("modes")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    uri = f"sqlite:///{root}/mlflow.db"
+    run(compose_spec(TRAIN, root / "src", uri))
+    return root / "src", uri
+
+
+def logged(uri: str, run_id: str) -> dict[str, float]:
+    return MlflowClient(uri).get_run(run_id).data.metrics
+
+
+def test_the_source_is_the_same_by_run_dir_checkpoint_file_and_mlflow_run_id(trained: tuple, tmp_path: Path) -> None:
+    src, uri = trained
+    source_run = (src / RUN_FILE).read_text().strip()
+    last = checkpoint.verify(src)
+    found = [resolve_source(compose_spec(["mode=eval", f"trainer.resume={target}"], tmp_path / "eval", uri))
+             for target in (src, last, source_run)]
+    assert [f[0] for f in found] == [last] * 3
+    assert [f[2] for f in found] == [source_run] * 3
+    assert all(f[1] == yaml.safe_load((src / "spec.yaml").read_text()) for f in found)
+
+
+def test_eval_gives_the_source_runs_logged_metrics_in_a_new_tagged_run(trained: tuple, tmp_path: Path) -> None:
+    src, uri = trained
+    source_run = (src / RUN_FILE).read_text().strip()
+    result = run(compose_spec(["mode=eval", f"trainer.resume={source_run}"], tmp_path / "eval", uri))
+    source = logged(uri, source_run)
+    expected = {k: v for k, v in source.items() if k.startswith(("val/", "test/"))}
+    assert {"val/acc", "test/acc", "test/loss"} <= expected.keys()
+    assert result.final == expected  # exactly: the same weights through the same Engine.evaluate
+    new_run = (tmp_path / "eval" / RUN_FILE).read_text().strip()
+    assert new_run != source_run
+    got = MlflowClient(uri).get_run(new_run)
+    assert got.info.status == "FINISHED"
+    assert got.data.metrics == expected
+    assert got.data.tags["runner.evaluated_run"] == source_run
+    assert got.data.tags["runner.evaluated_checkpoint"] == str(checkpoint.verify(src))
+
+
+def test_eval_on_chosen_splits_of_other_data_given_on_the_command_line(trained: tuple, tmp_path: Path) -> None:
+    src, _ = trained
+    same = yaml.safe_load((src / "result.yaml").read_text())  # the source run's own test metrics
+    other = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]", "dataset.split_seed=1"],
+                             tmp_path / "other"))
+    assert sorted(other.final) == ["test/acc", "test/loss", "test/top5"]
+    assert other.final["test/loss"] != same["final"]["test/loss"]  # another test split: the typed key reached the data
+    assert yaml.safe_load((tmp_path / "other" / "spec.yaml").read_text())["dataset"]["split_seed"] == 1
+
+
+def test_predict_on_the_test_split_is_the_argmax_of_the_models_forward(trained: tuple, tmp_path: Path) -> None:
+    src, _ = trained
+    spec = compose_spec(["mode=predict", f"trainer.resume={src}"], tmp_path / "pred")
+    run(spec)
+    rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
+    # by hand: the model built from the spec, the checkpoint's weights, one forward over the whole split
+    data = components.build_data(spec)
+    model = components.build_model(components.resolved_spec(spec), data)
+    model.load_state_dict(checkpoint.load(checkpoint.verify(src))["model"])
+    model.eval()
+    x, y = zip(*[data.test[i] for i in range(len(data.test))])
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.stack(x)), dim=-1)
+    assert len(rows) == len(data.test)
+    assert [int(r["predicted"]) for r in rows] == probs.argmax(-1).tolist()
+    assert [int(r["label"]) for r in rows] == [int(v) for v in y]
+    assert [int(r["id"]) for r in rows] == list(range(len(rows)))
+    torch.testing.assert_close(torch.tensor([[float(r[f"p_{c}"]) for c in range(10)] for r in rows]), probs,
+                               atol=1e-6, rtol=0)
+
+
+GPT = ["task=language_modeling", "dataset=synthetic_tokens", "dataset.vocab_size=64", "dataset.block_size=16",
+       "dataset.size=64", "dataset.batch_size=8", "model=gpt", "model.size=tiny", "objective.metric=val/loss",
+       "objective.direction=minimize", "trainer.max_steps=1", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+
+
+def test_predict_for_a_language_model_at_temperature_0_is_the_greedy_continuation(tmp_path: Path) -> None:
+    run(compose_spec(GPT, tmp_path / "gpt"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n\n40 5\n")
+    spec = compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'gpt'}", f"predict.input={prompts}",
+                         "predict.format=jsonl", "predict.max_new_tokens=5", "predict.temperature=0"], tmp_path / "pred")
+    run(spec)
+    rows = [json.loads(line) for line in (tmp_path / "pred" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 2]  # line numbers; the blank line is no prompt
+    source = compose_spec(GPT, tmp_path / "gpt")
+    data = components.build_data(source)
+    model = components.build_model(components.resolved_spec(source), data)
+    model.load_state_dict(checkpoint.load(checkpoint.verify(tmp_path / "gpt"))["model"])
+    model.eval()
+    for row, prompt in zip(rows, ([1, 2, 3], [40, 5])):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(5):  # the greedy loop by hand
+                x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert row["tokens"] == x[0, len(prompt):].tolist()
+        assert row["generated"] == " ".join(map(str, row["tokens"]))
+    # sampled: the same seed, the same continuation; top_k=1 is greedy
+    g = torch.Generator().manual_seed(0)
+    assert generate(model, [1, 2, 3], 5, 1.0, 1, g) == rows[0]["tokens"]
+
+
+@pytest.mark.slow  # CI keeps predict's rows (test_predict_on_the_test_split...) and other data (test_eval_on_chosen_splits...)
+def test_a_folder_of_images_is_predicted_and_another_folder_evaluated(tmp_path: Path) -> None:
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+
+    def image(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(torch.randint(0, 256, (8, 8, 3), generator=gen, dtype=torch.uint8).numpy()).save(path)
+
+    for root in ("imgs", "imgs2"):
+        for split in ("train", "val"):
+            for c in ("cat", "dog"):
+                for i in range(4):
+                    image(tmp_path / root / split / c / f"{i}.png")
+    for i in range(3):
+        image(tmp_path / "new" / f"x{i}.png")
+    data = ["dataset=imagefolder", "dataset.batch_size=4"]
+    run(compose_spec([*data, f"dataset.root={tmp_path / 'imgs'}", *TRAIN[:1], "trainer.progress_bar=off"], tmp_path / "src"))
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", f"predict.input={tmp_path / 'new'}"],
+                     tmp_path / "pred"))
+    rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
+    assert [r["id"] for r in rows] == ["x0.png", "x1.png", "x2.png"]
+    assert all(abs(float(r["p_0"]) + float(r["p_1"]) - 1) < 1e-5 for r in rows)
+    own = run(compose_spec(["mode=eval", f"trainer.resume={tmp_path / 'src'}"], tmp_path / "own"))
+    other = run(compose_spec(["mode=eval", f"trainer.resume={tmp_path / 'src'}", "dataset=imagefolder",
+                              f"dataset.root={tmp_path / 'imgs2'}"], tmp_path / "other"))
+    assert sorted(other.final) == ["val/acc", "val/loss"] and other.final != own.final
+    assert yaml.safe_load((tmp_path / "other" / "spec.yaml").read_text())["dataset"]["batch_size"] == 4  # the source's
+
+
+def test_export_by_mlflow_run_id_writes_a_model_that_reloads_to_the_same_outputs(trained: tuple, tmp_path: Path) -> None:
+    """mode=export through the same dispatch and source resolver as eval (tests/runner/results/test_export.py tests
+    what the files hold and that they load without runner)."""
+    from runner.results.export import load_exported
+
+    src, uri = trained
+    source_run = (src / RUN_FILE).read_text().strip()
+    result = run(compose_spec(["mode=export", f"trainer.resume={source_run}"], tmp_path / "exp", uri))
+    assert result.steps == 0 and result.final == {}
+    out = tmp_path / "exp" / "export"
+    assert {"model.safetensors", "model.yaml"} <= {p.name for p in out.iterdir()}
+    new_run = (tmp_path / "exp" / RUN_FILE).read_text().strip()
+    got = MlflowClient(uri).get_run(new_run)
+    assert got.info.status == "FINISHED" and got.data.tags["runner.exported_from_run"] == source_run
+    state = checkpoint.load(checkpoint.verify(src))["model"]
+    model = load_exported(out).state_dict()
+    assert state.keys() == model.keys() and all(torch.equal(model[k], v) for k, v in state.items())
+
+
+def test_a_text_file_is_predicted_by_a_text_classifier_as_its_val_split_of_the_same_texts(tmp_path: Path) -> None:
+    words = ["good fine great", "bad awful poor", "great good", "poor bad", "fine", "awful"]
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("text,label\n" + "".join(f"{words[i % 6]} {i},{i % 6 % 2}\n" for i in range(24)))
+    texts = ["good great", "awful bad poor", "fine fine", "poor", "great"]
+    val.write_text("text,label\n" + "".join(f"{t},{i % 2}\n" for i, t in enumerate(texts)))
+    data = ["dataset=text_classification", f"dataset.train_file={train}", f"dataset.val_file={val}",
+            f"dataset.root={tmp_path}", "dataset.vocab_size=300", "dataset.batch_size=4", "dataset.test_fraction=0",
+            "model=distilbert", "model.config.n_layers=1", "model.config.dim=32", "model.config.n_heads=2",
+            "model.config.hidden_dim=64"]
+    run(compose_spec([*data, *TRAIN], tmp_path / "src"))
+    lines = tmp_path / "texts.txt"
+    lines.write_text("\n".join([texts[0], "", *texts[1:]]) + "\n")
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", f"predict.input={lines}"], tmp_path / "file"))
+    run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", "predict.split=val"], tmp_path / "split"))
+    from_file = list(csv.DictReader((tmp_path / "file" / "predictions.csv").open()))
+    from_split = list(csv.DictReader((tmp_path / "split" / "predictions.csv").open()))
+    assert [r["id"] for r in from_file] == ["0", "2", "3", "4", "5"]  # line numbers; the blank line is no text
+    for a, b in zip(from_file, from_split, strict=True):
+        assert {k: v for k, v in a.items() if k != "id"} == {k: v for k, v in b.items() if k not in ("id", "label")}

@@ -1,0 +1,141 @@
+"""The run record, `runner reproduce` and `runner compare`, in this process against real MLflow stores."""
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from runner.results import compare, reproduce
+
+from runner.tracking import run_record
+from runner.cli.launch import run
+from tests.conftest import REPO, compose_spec
+
+TINY = ["trainer.max_steps=3", "trainer.deterministic=true", "trainer.device=cpu", "trainer.progress_bar=off",
+        "trainer.memory_estimate=false"]
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_a_run_records_commit_diff_packages_hardware_and_reproduce_reruns_it_to_equal_metrics(
+        tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    work = tmp_path / "work"  # the user's project: a git repository with an uncommitted change
+    work.mkdir()
+    git(work, "init", "-q")
+    (work / "train_notes.py").write_text("lr = 0.1\n")
+    git(work, "add", ".")
+    git(work, "commit", "-qm", "first")
+    first = git(work, "rev-parse", "HEAD")
+    (work / "train_notes.py").write_text("lr = 0.2  # uncommitted\n")
+    monkeypatch.chdir(work)
+
+    run(compose_spec(TINY, tmp_path / "run", store))
+    client = MlflowClient(store)
+    (original,) = client.search_runs(["1"])
+    tags, run_id = original.data.tags, original.info.run_id
+    assert tags["git_commit"] == first and tags["git_dirty"] == "true"
+    assert tags["version.torch"] == metadata.version("torch") and tags["version.mlflow"] == metadata.version("mlflow")
+    assert tags["hardware.gpus"] == "none" or tags["hardware.cuda"] != "none"
+    assert tags["data.kind"].startswith("built-in")
+    assert tags["runner.source_commit"] == git(REPO, "rev-parse", "HEAD")  # runner's own checkout is another repo
+    diff = Path(client.download_artifacts(run_id, run_record.DIFF_FILE, str(tmp_path))).read_text()
+    assert "+lr = 0.2  # uncommitted" in diff and "-lr = 0.1" in diff
+    record = json.loads(Path(client.download_artifacts(run_id, run_record.RECORD_FILE, str(tmp_path))).read_text())
+    assert record["packages"]["numpy"] == metadata.version("numpy")
+    assert record["data"]["params"]["_target_"] == "runner.data.digits.build" and record["data"]["paths"] == {}
+
+    git(work, "commit", "-qam", "second")  # the code moved on: reproduce must say so before it reruns
+    second = git(work, "rev-parse", "HEAD")
+    capsys.readouterr()
+    client.log_metric(run_id, "test/acc", -1.0, step=10**6)  # the original's final test/acc, as if it had differed
+    assert reproduce.main([run_id, "--uri", store, "--run-dir", str(tmp_path / "again")]) == 1
+    out = capsys.readouterr().out
+    found = [line for line in out.splitlines() if line.startswith("  differs:")]
+    assert found[:2] == [f"  differs: git commit: {first} then, {second} now",
+                         f"  differs: uncommitted changes (sha256 of git diff HEAD): {record['git']['diff_sha256']} "
+                         f"then, None now"]
+    assert out.index("differs: git commit") < out.index("final metric")
+
+    (again,) = [r for r in client.search_runs(["1"]) if r.info.run_id != run_id]
+    assert again.data.tags[reproduce.TAG] == run_id
+    trained = {k: v for k, v in original.data.metrics.items() if not k.startswith(reproduce.TIMING_PREFIXES)}
+    assert {"objective", "val/loss", "test/acc", "train/loss"} <= set(trained)
+    assert {k: again.data.metrics[k] for k in trained} == trained  # deterministic on a CPU: exactly equal
+    assert f"{len(trained) - 1} of {len(trained)} final metrics equal" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("test/acc ")] == ["DIFFERS"]
+    assert out.rstrip().endswith("reproduce: 1 final metric(s) differ: test/acc")
+
+
+def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
+    table = tmp_path / "train.csv"
+    table.write_text("text,label\nhello,0\nworld,1\n")
+    folder = tmp_path / "images"
+    (folder / "cat").mkdir(parents=True)
+    (folder / "cat" / "a.png").write_bytes(b"x" * 10)
+    spec = compose_spec(["dataset=text_classification", f"dataset.train_file={table}", f"dataset.root={folder}"],
+                        tmp_path / "run")
+    then = run_record.build(spec)
+    assert then["data"]["paths"][f"train_file:{table}"]["bytes"] == table.stat().st_size
+    assert then["data"]["paths"][f"root:{folder}"]["files"] == 1
+    assert reproduce.differences(then, run_record.build(spec)) == []
+    outside = run_record.tags(run_record.build(spec, cwd=tmp_path))  # tmp_path is in no git repository
+    assert outside["git_commit"] == f"none (not a git repository: {tmp_path})" and outside["git_dirty"] == "false"
+
+    table.write_text("text,label\nhello,1\nworld,0\n")  # same size, other labels: only the checksum tells
+    (folder / "cat" / "b.png").write_bytes(b"y" * 5)
+    found = reproduce.differences(then, run_record.build(spec))
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in found] == [
+        f"data root:{folder}", f"data train_file:{table}"]
+    assert '"bytes": 15, "files": 2' in found[0] and '"bytes": 10, "files": 1' in found[0]
+
+
+def _fake_run(client: MlflowClient, experiment: str, name: str, lr: str, objective: float | None,
+              losses: list[float], parent: str | None = None, direction: str = "maximize") -> str:
+    """A finished run as runner logs it: its params, `objective` and a val/loss history."""
+    tags = {"mlflow.parentRunId": parent} if parent else {}
+    run_id = client.create_run(experiment, run_name=name, tags=tags).info.run_id
+    params = {"optimizer.lr": lr, "seed": "0", "objective.direction": direction, "run_dir": f"/tmp/{name}"}
+    metrics = [Metric("val/loss", v, 0, step) for step, v in enumerate(losses)]
+    if objective is not None:
+        metrics.append(Metric("objective", objective, 0, len(losses)))
+    client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()],
+                     tags=[RunTag("x", "y")])
+    client.set_terminated(run_id)
+    return run_id
+
+
+def test_compare_ranks_runs_by_objective_with_the_differing_params_and_plots_a_metric(
+        tmp_path: Path, store: str, capsys: pytest.CaptureFixture) -> None:
+    client = MlflowClient(store)
+    experiment = client.create_experiment("cmp")
+    parent = client.create_run(experiment, run_name="sweep").info.run_id
+    mid = _fake_run(client, experiment, "mid", "0.01", 0.8, [1.0, 0.7], parent)
+    best = _fake_run(client, experiment, "best", "0.1", 0.9, [1.0, 0.5, 0.3], parent)
+    failed = _fake_run(client, experiment, "failed", "1.0", None, [2.0], parent)
+    worst = _fake_run(client, experiment, "worst", "0.001", 0.5, [1.2, 1.1], parent)
+
+    for target in (["cmp"], [parent]):  # the experiment (its parent left out) or the parent: the same table
+        assert compare.main([*target, "--uri", store]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split() == ["#", "run", "run", "id", "status", "duration", "objective", "optimizer.lr"]
+        assert [line.split()[1] for line in lines[1:]] == ["best", "mid", "worst", "failed"]
+        assert [line.split()[2] for line in lines[1:]] == [r[:12] for r in (best, mid, worst, failed)]
+        assert lines[1].split()[-1] == "0.1" and lines[4].split()[-2:] == ["-", "1.0"]
+
+    lower = [_fake_run(client, experiment, n, lr, v, [v], direction="minimize")
+             for n, lr, v in (("b", "0.1", 0.7), ("a", "0.2", 0.2))]
+    chart = tmp_path / "chart.png"
+    # a run id, or its first 12 characters as the table shows them
+    assert compare.main([lower[0][:12], lower[1], "tracking.uri=" + store, "--plot", "val/loss", "--out", str(chart)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[1:3]] == ["a", "b"]  # minimize: the lower objective first
+    assert lines[3] == f"chart of val/loss: {chart}"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000

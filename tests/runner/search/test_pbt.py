@@ -1,0 +1,178 @@
+"""Population-based training (runner/search/pbt/): exploit copies the exact state, explore changes only the
+keys it may and the new lr takes effect at once, a killed population resumes with the same members.
+
+Populations of 2 digits MLPs, 6 optimizer steps in 2 rounds of 3, run in this process (the coordinator
+with n_jobs=1 runs each member's round in-process); the CLI's refusals are in test_bad_input.py.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from runner.engine import checkpoint
+from runner.search.pbt import explore
+from runner.search.pbt.mutable import is_mutable
+from runner.search.pbt.population import Population, Settings
+from runner.spec.run import SpecError
+from tests.conftest import compose_spec
+
+BASE = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.device=cpu", "trainer.eval_every_epoch=false",
+        "trainer.memory_estimate=false", "trainer.limit_val=0.3", "trainer.limit_test=0.1", "dataset.batch_size=32"]
+SPACE = {"optimizer.lr": "tag(log, interval(1e-3, 0.5))"}
+
+
+def population(tmp_path: Path, store: str, settings: Settings, extra: list[str] = (), **kw) -> Population:
+    base = compose_spec([*BASE, *extra], tmp_path / "base", store)
+    return Population(base, explore.parse_space(SPACE), settings, tmp_path / "sweep", **kw)
+
+
+def history(store: str, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in MlflowClient(store).get_metric_history(run_id, key)}
+
+
+def copier_and_source(state: dict) -> tuple[dict, dict]:
+    copier = next(m for m in state["members"] if m["lineage"])
+    return copier, state["members"][copier["lineage"][0]["from"]]
+
+
+def test_explore_changes_only_the_lr_and_it_takes_effect_at_that_step(tmp_path: Path, store: str) -> None:
+    """Explore doubles the copied lr (factor 2) under a cosine schedule: the copier's logged lr at steps 4-6
+    is twice its source's (the schedule's shape goes on), pbt/optimizer.lr is logged at step 3, and its
+    spec differs from its source's only in optimizer.lr."""
+    state = population(tmp_path, store, Settings(population=2, ready=3, quantile=0.5, perturb=(2.0,),
+                                                 resample_probability=0.0), ["scheduler=cosine"]).run()
+    copier, source = copier_and_source(state)
+    assert copier["hparams"]["optimizer.lr"] == pytest.approx(2 * source["hparams"]["optimizer.lr"])
+    own, theirs = history(store, copier["run_id"], "lr"), history(store, source["run_id"], "lr")
+    for step in (4, 5, 6):
+        assert own[step] == pytest.approx(2 * theirs[step], rel=1e-9)
+    assert theirs[4] != theirs[6]  # the schedule moves
+    assert history(store, copier["run_id"], "pbt/optimizer.lr")[3] == pytest.approx(copier["hparams"]["optimizer.lr"])
+    specs = [yaml.safe_load((Path(m["run_dir"]) / "spec.yaml").read_text()) for m in (copier, source)]
+    flat = [_flat(s) for s in specs]
+    differ = {k for k in flat[0] if flat[0][k] != flat[1].get(k)}
+    assert differ == {"optimizer.lr", "run_dir", "trainer.resume", "tracking.run_name"}
+
+
+def test_explore_stays_within_bounds_and_refuses_keys_that_cannot_change_mid_run() -> None:
+    space = explore.parse_space({"optimizer.lr": "tag(log, interval(1e-3, 0.1))", "model.dropout": "interval(0, 0.5)",
+                                 "optimizer.momentum": "choice(0.8, 0.9, 0.99)"})
+    rng = random.Random(0)
+    values = {"optimizer.lr": 0.09, "model.dropout": 0.45, "optimizer.momentum": 0.99}
+    for _ in range(50):
+        values = explore.perturb(values, space, rng, (0.8, 1.2), 0.25)
+        assert set(values) == set(space) and all(is_mutable(k) for k in values)
+        assert 1e-3 <= values["optimizer.lr"] <= 0.1 and 0 <= values["model.dropout"] <= 0.5
+        assert values["optimizer.momentum"] in (0.8, 0.9, 0.99)
+    history = [(r, explore.sample(space, rng), rng.random()) for r in range(4) for _ in range(4)]
+    proposal = explore.pb2_propose(space, history, 4, rng)
+    assert 1e-3 <= proposal["optimizer.lr"] <= 0.1 and proposal["optimizer.momentum"] in (0.8, 0.9, 0.99)
+    with pytest.raises(SpecError, match=r"^scheduler.warmup: interval\(0, 10\): population-based training changes only"):
+        explore.parse_space({"scheduler.warmup": "interval(0, 10)"})
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_killed_population_resumes_and_exploit_copies_the_exact_state(tmp_path: Path, store: str) -> None:
+    """The coordinator dies after round 1 (its state saved, the bottom member's copy made); run again on the
+    same sweep directory it trains round 2 only, with the same members and MLflow runs (no new one, each
+    step logged once). The copier explored nothing (factor 1): from the copy at step 3 on it continues
+    bitwise as its source: equal train/loss logged at steps 4-6 and equal final weights."""
+    settings = Settings(population=2, ready=3, quantile=0.5, perturb=(1.0,), resample_probability=0.0)
+
+    def crash(done: int) -> None:
+        raise Crash(done)
+
+    with pytest.raises(Crash):
+        population(tmp_path, store, settings, on_round=crash).run()
+    before = json.loads((tmp_path / "sweep" / "pbt_state.json").read_text())
+    assert before["round"] == 1
+    state = population(tmp_path, store, settings).run()
+    assert state["round"] == 2 and [m["run_id"] for m in state["members"]] == [m["run_id"] for m in before["members"]]
+    assert [m["hparams"] for m in state["members"]] == [m["hparams"] for m in before["members"]]
+    client = MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(r.info.run_id for r in runs) == sorted(m["run_id"] for m in state["members"])
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+    copier, source = copier_and_source(state)
+    assert copier["lineage"][0]["step"] == 3 and copier["run_id"] != source["run_id"]
+    own, theirs = history(store, copier["run_id"], "train/loss"), history(store, source["run_id"], "train/loss")
+    assert [m.step for m in client.get_metric_history(copier["run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [m.step for m in client.get_metric_history(source["run_id"], "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [own[s] for s in (1, 2, 3)] != [theirs[s] for s in (1, 2, 3)]  # they differed before the copy
+    assert [own[s] for s in (4, 5, 6)] == [theirs[s] for s in (4, 5, 6)]
+    mine, source_weights = (checkpoint.load(Path(m["run_dir"])) for m in (copier, source))
+    assert mine["progress"]["step"] == source_weights["progress"]["step"] == 6
+    assert all(torch.equal(mine["model"][k], source_weights["model"][k]) for k in source_weights["model"])
+    tags = client.get_run(copier["run_id"]).data.tags
+    assert tags["pbt.copied_member"] == str(source["id"]) and tags["pbt.copied_at_step"] == "3"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.slow  # ~40 s; test_a_killed_population_resumes_and_exploit_copies_the_exact_state keeps the resume in CI
+def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_again(tmp_path: Path) -> None:
+    """A real SIGKILL of the whole sweep (coordinator and member) during round 2 of 3; the same command on the
+    same sweep directory finishes rounds 2 and 3 with the same members and MLflow runs, each step's
+    train/loss logged once, and every run ends FINISHED."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import sqlite3
+
+    def in_round_2(db: Path) -> bool:  # a member has logged a step of round 2 (steps 11-20)
+        try:
+            with sqlite3.connect(db, timeout=1) as con:
+                (top,) = con.execute("select max(step) from metrics where key = 'train/loss'").fetchone()
+            return (top or 0) > 11
+        except sqlite3.Error:
+            return False
+
+    sweep, db = tmp_path / "sweep", tmp_path / "mlflow.db"
+    cmd = [sys.executable, "-m", "runner", "-m", "hparams_search=digits_pbt", "trainer.max_steps=30",
+           "hydra.sweeper.ready=10", "hydra.sweeper.population=2", "hydra.sweeper.quantile=0.5",
+           "trainer.log_every_n_steps=1", "trainer.progress_bar=off", "trainer.memory_estimate=false",
+           f"hydra.sweep.dir={sweep}", f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'art'}"]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    state_file, deadline = sweep / "pbt_state.json", time.time() + 300
+    try:
+        while time.time() < deadline and first.poll() is None and not in_round_2(db):
+            time.sleep(0.02)
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        os.killpg(first.pid, signal.SIGKILL)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    before = json.loads(state_file.read_text())
+    assert before["round"] == 1
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    state = json.loads(state_file.read_text())
+    assert state["round"] == 3 and [m["run_id"] for m in state["members"]] == [m["run_id"] for m in before["members"]]
+    client = MlflowClient(f"sqlite:///{db}")
+    for member in state["members"]:
+        steps = [m.step for m in client.get_metric_history(member["run_id"], "train/loss")]
+        assert steps == list(range(1, 31)), (member["id"], steps)
+        assert client.get_run(member["run_id"]).data.tags.get("mlflow.parentRunId")
+    members = {m["run_id"] for m in state["members"]}
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert {r.info.status for r in runs if r.info.run_id in members} == {"FINISHED"}
