@@ -29,7 +29,7 @@ def test_ratio_overhead_and_target_verdict() -> None:
 
 
 def test_a_tiny_bench_run_prints_its_table(capsys: pytest.CaptureFixture) -> None:
-    from runner import bench
+    from benchmarks import bench
 
     bench.main(["--steps", "3", "--warmup", "1", "--rounds", "1", "--only", "digits", "--nproc", "1", "--startup-runs", "0",
                 "tracking=none"])
@@ -42,7 +42,7 @@ def test_a_tiny_bench_run_prints_its_table(capsys: pytest.CaptureFixture) -> Non
 
 
 def test_the_gpu_bench_without_a_gpu_says_so_and_reports_tokens_per_second(capsys: pytest.CaptureFixture) -> None:
-    from runner import bench_gpu
+    from benchmarks import bench_gpu
 
     bench_gpu.main(["--only", "gpt", "--steps", "2", "--warmup", "1", "--gpt-batch", "2"])
     out = capsys.readouterr().out
