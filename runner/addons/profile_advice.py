@@ -137,7 +137,7 @@ def advise(fig: Figures, setup: Setup) -> list[str]:
 
     comm = fig.communication_share
     if setup.world > 1 and comm >= COMMUNICATION_SHARE:
-        if setup.parallelism == "fsdp":  # parameters are gathered for every micro-step, whatever the accumulation
+        if setup.parallelism in ("fsdp", "hsdp"):  # parameters are gathered for every micro-step, whatever the accumulation
             fix = (f"raise dataset.batch_size (now {setup.batch_size}) so each gather serves more samples, or use "
                    f"parallelism=ddp if the model and its optimizer state fit on one device")
         else:

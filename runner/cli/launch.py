@@ -22,7 +22,7 @@ from runner.cli import process_state, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
-from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
+from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.spec.run import ParallelismSpec, RunSpec, SpecError
 from runner.tracking.tracker import build_tracker, check_tracking, end_left_running
 from runner.search.trial import parent_run_id
@@ -178,7 +178,8 @@ def check_parallel(spec: RunSpec) -> None:
     if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    if par.name == "fsdp":
+    resolve_dims(par, nominal_world(par), f"nproc_per_node={par.nproc_per_node} x nnodes={par.nnodes}")
+    if par.dp_shard != 1:  # fsdp, hsdp
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)

@@ -56,10 +56,10 @@ class LimitedData:
         return splits[name] if name in splits else getattr(self.__dict__["_data"], name)
 
 
-def split_limits(spec: RunSpec, sizes: dict[str, int], world: int) -> dict[str, int]:
+def split_limits(spec: RunSpec, sizes: dict[str, int], dp_degree: int) -> dict[str, int]:
     """How many of each split's first samples the run uses."""
     t = spec.trainer
-    global_batch = spec.dataset.batch_size * world
+    global_batch = spec.dataset.batch_size * dp_degree
     limits = {}
     for split, fraction in (("train", t.limit_train), ("val", t.limit_val), ("test", t.limit_test)):
         size = sizes[split]
@@ -73,9 +73,9 @@ def split_limits(spec: RunSpec, sizes: dict[str, int], world: int) -> dict[str, 
     return limits
 
 
-def limit_data(spec: RunSpec, data: Any, world: int) -> Any:
+def limit_data(spec: RunSpec, data: Any, dp_degree: int) -> Any:
     sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
-    limits = split_limits(spec, sizes, world)
+    limits = split_limits(spec, sizes, dp_degree)
     if limits == sizes:
         return data
     return LimitedData(data, {split: head(getattr(data, split), limits[split]) for split in limits})

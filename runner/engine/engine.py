@@ -68,23 +68,24 @@ class Engine(EngineCheckpoints):
         self.tracker = tracker or NullTracker()
         self.env = env or DistEnv()
         self.device = pick_device(spec.trainer.device, self.env.local_rank)
-        sharded = spec.parallelism.name == "fsdp" and self.env.distributed
+        self.env = parallel.place(self.env, spec.parallelism, self.device)  # its parallel dimensions and device mesh
+        sharded = self.env.dims.dp_shard > 1
         self.precision = Precision(spec.precision, self.device, sharded)
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
         data = fit_checks.check_data(spec, components.build_data(spec))
-        data = debugging.limit_data(spec, data, self.env.world)  # trainer.limit_*, overfit_batches, max_eval_batches
+        data = debugging.limit_data(spec, data, self.env.dp_degree)  # trainer.limit_*, overfit_batches, max_eval_batches
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
-        if spec.dataset.batch_size * self.env.world > self.split_sizes["train"]:
-            raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.world} rank(s) is more than the "
+        if spec.dataset.batch_size * self.env.dp_degree > self.split_sizes["train"]:
+            raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.dp_degree} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
-                            f"{max(self.split_sizes['train'] // self.env.world, 1)}")
+                            f"{max(self.split_sizes['train'] // self.env.dp_degree, 1)}")
         self.task = tasks.build_task(spec.task, data.num_classes)
         metric_names.check_produced(spec, self.task, self.split_sizes)
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
-                           rank=self.env.rank, world=self.env.world, collate=data.collate)
+                           dp_rank=self.env.dp_rank, dp_degree=self.env.dp_degree, collate=data.collate)
         self.train_loader = make_loader(on_device(data.train, self.device), spec.dataset.batch_size, shuffle=True,
                                         **loader_args)
         self.eval_loaders = {split: make_loader(on_device(getattr(data, split), self.device), spec.dataset.batch_size,
@@ -107,7 +108,7 @@ class Engine(EngineCheckpoints):
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
-        self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
+        self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
         self.unfreezer = None
         if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
             # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
@@ -155,8 +156,9 @@ class Engine(EngineCheckpoints):
         started, stop = time.perf_counter(), Stop("finished before")
         try:  # from here on, whatever fails ends the MLflow run FAILED (or KILLED), never RUNNING
             batch = self.spec.dataset.batch_size
-            self.tracker.set_tags({"world_size": str(self.env.world), "per_rank_batch_size": str(batch),
-                                   "global_batch_size": str(batch * self.accum * self.env.world), **self.resumed_from})
+            self.tracker.set_tags({"world_size": str(self.env.world), "dp_degree": str(self.env.dp_degree),
+                                   "per_rank_batch_size": str(batch),
+                                   "global_batch_size": str(batch * self.accum * self.env.dp_degree), **self.resumed_from})
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
@@ -198,7 +200,7 @@ class Engine(EngineCheckpoints):
         """Trains to the run's last step, or until an evaluation says stop; returns why it stopped."""
         trainer, p = self.spec.trainer, self.progress
         stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
-        global_micro_batch = self.spec.dataset.batch_size * self.env.world
+        global_micro_batch = self.spec.dataset.batch_size * self.env.dp_degree
         self.model.train()
         self.monitor.window.start()
         while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
@@ -256,13 +258,14 @@ class Engine(EngineCheckpoints):
         step_batches = [batches.split_batch(b) for b in micro_batches]
         # samples, or tokens that are not padding; a stand-in for an empty share counts 0
         counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
-        # The mean over every unit of the step on all ranks: DDP/FSDP average gradients over ranks,
-        # so each rank's sum is scaled by world / (units on all ranks), whatever each rank holds.
+        # The mean over every unit of the step on all replicas: DDP/FSDP average gradients over the
+        # data-parallel replicas, so each one's sum is scaled by dp degree / (units on all replicas),
+        # whatever each holds.
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
         losses, phase = [], self.profiler.phase  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
             total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
-            scale = self.env.world / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+            scale = self.env.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:

@@ -3,12 +3,13 @@ repeating any, and that can start mid-epoch.
 
 torch's DistributedSampler pads a shard by repeating samples so that every rank sees as many, which
 makes N ranks differ from one process whenever the dataset size does not divide by N, and it cannot
-start at a position. Here each epoch's order is cut into global micro-batches of batch x world
-samples, and each global micro-batch is dealt across the ranks in turn: every rank gets the same
-number of micro-batches (so collectives stay in step), a rank may get one sample fewer, or none, in
-the epoch's last micro-batch (it then gets an EmptyShare, which counts nothing), and no sample is
-seen twice. The step's loss is normalised by the sample count reduced across ranks
-(runner/engine/engine.py), so N ranks at batch B equal one process at batch N*B for any dataset size.
+start at a position. Here each epoch's order is cut into global micro-batches of batch x dp degree
+samples, and each global micro-batch is dealt across the data-parallel replicas in turn: every replica
+gets the same number of micro-batches (so collectives stay in step), a replica may get one sample fewer,
+or none, in the epoch's last micro-batch (it then gets an EmptyShare, which counts nothing), and no
+sample is seen twice. The step's loss is normalised by the sample count reduced across replicas
+(runner/engine/engine.py), so N replicas at batch B equal one process at batch N*B for any dataset size.
+Ranks of one replica (model parallelism) share its dp rank, and so its samples.
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset, defaul
 
 
 class EpochBatches(Sampler[list[int]]):
-    """One rank's micro-batches (lists of indices) of one epoch."""
+    """One data-parallel replica's micro-batches (lists of indices) of one epoch."""
 
-    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1,
+    def __init__(self, size: int, batch_size: int, seed: int, shuffle: bool, dp_rank: int = 0, dp_degree: int = 1,
                  keyed: bool = False):
         self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
-        self.rank, self.world = rank, world
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         # a dataset whose items are random (augmentation) gets (index, seed) keys: an item's randomness then
         # depends on (run seed, epoch, index) alone, not on which worker reads it or whether the run resumed
         self.keyed = keyed
@@ -34,10 +35,10 @@ class EpochBatches(Sampler[list[int]]):
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.world
+        return self.batch_size * self.dp_degree
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Order of `epoch`, skipping the first `start` samples of it (all ranks together)."""
+        """Order of `epoch`, skipping the first `start` samples of it (all replicas together)."""
         self.epoch, self.start = epoch, start
 
     def _order(self) -> list[int]:
@@ -49,7 +50,7 @@ class EpochBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
         for begin in range(self.start, self.size, self.global_batch):
-            part = order[begin:begin + self.global_batch][self.rank::self.world]
+            part = order[begin:begin + self.global_batch][self.dp_rank::self.dp_degree]
             yield [(i, self._sample_seed(i)) for i in part] if self.keyed else part
 
     def _sample_seed(self, index: int) -> int:
@@ -136,10 +137,10 @@ def fits(dataset: TensorDataset, device: torch.device, budget: float) -> bool:
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool, num_workers: int,
-                pin_memory: bool, rank: int = 0, world: int = 1, collate: Callable | None = None) -> DataLoader:
+                pin_memory: bool, dp_rank: int = 0, dp_degree: int = 1, collate: Callable | None = None) -> DataLoader:
     if isinstance(dataset, TensorDataset) and dataset.tensors and dataset.tensors[0].is_cuda:
         num_workers, pin_memory = 0, False  # already on the device: gathered in this process
-    batches = EpochBatches(len(dataset), batch_size, seed, shuffle, rank, world,
+    batches = EpochBatches(len(dataset), batch_size, seed, shuffle, dp_rank, dp_degree,
                            keyed=bool(getattr(dataset, "takes_sample_seeds", False)))
     if isinstance(dataset, TensorDataset) and collate is None:
         dataset = BatchedTensors(dataset)

@@ -83,7 +83,7 @@ def advice(figures: Figures, spec) -> str:
                                                                 "selective" else "selective or full"))
     if spec.precision.name in ("fp32", "tf32"):
         tips.append("precision=bf16")
-    if spec.parallelism.name != "fsdp":
+    if spec.parallelism.dp_shard == 1:  # nothing sharded yet (fsdp and hsdp shard)
         tips.append("parallelism=fsdp (shards parameters, gradients and optimizer state)")
     elif not spec.parallelism.cpu_offload:
         tips.append("parallelism.cpu_offload=true")

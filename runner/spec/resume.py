@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from runner.engine import checkpoint
+from runner.engine.parallel import nominal_world, resolve_dims
 from runner.spec.fields import set_dotted
 from runner.spec.run import COMPONENT_GROUPS, RunSpec, SpecError
 
@@ -111,14 +112,13 @@ def _saved_spec(target: Path) -> RunSpec:
     return RunSpec.from_yaml(text)
 
 
-def _world(spec: RunSpec) -> int:
-    par = spec.parallelism
-    return 1 if par.name == "single" else par.nproc_per_node * par.nnodes
+def _dp_degree(spec: RunSpec) -> int:
+    return resolve_dims(spec.parallelism, nominal_world(spec.parallelism)).dp
 
 
 def _check_global_batch(saved: RunSpec, resumed: RunSpec) -> None:
     def global_batch(s: RunSpec) -> int:
-        return s.dataset.batch_size * s.accumulation.steps * _world(s)
+        return s.dataset.batch_size * s.accumulation.steps * _dp_degree(s)
 
     if global_batch(saved) != global_batch(resumed):
         raise SpecError(f"parallelism: the resumed run was trained with a global batch of {global_batch(saved)} "

@@ -102,7 +102,15 @@ class PrecisionSpec:
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process, DDP replicas, or FSDP2 shards")
+    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process, DDP replicas, FSDP2 "
+                              "shards, or HSDP (shards replicated)")
+    # the parallel dimensions (runner/engine/parallel/mesh.py): their product is the number of processes
+    dp_replicate: int = opt(-1, "data-parallel replicas (DDP; with dp_shard > 1, HSDP's replicate dimension); "
+                               "-1: the processes the other degrees leave", ge=-1)
+    dp_shard: int = opt(1, "data-parallel shards (FSDP2 fully_shard); -1: the processes the other degrees leave", ge=-1)
+    tp: int = opt(1, "tensor-parallel degree (not available yet: 1)", ge=-1)
+    pp: int = opt(1, "pipeline-parallel degree (not available yet: 1)", ge=-1)
+    cp: int = opt(1, "context-parallel degree (not available yet: 1)", ge=-1)
     nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
     nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
     node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
@@ -114,6 +122,29 @@ class ParallelismSpec:
                                             "them until the backward, more memory, one all-gather less per step)")
     cpu_offload: bool = opt(False, "fsdp: keep parameters, gradients and optimizer state on the CPU (the optimizer "
                                    "steps there); for a model that does not fit on the devices otherwise")
+
+
+# the parallel dimensions, outermost first (torchtitan's order: consecutive ranks differ in tp, so a
+# tensor-parallel group stays within a node); runner/engine/parallel/mesh.py lays the ranks out by it
+PARALLEL_DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+NOT_AVAILABLE_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context"}  # the next issue builds them
+
+
+def check_degrees(par: ParallelismSpec) -> None:
+    """What can be said of the degrees before the number of processes is known."""
+    for name in PARALLEL_DIMENSIONS:
+        degree = getattr(par, name)
+        if degree == 0 or degree < -1:
+            raise SpecError(f"parallelism.{name}: {degree} is not a degree; allowed: a positive number of processes, "
+                            "or -1 for the processes the other degrees leave")
+    rest = [name for name in PARALLEL_DIMENSIONS if getattr(par, name) == -1]
+    if len(rest) > 1:
+        raise SpecError(f"parallelism.{rest[1]}: -1, but parallelism.{rest[0]} is -1 already; at most one degree "
+                        "takes the processes left")
+    for name, kind in NOT_AVAILABLE_YET.items():
+        if getattr(par, name) != 1:
+            raise SpecError(f"parallelism.{name}: {getattr(par, name)}; tensor/pipeline/context parallelism is not "
+                            f"available yet ({kind} parallelism: keep {name}=1)")
 
 
 @dataclass(frozen=True)
@@ -306,9 +337,10 @@ class RunSpec:
         if par.sync_batchnorm and par.name == "single":
             raise SpecError("parallelism.sync_batchnorm: true needs several processes but parallelism=single runs one "
                             "(its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp")
+        check_degrees(par)
         fsdp_only = [(k, v) for k, v, default in (("reshard_after_forward", par.reshard_after_forward, True),
                                                   ("cpu_offload", par.cpu_offload, False)) if v != default]
-        if fsdp_only and par.name != "fsdp":
+        if fsdp_only and par.dp_shard == 1:  # options of a sharded wrap: fsdp, hsdp
             key, value = fsdp_only[0]
             raise SpecError(f"parallelism.{key}: {str(value).lower()} is an fsdp option, but parallelism={par.name}; "
                             "use parallelism=fsdp or drop it")

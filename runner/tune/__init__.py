@@ -79,8 +79,8 @@ def find(engine: Engine, tune: TuneSpec) -> Finding:
         return Finding(_off(applied), lines, _tags(tune, f"optimizer.lr={found.lr:g}", f"optimizer.lr={spec.optimizer.lr:g}"),
                        points, {"tune/suggested_lr": found.lr}, plot)
     search = batch_size.find_batch_size(engine, tune)
-    applied, answer = batch_size.answer(spec, search, tune, engine.env.world)
-    lines = batch_size.describe(search, tune, engine.device, engine.env.world) + answer
+    applied, answer = batch_size.answer(spec, search, tune, engine.env.dp_degree)
+    lines = batch_size.describe(search, tune, engine.device, engine.env.dp_degree) + answer
     suggestion = answer[-1].split("suggested: ", 1)[1].split("   ")[0]
     points = [{"tune/batch_size": b, "tune/samples_per_s": search.throughput[b]} for b in sorted(search.throughput)]
     metrics = {"tune/suggested_batch_size": applied.dataset.batch_size,

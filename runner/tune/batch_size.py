@@ -95,7 +95,7 @@ def keep_global(batch: int, spec: RunSpec) -> tuple[int, int]:
     return micro, per_rank // micro
 
 
-def answer(spec: RunSpec, found: BatchSearch, tune: TuneSpec, world: int) -> tuple[RunSpec, list[str]]:
+def answer(spec: RunSpec, found: BatchSearch, tune: TuneSpec, dp_degree: int) -> tuple[RunSpec, list[str]]:
     """The spec to train with and the report's lines."""
     chosen = knee(found.throughput, tune.knee_tolerance) if tune.pick == "knee" else found.largest_fit
     dataset, accumulation = spec.dataset, spec.accumulation
@@ -103,12 +103,12 @@ def answer(spec: RunSpec, found: BatchSearch, tune: TuneSpec, world: int) -> tup
     lines = []
     if tune.keep_global_batch:
         batch, accum = keep_global(chosen, spec)
-        lines.append(f"  keeping the global batch of {dataset.batch_size * accumulation.steps * world} "
-                     f"(batch x accumulation x ranks): micro-batch {batch} x {accum} accumulation step(s) x {world}"
+        lines.append(f"  keeping the global batch of {dataset.batch_size * accumulation.steps * dp_degree} "
+                     f"(batch x accumulation x ranks): micro-batch {batch} x {accum} accumulation step(s) x {dp_degree}"
                      + (f" ({chosen} does not divide it)" if batch != chosen else ""))
-    elif batch * accum * world != dataset.batch_size * accumulation.steps * world:
-        lines.append(f"  note: the global batch changes from {dataset.batch_size * accumulation.steps * world} to "
-                     f"{batch * accum * world}, and with it the optimisation (retune the lr with tune=lr_find, or keep "
+    elif batch * accum * dp_degree != dataset.batch_size * accumulation.steps * dp_degree:
+        lines.append(f"  note: the global batch changes from {dataset.batch_size * accumulation.steps * dp_degree} to "
+                     f"{batch * accum * dp_degree}, and with it the optimisation (retune the lr with tune=lr_find, or keep "
                      f"it with tune.keep_global_batch=true)")
     override = f"dataset.batch_size={batch}" + (f" accumulation.steps={accum}" if accum != accumulation.steps else "")
     lines.append(f"  suggested: {override}   (now dataset.batch_size={dataset.batch_size}"
@@ -117,10 +117,10 @@ def answer(spec: RunSpec, found: BatchSearch, tune: TuneSpec, world: int) -> tup
     return applied, lines
 
 
-def describe(found: BatchSearch, tune: TuneSpec, device: torch.device, world: int) -> list[str]:
+def describe(found: BatchSearch, tune: TuneSpec, device: torch.device, dp_degree: int) -> list[str]:
     rates = "  ".join(f"{b}: {found.throughput[b]:,.0f}" for b in sorted(found.throughput))
     best = max(found.throughput, key=found.throughput.get)
-    lines = [f"batch_size: samples/s by micro-batch per rank ({world} rank(s), {device.type}): {rates}",
+    lines = [f"batch_size: samples/s by micro-batch per rank ({dp_degree} rank(s), {device.type}): {rates}",
              f"  search: {found.stopped}"]
     if found.too_big:
         lines.append(f"  largest micro-batch that fits: {found.largest_fit} ({min(found.too_big)} ran out of memory)")
@@ -136,8 +136,8 @@ def describe(found: BatchSearch, tune: TuneSpec, device: torch.device, world: in
 def find_batch_size(engine, tune: TuneSpec, until_oom: bool | None = None) -> BatchSearch:
     """Searches the micro-batch on the engine's own steps; its state is put back after each candidate."""
     until_oom = engine.device.type == "cuda" if until_oom is None else until_oom
-    world, sampler = engine.env.world, engine.train_loader.batch_sampler
-    cap = min(tune.max_batch_size, engine.split_sizes["train"] // world)
+    dp_degree, sampler = engine.env.dp_degree, engine.train_loader.batch_sampler
+    cap = min(tune.max_batch_size, engine.split_sizes["train"] // dp_degree)
     with probing(engine) as saved:
         engine.model.train()
 

@@ -101,7 +101,7 @@ def test_limit_takes_the_same_samples_on_every_rank_before_sharding(tmp_path: Pa
 
     data = list(range(100))
     limited = head(data, 10)
-    ranks = [EpochBatches(len(limited), 3, seed=0, shuffle=True, rank=r, world=2) for r in range(2)]
+    ranks = [EpochBatches(len(limited), 3, seed=0, shuffle=True, dp_rank=r, dp_degree=2) for r in range(2)]
     seen = sorted(i for r in ranks for batch in r for i in batch)
     assert seen == list(range(10)) and [limited[i] for i in seen] == data[:10]
 

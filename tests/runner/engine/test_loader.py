@@ -8,7 +8,7 @@ from runner.engine.loader import EpochBatches
 
 @pytest.mark.parametrize("size, batch, world", [(101, 10, 2), (17, 16, 2), (1, 4, 3), (50, 7, 4), (64, 8, 2), (9, 3, 1)])
 def test_every_sample_once_and_every_rank_as_many_micro_batches(size: int, batch: int, world: int) -> None:
-    ranks = [EpochBatches(size, batch, seed=3, shuffle=True, rank=r, world=world) for r in range(world)]
+    ranks = [EpochBatches(size, batch, seed=3, shuffle=True, dp_rank=r, dp_degree=world) for r in range(world)]
     per_rank = [list(r) for r in ranks]
     assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == ranks[0].batches_per_epoch() == len(ranks[0])
     seen = [i for batches in per_rank for b in batches for i in b]

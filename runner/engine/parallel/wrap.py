@@ -1,0 +1,121 @@
+"""The model's wrap, chosen by the parallel dimensions that split anything: a table of parallelize
+functions, not a branch per strategy name. dp_replicate alone replicates (DDP); dp_shard shards (FSDP2
+fully_shard per block, then the root); both shard on the 2-D mesh (HSDP: sharded within a dp_shard
+group, replicated across the dp_replicate groups). A model-parallel dimension adds its plan here, applied
+before the data-parallel wrap, and nothing outside this package changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+from runner.engine.parallel.mesh import DATA_PARALLEL, DistEnv
+from runner.spec.run import ParallelismSpec, SpecError
+
+
+@dataclass(frozen=True)
+class Wrapping:
+    """What a parallelize function needs besides the module."""
+
+    spec: ParallelismSpec
+    env: DistEnv
+    device: torch.device
+    param_dtype: torch.dtype | None
+    find_unused: bool
+
+
+def replicate(module: nn.Module, how: Wrapping) -> nn.Module:
+    """DDP: a full replica per rank, gradients all-reduced over dp_replicate."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [how.device.index] if how.device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, find_unused_parameters=how.find_unused,
+                                   process_group=how.env.mesh["dp_replicate"].get_group())
+
+
+def shard(module: nn.Module, how: Wrapping) -> nn.Module:
+    """FSDP2 on the data-parallel sub-mesh: 1-D (dp_shard) shards; 2-D (dp_replicate, dp_shard) is HSDP."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    spec, param_dtype = how.spec, how.param_dtype
+    mesh = how.env.mesh[tuple(n for n in DATA_PARALLEL if getattr(how.env.dims, n) > 1)]
+    # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    # pinned host memory speeds the copies to a GPU; without one there is nothing to pin for
+    offload = CPUOffloadPolicy(pin_memory=how.device.type == "cuda") if spec.cpu_offload else OffloadPolicy()
+    fully_shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=spec.reshard_after_forward,
+                                    offload_policy=offload)
+    blocks = shard_blocks(module)
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if param_dtype else []
+    for norm in norms:
+        # BatchNorm's running statistics are fp32 buffers that F.batch_norm will not mix with bf16/fp16
+        # weights: norm layers keep fp32 parameters (inputs are cast up; autocast casts down after)
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+    for block in blocks:
+        if not any(block is norm for norm in norms):
+            fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+# the data-parallel dimensions of degree > 1 -> how the model is wrapped for them
+DATA_PARALLEL_WRAPS: dict[tuple[str, ...], Callable[[nn.Module, Wrapping], nn.Module]] = {
+    ("dp_replicate",): replicate,           # ddp
+    ("dp_shard",): shard,                   # fsdp
+    ("dp_replicate", "dp_shard"): shard,    # hsdp
+}
+
+
+def data_parallel_dims(env: DistEnv) -> tuple[str, ...]:
+    return tuple(n for n in DATA_PARALLEL if getattr(env.dims, n) > 1)
+
+
+def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.device,
+         param_dtype: torch.dtype | None, find_unused: bool = False) -> nn.Module:
+    """The module wrapped for the dimensions of `env` (placed: see mesh.place); itself in one process."""
+    dims = data_parallel_dims(env)
+    if not dims or env.mesh is None:
+        return module
+    if spec.sync_batchnorm:  # before the wrap, so that DDP/FSDP register the synchronised layers
+        from runner.engine import sync_batchnorm
+
+        sync_batchnorm.convert(module, device)
+    return DATA_PARALLEL_WRAPS[dims](module, Wrapping(spec, env, device, param_dtype, find_unused))
+
+
+def parameter_device(spec: ParallelismSpec, env: DistEnv, device: torch.device) -> torch.device:
+    """Where the parameters live once wrapped (and so where the optimizer steps): the CPU under a shard's cpu_offload."""
+    return torch.device("cpu") if spec.cpu_offload and "dp_shard" in data_parallel_dims(env) else device
+
+
+def shard_blocks(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards one by one: the children of every Sequential/ModuleList that hold
+    parameters (an MLP's Linear layers, a ResNet's BasicBlocks), outermost first, none nested.
+    A model without any cannot be sharded block by block: a SpecError says so."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for parent in module.modules():
+        if id(parent) in inside or not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+            continue
+        for child in parent.children():
+            if any(True for _ in child.parameters()) and not isinstance(child, (nn.Sequential, nn.ModuleList)):
+                blocks.append(child)
+                inside.update(id(m) for m in child.modules())
+    if not blocks:
+        raise SpecError(f"parallelism: fsdp found no blocks to shard in {type(module).__name__} (no child module with "
+                        "parameters in a Sequential or ModuleList); use parallelism=ddp")
+    return blocks
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> ContextManager:
+    """Under accumulation only the last micro-step all-reduces (DDP no_sync; FSDP2 requires-sync flag)."""
+    if hasattr(model, "no_sync"):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
