@@ -137,14 +137,14 @@ def check_degrees(par: ParallelismSpec) -> None:
         if degree == 0 or degree < -1:
             raise SpecError(f"parallelism.{name}: {degree} is not a degree; allowed: a positive number of processes, "
                             "or -1 for the processes the other degrees leave")
-    rest = [name for name in PARALLEL_DIMENSIONS if getattr(par, name) == -1]
-    if len(rest) > 1:
-        raise SpecError(f"parallelism.{rest[1]}: -1, but parallelism.{rest[0]} is -1 already; at most one degree "
-                        "takes the processes left")
     for name, kind in NOT_AVAILABLE_YET.items():
         if getattr(par, name) != 1:
             raise SpecError(f"parallelism.{name}: {getattr(par, name)}; tensor/pipeline/context parallelism is not "
                             f"available yet ({kind} parallelism: keep {name}=1)")
+    rest = [name for name in PARALLEL_DIMENSIONS if getattr(par, name) == -1]
+    if len(rest) > 1:
+        raise SpecError(f"parallelism.{rest[1]}: -1, but parallelism.{rest[0]} is -1 already; at most one degree "
+                        "takes the processes left")
 
 
 @dataclass(frozen=True)
