@@ -1,5 +1,5 @@
 """Activation checkpointing (`trainer.activation_checkpointing`) on the model's repeated blocks: the
-children of its Sequentials/ModuleLists that FSDP shards one by one (runner/engine/parallel.py's shard_blocks),
+children of its Sequentials/ModuleLists that FSDP shards one by one (runner/engine/parallel/wrap.py's shard_blocks),
 so a user's model marks its blocks the same way for both.
 
 - none: every activation is kept for the backward pass.

@@ -330,6 +330,7 @@ class RunSpec:
         if self.trainer.clip_grad_norm is not None and self.trainer.clip_grad_value is not None:
             raise SpecError("trainer.clip_grad_value: set either clip_grad_norm or clip_grad_value, not both")
         par = self.parallelism
+        check_degrees(par)
         if par.name == "single" and (par.nnodes > 1 or par.nproc_per_node > 1):
             key, value = ("nnodes", par.nnodes) if par.nnodes > 1 else ("nproc_per_node", par.nproc_per_node)
             raise SpecError(f"parallelism.{key}: {value} needs several processes but parallelism=single runs one; "
@@ -337,7 +338,10 @@ class RunSpec:
         if par.sync_batchnorm and par.name == "single":
             raise SpecError("parallelism.sync_batchnorm: true needs several processes but parallelism=single runs one "
                             "(its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp")
-        check_degrees(par)
+        split = [(k, getattr(par, k)) for k in PARALLEL_DIMENSIONS if getattr(par, k) > 1]
+        if par.name == "single" and split:
+            raise SpecError(f"parallelism.{split[0][0]}: {split[0][1]} needs several processes but parallelism=single "
+                            "runs one; add parallelism=ddp, fsdp or hsdp")
         fsdp_only = [(k, v) for k, v, default in (("reshard_after_forward", par.reshard_after_forward, True),
                                                   ("cpu_offload", par.cpu_offload, False)) if v != default]
         if fsdp_only and par.dp_shard == 1:  # options of a sharded wrap: fsdp, hsdp

@@ -126,7 +126,7 @@ class DistEnv:
 def place(env: DistEnv, par: ParallelismSpec, device: torch.device) -> DistEnv:
     """`env` with the run's parallel dimensions resolved against its processes and, when distributed,
     the device mesh of the enabled ones. Placing an already placed env again returns it."""
-    dims = resolve_dims(par, env.world, "processes started")
+    dims = resolve_dims(par, env.world, "its process group")
     needs_mesh = dist.is_initialized() and bool(dims.enabled())
     if env.dims == dims and (env.mesh is not None or not needs_mesh):
         return env

@@ -137,3 +137,11 @@ def test_hsdp_on_four_processes_trains_and_logs_like_one_process(tmp_path: Path)
     with sqlite3.connect(tmp_path / "four.db") as con:
         tags = dict(con.execute("select key, value from tags"))
     assert (tags["world_size"], tags["dp_degree"], tags["global_batch_size"]) == ("4", "4", "32")
+
+
+def test_a_degree_above_one_under_single_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as e:
+        compose_spec(["parallelism.dp_shard=2"], tmp_path / "run")
+    assert str(e.value) == ("parallelism.dp_shard: 2 needs several processes but parallelism=single runs one; "
+                            "add parallelism=ddp, fsdp or hsdp")
+    assert not (tmp_path / "run").exists()
