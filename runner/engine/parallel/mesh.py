@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from runner.engine.parallel.collectives import use_data_parallel_group
-from runner.spec.run import PARALLEL_DIMENSIONS, ParallelismSpec, SpecError, check_degrees
+from runner.spec.run import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, SpecError, check_degrees
 
-DIMENSIONS = PARALLEL_DIMENSIONS
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
 
@@ -64,9 +63,6 @@ class ParallelDims:
         """Which data-parallel replica a rank belongs to: the share of each global batch it reads."""
         at = self.coordinates(rank)
         return at["dp_replicate"] * self.dp_shard + at["dp_shard"]
-
-    def describe(self) -> str:
-        return " x ".join(f"{name}={degree}" for name, degree in self.degrees().items() if degree > 1) or "one process"
 
 
 def resolve_dims(par: ParallelismSpec, world: int, source: str = "") -> ParallelDims:

@@ -43,7 +43,7 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     spec, param_dtype = how.spec, how.param_dtype
-    mesh = how.env.mesh[tuple(n for n in DATA_PARALLEL if getattr(how.env.dims, n) > 1)]
+    mesh = how.env.mesh[data_parallel_dims(how.env)]
     # gradients are reduced in fp32 whatever the compute dtype, as the correctness rules ask
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     # pinned host memory speeds the copies to a GPU; without one there is nothing to pin for
