@@ -116,6 +116,7 @@ def test_the_model_is_wrapped_by_its_dimensions_not_by_the_presets_name(tmp_path
     assert [(g[0], g[4], g[5]) for g in sharded] == [(0, 2, 0), (1, 2, 1)]
 
 
+@pytest.mark.slow  # four gloo processes: about 2 minutes on two cores
 def test_hsdp_on_four_processes_trains_and_logs_like_one_process(tmp_path: Path) -> None:
     """2 replicas x 2 shards (FSDP2 on a 2-D mesh), 4 gloo processes at a micro-batch of 8: the weights and
     every logged train/loss of one process at 32."""
