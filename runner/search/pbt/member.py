@@ -30,6 +30,7 @@ def run_job(job_file: Path) -> dict[str, Any]:
 
     from runner.engine.engine import Engine
     from runner.engine.parallel import DistEnv
+    from runner.search.pbt.population import mlflow_key
     from runner.tracking.tracker import build_tracker
 
     job = json.loads(Path(job_file).read_text())
@@ -45,7 +46,7 @@ def run_job(job_file: Path) -> dict[str, Any]:
         if client is not None and engine.tracker.run_id:
             now = int(time.time() * 1000)
             # the values in force from the step after `start` on, logged at the step they changed
-            metrics = [Metric(f"pbt/{k}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
+            metrics = [Metric(f"pbt/{mlflow_key(k)}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
             client.log_batch(engine.tracker.run_id, metrics=metrics,
                              tags=[_tag(k, v) for k, v in job.get("tags", {}).items()])
     history = engine.monitor.history.get(spec.objective.metric, [])

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -222,6 +223,12 @@ def ranked(members: list[dict[str, Any]], maximize: bool) -> list[dict[str, Any]
         value = m["objectives"][-1][1]
         return -math.inf if math.isnan(value) else (value if maximize else -value)
     return sorted(members, key=key, reverse=True)
+
+
+def mlflow_key(key: str) -> str:
+    """A space key as an MLflow metric or param name: a glob's `*`, `?` and `[...]` are not allowed there, so
+    each becomes `_` (optimizer.lr_multipliers.backbone.* -> optimizer.lr_multipliers.backbone._)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bool:

@@ -176,3 +176,22 @@ def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_aga
     members = {m["run_id"] for m in state["members"]}
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert {r.info.status for r in runs if r.info.run_id in members} == {"FINISHED"}
+
+
+def test_lr_multiplier_globs_with_a_dot_are_explored_as_one_key(tmp_path: Path, store: str) -> None:
+    """`optimizer.lr_multipliers.1.*` (README's `backbone.*` has a dot too; issue 22, defect 15) parses as a
+    space, and each member trains with {"1.*": its value}: the glob stays one key of lr_multipliers, and the
+    first layer's group logs lr x that value at every step of both rounds."""
+    base = compose_spec(BASE, tmp_path / "base", store)
+    space = explore.parse_space({"optimizer.lr_multipliers.1.*": "interval(0.1, 0.9)"})
+    assert space == {"optimizer.lr_multipliers.1.*": explore.Dim(0.1, 0.9)}
+    settings = Settings(population=2, ready=3, quantile=0.5, perturb=(0.5,), resample_probability=0.0)
+    state = Population(base, space, settings, tmp_path / "sweep").run()
+    copier, _ = copier_and_source(state)
+    for member in state["members"]:
+        multiplier = member["hparams"]["optimizer.lr_multipliers.1.*"]
+        spec = yaml.safe_load((Path(member["run_dir"]) / "spec.yaml").read_text())
+        assert spec["optimizer"]["lr_multipliers"] == {"1.*": multiplier}
+        lr, scaled = history(store, member["run_id"], "lr"), history(store, member["run_id"], f"lr/x{multiplier:g}")
+        steps = (4, 5, 6) if member is copier else (1, 2, 3, 4, 5, 6)
+        assert [scaled[s] for s in steps] == [pytest.approx(lr[s] * multiplier, rel=1e-4) for s in steps]
