@@ -182,7 +182,13 @@ class Population:
         rng = _rng_from_json(state["rng"])
         order = ranked(state["members"], self.maximize)
         n = max(1, int(len(order) * self.settings.quantile))
-        top, bottom = order[:n], order[-n:]
+        finite = [m for m in order if math.isfinite(m["objectives"][-1][1])]  # not diverged (NaN)
+        if not finite:
+            raise SpecError(f"hydra.sweeper.params: every member diverged by step {boundary} (a NaN "
+                            f"{self.base.objective.metric}); narrow the space toward smaller lrs, or clip gradients")
+        # the bottom quantile and every diverged member copy one of the top quantile's finite members
+        top = finite[:n]
+        bottom = [m for m in order if m not in top and (m in order[-n:] or m not in finite)]
         for member in state["members"]:  # PB2's data: how much each member improved in this round
             objectives = member["objectives"]
             if len(objectives) >= 2:
