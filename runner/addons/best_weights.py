@@ -15,7 +15,6 @@ checkpoint never loses the weights the resumed run calls best.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from runner.engine import parallel
+from runner.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +148,4 @@ def _restore(engine: Any, saved: dict) -> None:
 def _atomic_save(state: dict, path: Path) -> None:
     """Written beside its name, fsynced and renamed: a kill leaves the previous best file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))

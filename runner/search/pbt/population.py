@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import re
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any, Callable
 import yaml
 
 from runner.engine import checkpoint
+from runner.files import atomic_write
 from runner.search.pbt import explore
 from runner.spec.fields import set_dotted
 from runner.spec.run import RunSpec, SpecError
@@ -93,9 +93,7 @@ class Population:
                 "rng": _rng_to_json(rng), "pb2_history": []}
 
     def _save(self, state: dict[str, Any]) -> None:
-        tmp = self._state_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self._state_path())
+        atomic_write(self._state_path(), json.dumps(state, indent=1))
 
     def load_or_start(self) -> dict[str, Any]:
         if self._state_path().is_file():
