@@ -121,15 +121,10 @@ def _test(engine: Any) -> dict[str, float]:
     return {**engine.evaluate("test"), **engine.averages.evaluate("test")}
 
 
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _snapshot(engine: Any) -> dict:
     """This rank's own tensors (shards under fsdp) of the model and the averages: no collective to put back."""
-    module = {name: _local(t).detach().clone() for name, t in engine.module.state_dict(keep_vars=True).items()}
+    module = {name: parallel.local_tensor_of(t).detach().clone()
+              for name, t in engine.module.state_dict(keep_vars=True).items()}
     averages = [(a, {k: v.clone() for k, v in a.values.items()}, a.count)
                 for a in (engine.averages.ema, engine.averages.swa) if a is not None]
     return {"module": module, "averages": averages}
@@ -138,7 +133,7 @@ def _snapshot(engine: Any) -> dict:
 @torch.no_grad()
 def _restore(engine: Any, saved: dict) -> None:
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        _local(t).copy_(saved["module"][name])
+        parallel.local_tensor_of(t).copy_(saved["module"][name])
     for average, values, count in saved["averages"]:
         for k, v in values.items():
             average.values[k].copy_(v)

@@ -326,8 +326,8 @@ class Engine(EngineCheckpoints):
         if trainer.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
         if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
-            return parallel.local_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
-        return parallel.local_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
+        return parallel.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     # --- evaluation -----------------------------------------------------------------------------
 

@@ -227,7 +227,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2 grad norms), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
