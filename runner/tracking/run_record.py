@@ -124,6 +124,8 @@ def imported_sources() -> dict[str, dict[str, str]]:
     installed = _installation_dirs()
     out = {}
     for name, module in sorted(list(sys.modules.items())):
+        if name in ("__main__", "__mp_main__"):  # the script itself: its module name says nothing about it later
+            continue
         file = getattr(module, "__file__", None)
         if not isinstance(file, str) or not os.path.isfile(file):
             continue  # built into the interpreter, a namespace package
@@ -135,9 +137,21 @@ def imported_sources() -> dict[str, dict[str, str]]:
 
 
 def sources_now(recorded: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    """The same files' checksums now (a module the run imported need not be imported where this runs)."""
-    return {name: {"file": entry["file"], "sha256": _sha256(Path(entry["file"])) if os.path.isfile(entry["file"])
-                   else "missing"} for name, entry in recorded.items()}
+    """The recorded modules' checksums now: of the same file (a module the run imported need not be imported
+    where this runs), or, where that path is gone (another checkout), of the file the module's name finds now."""
+    import importlib.util
+
+    out = {}
+    for name, entry in recorded.items():
+        file = entry["file"]
+        if not os.path.isfile(file):
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            file = spec.origin if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+        out[name] = {"file": file or entry["file"], "sha256": _sha256(Path(file)) if file else "missing"}
+    return out
 
 
 def _installation_dirs() -> tuple[str, ...]:
