@@ -124,8 +124,8 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
 
 
 def _write_record(run_dir: Path, cv: Any, metric: str, done: dict[int, dict[str, Any]]) -> None:
-    atomic_write(run_dir / RECORD, yaml.safe_dump({"folds_total": cv.folds, "seed": cv.seed, "metric": metric,  # a kill
-                                                   "folds": {k: done[k] for k in sorted(done)}}, sort_keys=False))  # leaves the last whole record
+    record = {"folds_total": cv.folds, "seed": cv.seed, "metric": metric, "folds": {k: done[k] for k in sorted(done)}}
+    atomic_write(run_dir / RECORD, yaml.safe_dump(record, sort_keys=False))  # a kill mid-write leaves the last whole record
 
 
 def _log_fold(tracker: Any, run_dir: Path, metric: str, k: int, fold: dict[str, Any]) -> None:
