@@ -107,6 +107,7 @@ class Engine(EngineCheckpoints):
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
+        self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
         self.unfreezer = None

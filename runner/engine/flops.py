@@ -122,10 +122,12 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 
 class FlopCount:
     """The FLOPs of the micro-batches a run trains on, counted on a meta twin of `module` once per batch
-    shape (past the batch dimension) and set of trainable parameters, which it reads from `module` itself."""
+    shape (past the batch dimension) and set of trainable parameters, read from `params`: the module's
+    parameters, in their order (a wrap that replaces them, FSDP's, sets the new ones here)."""
 
     def __init__(self, module: torch.nn.Module, pass_labels: bool):
         self.module, self.pass_labels = module, pass_labels
+        self.params = list(module.parameters())  # a list: walking the module per micro-batch would cost more
         self.per_sample: dict[tuple, float] = {}
         self.failed = False
         try:
@@ -144,19 +146,20 @@ class FlopCount:
             return None
         samples = tensors[0].shape[0]
         labels = _tensors(batch.labels) if self.pass_labels else []
-        trainable = tuple(p.requires_grad for p in self.module.parameters())
+        trainable = tuple(p.requires_grad for p in self.params)
         key = (trainable, *(tuple(t.shape[1:]) for t in tensors), *(tuple(t.shape[1:]) for t in labels))
-        if key not in self.per_sample:
+        per_sample = self.per_sample.get(key)
+        if per_sample is None:
             with counting():
-                for twin, real in zip(self.twin.parameters(), self.module.parameters()):
+                for twin, real in zip(self.twin.parameters(), self.params):
                     twin.requires_grad_(real.requires_grad)
                 try:
                     flops = micro_step_flops(self.twin, batch.inputs, batch.labels, samples, self.pass_labels)
                 except Exception as e:  # any op without a meta kernel, any value read: counting is a report, not the run
                     self._give_up(e)
                     return None
-            self.per_sample[key] = flops / samples
-        return self.per_sample[key] * samples
+            per_sample = self.per_sample[key] = flops / samples
+        return per_sample * samples
 
     def _give_up(self, e: Exception) -> None:
         self.failed = True
