@@ -219,3 +219,16 @@ def test_a_diverging_member_ranks_last_and_is_exploited(tmp_path: Path, store: s
     assert [client.get_run(m["run_id"]).info.status for m in (good, diverged)] == ["FINISHED", "FINISHED"]
     assert client.get_run(diverged["run_id"]).data.tags["pbt.diverged"].startswith("the loss is not finite from step 2 on")
     assert history(store, diverged["run_id"], "pbt/optimizer.lr") == {0: 1000.0, 3: pytest.approx(0.02)}
+
+
+def test_a_population_whose_every_member_diverged_stops_in_one_line(tmp_path: Path, store: str) -> None:
+    base = compose_spec([*BASE, "model._target_=tests.user_pkg.nan_net.NanWhenLarge", "optimizer=sgd"],
+                        tmp_path / "base", store)
+    pop = Population(base, explore.parse_space(SPACE), Settings(population=2, ready=3, quantile=0.5), tmp_path / "sweep")
+    start = pop.load_or_start()
+    for member in start["members"]:
+        member["hparams"]["optimizer.lr"] = 1000.0
+    pop._save(start)
+    with pytest.raises(SpecError, match=r"^hydra.sweeper.params: every member diverged by step 3 \(a NaN val/acc\); "
+                                        r"narrow the space toward smaller lrs, or clip gradients$"):
+        pop.run()
