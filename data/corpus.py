@@ -23,8 +23,9 @@ from filelock import FileLock
 from torch.utils.data import Dataset
 
 from runner.data.splits import TokenSplits
-from runner.data.tokenize import (atomic_write_text, encode, eos_id, file_fingerprint, load_or_train_tokenizer,
-                                  load_tokenizer, pad_id_and_vocab, stable_hash, tokenizer_file)
+from runner.data.tokenize import (encode, eos_id, file_fingerprint, load_or_train_tokenizer, load_tokenizer,
+                                  pad_id_and_vocab, stable_hash, tokenizer_file)
+from runner.files import atomic_write
 
 _FORMAT = "corpus-1"  # bumped when the cache layout or the way text becomes tokens changes
 _CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about this size, in parallel
@@ -239,7 +240,7 @@ def _build(cache: Path, key: str, paths: list[Path], max_chars: Optional[int], v
     cut = math.ceil(total * (1 - val_fraction - test_fraction))
     train_text = (text for text, is_train, _ in _pieces(paths, max_chars, cut) if is_train)
     tok = load_or_train_tokenizer(tokenizer, train_text, vocab_size, cache, key=key)
-    atomic_write_text(cache / "tokenizer.json", tok.to_str())
+    atomic_write(cache / "tokenizer.json", tok.to_str())
     pad, vocab = pad_id_and_vocab(tok)
     eos = eos_id(tok)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
@@ -269,7 +270,7 @@ def _build(cache: Path, key: str, paths: list[Path], max_chars: Optional[int], v
             "split_tokens": [n_train, n_val, held - n_val], "dtype": np.dtype(dtype).name,
             "vocab_size": vocab, "pad_token_id": pad, "eos_token_id": eos,
             "train_unigram_entropy_nats": _entropy(counts)}
-    atomic_write_text(cache / "meta.json", json.dumps(meta, indent=1))
+    atomic_write(cache / "meta.json", json.dumps(meta, indent=1))
     return meta
 
 

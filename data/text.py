@@ -20,8 +20,8 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from runner.data.splits import TokenSplits, split_indices
-from runner.data.tokenize import (atomic_write_bytes, cls_prefix, encode, load_or_train_tokenizer, pad_id_and_vocab,
-                                  texts_digest)
+from runner.data.tokenize import cls_prefix, encode, load_or_train_tokenizer, pad_id_and_vocab, texts_digest
+from runner.files import atomic_write
 
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 IMDB_MD5 = "7c2ac02c03563afcf9b574c7e56c153a"
@@ -173,7 +173,7 @@ def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts:
         np.savez(buffer, ids=data.ids, offsets=data.offsets)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, buffer.getvalue())
+            atomic_write(path, buffer.getvalue())
         except PermissionError:
             pass  # the ids are in memory; a read-only cache only costs the next run the encoding
         return data

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import tokenizers
 from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from runner.files import atomic_write
 
 PAD, UNK, CLS, EOS = "<pad>", "<unk>", "<cls>", "<eos>"
 SPECIAL_TOKENS = [PAD, UNK, CLS, EOS]
@@ -61,7 +62,7 @@ def load_or_train_tokenizer(tokenizer: Optional[str], texts: Iterable[str], voca
     with FileLock(str(path) + ".lock"):
         if not path.is_file():
             tok = _train(texts, vocab_size)
-            atomic_write_text(path, tok.to_str())
+            atomic_write(path, tok.to_str())
     return Tokenizer.from_file(str(path))
 
 
@@ -170,22 +171,6 @@ def file_fingerprint(path: Path) -> str:
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers see the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def texts_digest(texts: Iterable[str]) -> str:

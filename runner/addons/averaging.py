@@ -36,6 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg_fn, update_bn
 
+from runner.engine.parallel import local_tensor_of
 from runner.spec.run import RunSpec, SpecError
 from runner.tasks import batches
 
@@ -48,24 +49,24 @@ class Average:
 
     def __init__(self, kind: str, tensors: dict[str, torch.Tensor]):
         self.kind = kind
-        self.values = {name: _local(t).detach().clone().to(_average_dtype(t)) for name, t in tensors.items()}
+        self.values = {name: local_tensor_of(t).detach().clone().to(_average_dtype(t)) for name, t in tensors.items()}
         self.count = 0
 
     def update(self, tensors: dict[str, torch.Tensor], multi_avg_fn) -> None:
         """Folds the current weights in with torch's multi-tensor rule (a lerp over every tensor at once)."""
         floats = [name for name in self.values if self.values[name].is_floating_point()]
-        current = [_local(tensors[name]).detach().to(self.values[name].dtype) for name in floats]
+        current = [local_tensor_of(tensors[name]).detach().to(self.values[name].dtype) for name in floats]
         if floats:
             multi_avg_fn([self.values[name] for name in floats], current, self.count)
         for name, value in self.values.items():
             if not value.is_floating_point():
-                value.copy_(_local(tensors[name]))
+                value.copy_(local_tensor_of(tensors[name]))
         self.count += 1
 
     def reset_to(self, tensors: dict[str, torch.Tensor]) -> None:
         """Starts over from these weights (nothing taken in yet)."""
         for name, value in self.values.items():
-            value.copy_(_local(tensors[name]))
+            value.copy_(local_tensor_of(tensors[name]))
         self.count = 0
 
     def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict:
@@ -161,16 +162,16 @@ class Averages:
         which a bf16 model would hand back rounded)."""
         tensors = self._tensors
         with torch.no_grad():
-            raw = {name: _local(t).detach().clone() for name, t in tensors.items()}
+            raw = {name: local_tensor_of(t).detach().clone() for name, t in tensors.items()}
             for name, value in average.values.items():
-                _local(tensors[name]).copy_(value)
+                local_tensor_of(tensors[name]).copy_(value)
             try:
                 yield
                 for name in keep:
-                    average.values[name].copy_(_local(tensors[name]))
+                    average.values[name].copy_(local_tensor_of(tensors[name]))
             finally:
                 for name, value in raw.items():
-                    _local(tensors[name]).copy_(value)
+                    local_tensor_of(tensors[name]).copy_(value)
 
 
 class SwaSchedule:
@@ -209,10 +210,6 @@ class SwaSchedule:
         if self.swalr is None:
             self.base.on_eval(metrics)
 
-    @property
-    def lr(self) -> float:
-        return self.base.lr
-
     def state_dict(self) -> dict:
         return {"base": self.base.state_dict(), "swalr": self.swalr.state_dict() if self.swalr is not None else None}
 
@@ -250,11 +247,6 @@ def _average_dtype(t: torch.Tensor) -> torch.dtype:
     """fp32 for low-precision floats (bf16_true): an EMA update of (1 - 0.999) x a small change would
     round away in bf16."""
     return torch.float32 if t.is_floating_point() and t.element_size() < 4 else t.dtype
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of an fsdp (DTensor) parameter, in place; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ checkpoint never loses the weights the resumed run calls best.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from runner.engine import parallel
+from runner.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +121,10 @@ def _test(engine: Any) -> dict[str, float]:
     return {**engine.evaluate("test"), **engine.averages.evaluate("test")}
 
 
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _snapshot(engine: Any) -> dict:
     """This rank's own tensors (shards under fsdp) of the model and the averages: no collective to put back."""
-    module = {name: _local(t).detach().clone() for name, t in engine.module.state_dict(keep_vars=True).items()}
+    module = {name: parallel.local_tensor_of(t).detach().clone()
+              for name, t in engine.module.state_dict(keep_vars=True).items()}
     averages = [(a, {k: v.clone() for k, v in a.values.items()}, a.count)
                 for a in (engine.averages.ema, engine.averages.swa) if a is not None]
     return {"module": module, "averages": averages}
@@ -138,7 +133,7 @@ def _snapshot(engine: Any) -> dict:
 @torch.no_grad()
 def _restore(engine: Any, saved: dict) -> None:
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        _local(t).copy_(saved["module"][name])
+        parallel.local_tensor_of(t).copy_(saved["module"][name])
     for average, values, count in saved["averages"]:
         for k, v in values.items():
             average.values[k].copy_(v)
@@ -148,12 +143,4 @@ def _restore(engine: Any, saved: dict) -> None:
 def _atomic_save(state: dict, path: Path) -> None:
     """Written beside its name, fsynced and renamed: a kill leaves the previous best file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import torch
 
+from runner.files import atomic_write
 from runner.engine.rng import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
 from runner.spec.run import SpecError
 
@@ -231,19 +232,10 @@ def _write_checkpoint(f: BinaryIO, state: dict[str, Any], meta: bytes) -> None:
 
 
 def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_directory(path.parent)
+        atomic_write(path, write)
     except OSError as e:
         raise _write_error(e, path) from e
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
 
 
 def _atomic_link(target: Path, link: Path) -> None:
@@ -262,16 +254,6 @@ def _atomic_link(target: Path, link: Path) -> None:
 def _copy_into(source: Path, f: BinaryIO) -> None:
     with open(source, "rb") as src:
         shutil.copyfileobj(src, f, _CHUNK)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Makes the rename itself durable (POSIX); not every platform can open a directory."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _write_error(e: OSError, path: Path) -> CheckpointWriteError:

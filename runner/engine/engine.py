@@ -100,13 +100,15 @@ class Engine(EngineCheckpoints):
         self.pass_labels = batches.accepts_labels(self.module)
         stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
         batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
-        flop_rate = flops.measure(self.module, stand_in, int(self.task.count(stand_in.labels)), spec, self.device,
-                                  self.pass_labels, self.env.world)  # before the wrap: FSDP shards in place
+        # before the wrap (FSDP shards in place): the FLOPs of every micro-batch are counted on a meta twin of the model
+        self.flop_count, flop_rate = flops.measure(self.module, stand_in, spec, self.device, self.pass_labels,
+                                                   self.env.world)
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
                                    # parameters unfrozen mid-run must still be reduced across ranks
                                    find_unused=spec.model.unfreeze_after_epochs is not None)
+        self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
         self.unfreezer = None
@@ -122,6 +124,7 @@ class Engine(EngineCheckpoints):
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
                                self.env.is_main, self.trial)
         self.monitor.flop_rate = flop_rate
+        self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
         self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
         self.logged_model = mlflow_model.ModelLogger(spec, self, data)  # tracking.log_model: the model in MLflow
         self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
@@ -219,7 +222,8 @@ class Engine(EngineCheckpoints):
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
                                          self.split_sizes["train"])
                 self.watch.on_step(p.step, loss_sum)
-                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps)
+                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
+                                     self.last_step_flops)
                 if self.monitor.is_log_step(p.step) or trainer.check_finite_every_step:
                     self.watch.check(parallel.all_reduce_max)
                 with self.monitor.window.paused():  # throughput counts training time only
@@ -255,6 +259,8 @@ class Engine(EngineCheckpoints):
         self.logged_model.log()
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """One optimizer step: this rank's loss sum, units and the grad norm (log steps, or clipping); its
+        FLOPs (this rank's) are left in last_step_flops."""
         step_batches = [batches.split_batch(b) for b in micro_batches]
         # samples, or tokens that are not padding; a stand-in for an empty share counts 0
         counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
@@ -262,7 +268,7 @@ class Engine(EngineCheckpoints):
         # data-parallel replicas, so each one's sum is scaled by dp degree / (units on all replicas),
         # whatever each holds.
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
-        losses, phase = [], self.profiler.phase  # phase: no-op contexts unless this step is profiled
+        losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
             total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
             scale = self.env.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
@@ -271,6 +277,8 @@ class Engine(EngineCheckpoints):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
                 with phase.to_device:
                     batch = self._prepare(batch, train=True)
+                if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
+                    step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
                 with phase.forward:
                     loss = self._loss_sum(batch, count)
                 with phase.backward:
@@ -282,6 +290,7 @@ class Engine(EngineCheckpoints):
             if self.precision.step(self.optimizer):
                 self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.last_step_flops = step_flops
         return loss_sum, sum(counts), grad_norm
 
     def _micro_loss(self, raw) -> torch.Tensor:
@@ -321,8 +330,8 @@ class Engine(EngineCheckpoints):
         if trainer.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
         if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
-            return parallel.local_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
-        return parallel.local_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
+        return parallel.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
     # --- evaluation -----------------------------------------------------------------------------
 

@@ -1,13 +1,18 @@
 """Achieved TFLOP/s and model FLOPs utilisation (MFU).
 
-The FLOPs of one micro-step (forward and backward) are counted once, before training, by
-torch.utils.flop_counter on the model itself with its parameters, buffers and batch swapped for meta
-tensors: the count is that of the real model (frozen parameters get no weight gradient, the first
-layer no input gradient), and no weight, statistic, gradient or random stream of the run is touched.
-It counts matmuls, convolutions and attention (the counter's registered ops), not elementwise work,
-as MFU conventionally does (PaLM, torchtitan). Dividing by the micro-batch's units (samples, or tokens
-that are not padding) gives FLOPs per unit; a window's FLOPs are that times the units all ranks
-trained on, whatever the accumulation, ragged batches or world size.
+The FLOPs of each micro-step (forward and backward) are those of the batch it trained on, counted by
+torch.utils.flop_counter on a meta twin of the model (its structure, every parameter and buffer a meta
+tensor; made before any wrap, activation checkpointing or compile, so the count is the model's own and
+not the recomputation's) with a meta batch of that shape: the count is that of the real model (frozen
+parameters get no weight gradient, the first layer no input gradient), and no weight, statistic,
+gradient or random stream of the run is touched. It counts matmuls, convolutions and attention (the
+counter's registered ops), not elementwise work, as MFU conventionally does (PaLM, torchtitan).
+
+A count is kept per sample for each batch shape past the batch dimension (a padded text batch's own
+length) and each set of trainable parameters (gradual unfreezing adds weight gradients mid-run), so
+the counter runs once per new shape, outside the timed training seconds. A window's FLOPs are the sum
+of its micro-steps' over all ranks, whatever the accumulation, ragged batches or world size; a stand-in
+for a rank's empty share trains nothing and counts 0.
 
 MFU divides the achieved TFLOP/s of one device by its dense peak at the run's precision: from
 `trainer.peak_tflops` when set, else from the table of known GPUs below. On a CPU or an unknown GPU
@@ -15,10 +20,12 @@ only TFLOP/s is logged.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -113,36 +120,86 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in (getattr(output, "logits", None), getattr(output, "loss", None)) if isinstance(t, torch.Tensor)]
 
 
+class FlopCount:
+    """The FLOPs of the micro-batches a run trains on, counted on a meta twin of `module` once per batch
+    shape (past the batch dimension) and set of trainable parameters, read from `params`: the module's
+    parameters, in their order (a wrap that replaces them, FSDP's, sets the new ones here)."""
+
+    def __init__(self, module: torch.nn.Module, pass_labels: bool):
+        self.module, self.pass_labels = module, pass_labels
+        self.params = list(module.parameters())  # a list: walking the module per micro-batch would cost more
+        self.per_sample: dict[tuple, float] = {}
+        self.failed = False
+        try:
+            self.twin = meta_twin(module)
+        except Exception as e:  # a module that cannot be copied: no count, the run goes on
+            self._give_up(e)
+
+    def of(self, batch: Any, counting: Callable[[], Any] = contextlib.nullcontext) -> float | None:
+        """FLOPs of one training micro-step on `batch` (a tasks.Batch on the device, prepared); None where the
+        model cannot be counted. A shape not seen before is counted inside `counting()` (the engine pauses
+        its training clock there)."""
+        if self.failed:
+            return None
+        tensors = [t for t in _tensors(batch.inputs) if t.dim()]
+        if not tensors:
+            return None
+        samples = tensors[0].shape[0]
+        labels = _tensors(batch.labels) if self.pass_labels else []
+        trainable = tuple(p.requires_grad for p in self.params)
+        key = (trainable, *(tuple(t.shape[1:]) for t in tensors), *(tuple(t.shape[1:]) for t in labels))
+        per_sample = self.per_sample.get(key)
+        if per_sample is None:
+            with counting():
+                for twin, real in zip(self.twin.parameters(), self.params):
+                    twin.requires_grad_(real.requires_grad)
+                try:
+                    flops = micro_step_flops(self.twin, batch.inputs, batch.labels, samples, self.pass_labels)
+                except Exception as e:  # any op without a meta kernel, any value read: counting is a report, not the run
+                    self._give_up(e)
+                    return None
+            per_sample = self.per_sample[key] = flops / samples
+        return per_sample * samples
+
+    def _give_up(self, e: Exception) -> None:
+        self.failed = True
+        log.warning("FLOPs of %s could not be counted on meta tensors (%s): no TFLOP/s or MFU logged",
+                    type(self.module).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+def meta_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers are meta tensors (no memory, nothing of the real
+    weights copied): the structure the FLOP counter runs, whatever wraps the real module later."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
 @dataclass(frozen=True)
 class FlopRate:
-    """Turns a window's units and seconds into TFLOP/s per device and MFU."""
+    """Turns a window's FLOPs (all ranks) and seconds into TFLOP/s per device and MFU."""
 
-    flops_per_unit: float | None  # None: the model's FLOPs could not be counted
     peak_tflops: float | None     # one device's; None: no MFU
     world: int = 1
 
-    def metrics(self, units: float, seconds: float) -> dict[str, float]:
-        if self.flops_per_unit is None or seconds <= 0 or units <= 0:
+    def metrics(self, flops: float, seconds: float) -> dict[str, float]:
+        if seconds <= 0 or flops <= 0:  # no FLOPs: the model could not be counted
             return {}
-        tflops = self.flops_per_unit * units / seconds / self.world / 1e12
+        tflops = flops / seconds / self.world / 1e12
         out = {"throughput/tflops": tflops}
         if self.peak_tflops:
             out["throughput/mfu"] = tflops / self.peak_tflops
         return out
 
 
-def measure(module: torch.nn.Module, stand_in: Any, units: int, spec: "RunSpec", device: torch.device,
-            pass_labels: bool, world: int) -> FlopRate:
-    """The run's FlopRate: one micro-step of dataset.batch_size samples counted on a batch shaped like
-    the stand-in (which holds `units` units in its own samples). A model the counter cannot run on meta
-    tensors (one reading its inputs' values, say) logs no TFLOP/s; the run goes on."""
-    per_unit, batch_size = None, spec.dataset.batch_size
-    samples = len(stand_in.labels) if isinstance(stand_in.labels, torch.Tensor) and stand_in.labels.dim() else 0
-    try:
-        if units and samples:
-            flops = micro_step_flops(module, stand_in.inputs, stand_in.labels, batch_size, pass_labels)
-            per_unit = flops / (units * batch_size / samples) if flops else None
-    except Exception as e:  # any op without a meta kernel, any value read: counting is a report, not the run
-        log.warning("FLOPs of %s could not be counted on meta tensors (%s): no TFLOP/s or MFU logged",
-                    type(module).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__)
-    return FlopRate(per_unit, device_peak(spec.trainer.peak_tflops, spec.precision.name, device), world)
+def measure(module: torch.nn.Module, stand_in: Any, spec: "RunSpec", device: torch.device,
+            pass_labels: bool, world: int) -> tuple[FlopCount, FlopRate]:
+    """The run's FlopCount, which counts the stand-in's shape now (a model the counter cannot run on meta
+    tensors, one reading its inputs' values say, is told before training and logs no TFLOP/s; the run
+    goes on), and its FlopRate."""
+    count = FlopCount(module, pass_labels)
+    count.of(stand_in)
+    return count, FlopRate(device_peak(spec.trainer.peak_tflops, spec.precision.name, device), world)

@@ -1,7 +1,7 @@
 """The training metrics of one logging window: the steps since the last logged step.
 
-The window keeps each step's loss sum (a device tensor: no sync per step) and unit count, and the
-seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
+The window keeps each step's loss sum (a device tensor: no sync per step), unit count and FLOPs, and
+the seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
 counts training time only; a step that compiled is `exclude`d from it (its loss still counts). The
 window is part of a checkpoint (every rank's own), so a resumed run logs exactly the values the
 uninterrupted run logs, whatever step the checkpoint was written at.
@@ -21,16 +21,20 @@ class LogWindow:
         self.counts: list[int | torch.Tensor] = []  # a tensor where the labels sit on an accelerator
         self.seconds = 0.0         # training time of the window before `_since`
         self.untimed = 0           # units of steps whose time is not throughput (they compiled)
+        self.flops = 0.0           # this rank's FLOPs of the window's steps (runner/engine/flops.py)
+        self.untimed_flops = 0.0   # of those, the steps that compiled
         self._since: float | None = time.perf_counter()  # None while paused
 
-    def add(self, loss_sum: torch.Tensor, count: int | torch.Tensor) -> None:
+    def add(self, loss_sum: torch.Tensor, count: int | torch.Tensor, flops: float = 0.0) -> None:
         self.losses.append(loss_sum)
         self.counts.append(count)
+        self.flops += flops
 
-    def exclude(self, seconds: float, count: int | torch.Tensor) -> None:
-        """A step of `count` units that took `seconds` (it compiled) leaves the throughput, not the loss."""
+    def exclude(self, seconds: float, count: int | torch.Tensor, flops: float = 0.0) -> None:
+        """A step of `count` units and `flops` that took `seconds` (it compiled) leaves the throughput, not the loss."""
         self.seconds -= seconds
         self.untimed += count
+        self.untimed_flops += flops
 
     def start(self) -> None:
         """Training starts (or goes on after a resume) now: the set-up before it is not training time."""
@@ -47,15 +51,18 @@ class LogWindow:
             self._since = time.perf_counter()
 
     def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-              device: torch.device) -> tuple[float, int, float, int]:
-        """The window's loss sum and unit count over all ranks, its training seconds, and the units
-        those seconds timed (all ranks; the count less the steps that compiled); a new window starts."""
+              device: torch.device) -> tuple[float, int, float, int, float]:
+        """The window's loss sum and unit count over all ranks, its training seconds, and the units and
+        FLOPs those seconds timed (all ranks; less the steps that compiled); a new window starts."""
         loss = torch.stack(self.losses).sum()
         total = sum(self.counts)
-        loss, count, timed = reduce_sum([loss, *torch.tensor([float(total), float(total - self.untimed)], device=device)])
+        flops = torch.tensor(self.flops - self.untimed_flops, dtype=torch.float64, device=device)
+        loss, count, timed, flops = reduce_sum([loss, *torch.tensor([float(total), float(total - self.untimed)],
+                                                                    device=device), flops])
         seconds = self._elapsed()
         self.losses, self.counts, self.seconds, self.untimed, self._since = [], [], 0.0, 0, time.perf_counter()
-        return loss.item(), int(count.item()), seconds, int(timed.item())
+        self.flops = self.untimed_flops = 0.0
+        return loss.item(), int(count.item()), seconds, int(timed.item()), float(flops.item())
 
     def _elapsed(self) -> float:
         return self.seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
@@ -63,7 +70,8 @@ class LogWindow:
     def state_dict(self) -> dict:
         """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
         return {"losses": [t.detach().cpu() for t in self.losses], "counts": [int(c) for c in self.counts],
-                "seconds": self._elapsed(), "untimed": int(self.untimed)}
+                "seconds": self._elapsed(), "untimed": int(self.untimed), "flops": float(self.flops),
+                "untimed_flops": float(self.untimed_flops)}
 
     def load_state_dict(self, states: list[dict], rank: int, world: int, device: torch.device) -> None:
         """Every rank's saved window (none in a checkpoint from before windows were saved). Resumed on
@@ -73,3 +81,5 @@ class LogWindow:
         self.counts = [int(c) for state in mine for c in state["counts"]]
         self.seconds, self._since = max((float(s["seconds"]) for s in mine), default=0.0), time.perf_counter()
         self.untimed = sum(int(s.get("untimed", 0)) for s in mine)
+        self.flops = sum(float(s.get("flops", 0.0)) for s in mine)
+        self.untimed_flops = sum(float(s.get("untimed_flops", 0.0)) for s in mine)

@@ -3,6 +3,8 @@ parameters, gradients, optimizer state and activations, against what the device 
 change when it will not fit.
 
 - parameters and gradients: this rank's own tensors (its shards under fsdp), in their dtypes;
+- averaged weights (trainer.ema, trainer.swa): each average is a copy of this rank's parameters and
+  persistent buffers beside the model, floats of less than 32 bits kept in fp32 (runner/addons/averaging.py);
 - optimizer state: computed from the optimizer's type and settings (its state is created at the first
   step; tests check the figures against the state after one step);
 - activations: measured on one micro-step of a real batch, as the memory its forward pass keeps for
@@ -44,10 +46,11 @@ class Figures:
     activations: int | None   # None: not measured
     micro_batch: int
     available: int | None     # None: unknown
+    averages: int = 0         # the EMA/SWA copies of the weights; 0: no averaging
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + (self.optimizer or 0) + (self.activations or 0)
+        return self.parameters + self.gradients + (self.optimizer or 0) + (self.activations or 0) + self.averages
 
     @property
     def fits(self) -> bool:
@@ -59,15 +62,17 @@ class Figures:
                        if self.activations is not None else "not measured")
         has = f"{_mib(self.available)} available" if self.available is not None else "unknown available memory"
         verdict = "fits" if self.fits else "WILL NOT FIT"
+        averages = f", averaged weights {_mib(self.averages)}" if self.averages else ""
         return (f"memory on rank {self.rank} ({self.device}): parameters {_mib(self.parameters)}, gradients "
-                f"{_mib(self.gradients)}, optimizer state {optimizer}, activations {activations}; total "
+                f"{_mib(self.gradients)}, optimizer state {optimizer}{averages}, activations {activations}; total "
                 f"{_mib(self.total)} of {has}: {verdict}")
 
     def tags(self) -> dict[str, str]:
         """MLflow tags, not metrics: a measurement of the machine, which a run resumed in place measures
         anew (a tag is replaced; a metric would add points to the history that equals an uninterrupted run's)."""
         values = {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                  "activations": self.activations, "total": self.total, "available": self.available}
+                  "activations": self.activations, "averages": self.averages or None, "total": self.total,
+                  "available": self.available}
         return {f"memory.{k}_mib": f"{v / MiB:.3f}" for k, v in values.items() if v is not None}
 
 
@@ -98,7 +103,8 @@ def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: to
     raw = next(iter(loader))
     if state is not None:  # the loader's own seed stream, as if this batch had never been drawn
         loader.generator.set_state(state)
-    figures = estimate(module, optimizer, device, env.rank, lambda: loss_of(raw), spec.dataset.batch_size)
+    copies = (spec.trainer.ema.decay is not None) + (spec.trainer.swa.start_epoch is not None)
+    figures = estimate(module, optimizer, device, env.rank, lambda: loss_of(raw), spec.dataset.batch_size, copies)
     everyone = parallel.gather_objects(figures)
     if env.is_main:
         for one in everyone:
@@ -111,15 +117,30 @@ def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: to
 
 
 def estimate(module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
-             micro_step: Callable[[], torch.Tensor] | None, micro_batch: int) -> Figures:
-    """This rank's figures; `micro_step` returns one micro-batch's loss (its forward pass), None: not measured."""
+             micro_step: Callable[[], torch.Tensor] | None, micro_batch: int, averaged_copies: int = 0) -> Figures:
+    """This rank's figures; `micro_step` returns one micro-batch's loss (its forward pass), None: not measured;
+    `averaged_copies`: how many averages of the weights (EMA, SWA) the run keeps."""
     # what fsdp's cpu_offload keeps on the CPU does not count against a GPU
     params = [p for p in map(parallel.local_tensor_of, module.parameters()) if p.device.type == device.type]
     trainable = [p for p in map(parallel.local_tensor_of, module.parameters()) if p.requires_grad
                  and p.device.type == device.type]
     activations = measure_activations(module, micro_step, device) if micro_step is not None else None
     return Figures(rank, str(device), _bytes(params), _bytes(trainable), optimizer_state_bytes(optimizer, device.type),
-                   type(optimizer).__name__, activations, micro_batch, available_bytes(device))
+                   type(optimizer).__name__, activations, micro_batch, available_bytes(device),
+                   averaged_copies * averaged_weights_bytes(module, device.type))
+
+
+def averaged_weights_bytes(module: nn.Module, device_type: str) -> int:
+    """Bytes of one average of `module`'s weights as runner/addons/averaging.py keeps it: this rank's
+    parameters and persistent buffers (tied ones once), floats below 32 bits in fp32."""
+    persistent = set(module.state_dict(keep_vars=True))
+    tensors = dict(module.named_parameters())
+    tensors.update((name, b) for name, b in module.named_buffers() if name in persistent)
+    total = 0
+    for t in map(parallel.local_tensor_of, tensors.values()):
+        if t.device.type == device_type:
+            total += t.numel() * (4 if t.is_floating_point() and t.element_size() < 4 else t.element_size())
+    return total
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str | None = None) -> int | None:

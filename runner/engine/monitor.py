@@ -117,8 +117,8 @@ class Monitor:
         self.window = LogWindow()
         self.samples_seen = 0  # all ranks, in this process: the throughput summary
         self.compile_clock = CompileClock()
-        self.flop_rate = FlopRate(None, None)  # the engine sets the run's (runner/engine/flops.py)
-        self.timed = [0, 0.0]  # units and seconds of every closed window's timed steps, this process
+        self.flop_rate = FlopRate(None)  # the engine sets the run's (runner/engine/flops.py)
+        self.timed = [0.0, 0.0]  # FLOPs and seconds of every closed window's timed steps, this process
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not (show and is_main), leave=False)
 
@@ -130,23 +130,23 @@ class Monitor:
         self.compile_clock.step_starts()
 
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
-                lrs: dict[str, float], skipped_steps: int) -> None:
-        """`loss_sum` and `samples` are this rank's; the logged train/loss is the mean over all ranks.
+                lrs: dict[str, float], skipped_steps: int, flops: float = 0.0) -> None:
+        """`loss_sum`, `samples` and `flops` are this rank's; the logged train/loss is the mean over all ranks.
         `lrs` are the rates this step used (`learning_rates`)."""
-        self.window.add(loss_sum, samples)  # summed on log steps: no tensor op per step
+        self.window.add(loss_sum, samples, flops)  # summed on log steps: no tensor op per step
         compiled = self.compile_clock.step_ended(step)
         if compiled is not None:
-            self.window.exclude(compiled, samples)
+            self.window.exclude(compiled, samples, flops)
         self.bar.update(1)
         if not self.is_log_step(step):
             return
-        loss, count, seconds, timed = self.window.close(self.reduce_sum, loss_sum.device)
+        loss, count, seconds, timed, timed_flops = self.window.close(self.reduce_sum, loss_sum.device)
         self.samples_seen += count
         throughput = f"throughput/{self.unit}_per_s"
         metrics = {"train/loss": loss / max(count, 1), **lrs, "epoch": step / self.steps_per_epoch}
         if timed:  # a window of only steps that compiled has no honest throughput
-            metrics.update({throughput: timed / max(seconds, 1e-9), **self.flop_rate.metrics(timed, seconds)})
-            self.timed = [self.timed[0] + timed, self.timed[1] + seconds]
+            metrics.update({throughput: timed / max(seconds, 1e-9), **self.flop_rate.metrics(timed_flops, seconds)})
+            self.timed = [self.timed[0] + timed_flops, self.timed[1] + seconds]
         if self.compile_clock.steps:
             metrics["compile/seconds"] = self.compile_clock.seconds
         if grad_norm is not None:

@@ -55,13 +55,6 @@ class Schedule:
                             f"choose one of {', '.join(sorted(metrics))}")
         self.scheduler.step(float(metrics[self.monitor]))
 
-    @property
-    def lr(self) -> float:
-        """The current base lr: that of the first group that moves, divided by its lr multiplier."""
-        groups = self.optimizer.param_groups
-        group = next((g for g in groups if g.get("lr_multiplier", 1.0) != 0), None)
-        return 0.0 if group is None else float(group["lr"]) / group.get("lr_multiplier", 1.0)
-
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "total_steps": self.total_steps, "scheduler": self.scheduler.state_dict()}
 

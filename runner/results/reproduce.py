@@ -2,8 +2,8 @@
 record alone.
 
 The run's spec.yaml artifact is the whole recipe; its run record (runner/tracking/run_record.py) says what else
-the result depends on. Whatever differs between then and now (commit, uncommitted diff, packages, data,
-hardware) is printed before the rerun, and the final metrics of both runs side by side after it.
+the result depends on. Whatever differs between then and now (commit, uncommitted diff, the source of any
+module the run imported, packages, data, hardware) is printed before the rerun, and the final metrics of both runs side by side after it.
 """
 from __future__ import annotations
 
@@ -106,6 +106,11 @@ def differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
     p0, p1 = d0.get("paths", {}), d1.get("paths", {})
     for key in sorted(set(p0) | set(p1)):
         same(f"data {key}", p0.get(key, "missing"), p1.get(key, "missing"))
+    s1 = now.get("sources", {})
+    for name, entry in sorted(then.get("sources", {}).items()):  # the modules the run imported, as they are now
+        sha = (s1.get(name) or {}).get("sha256", "missing")
+        if sha != entry["sha256"]:
+            out.append(f"source of {name} ({entry['file']}): {entry['sha256']} then, {sha} now")
     return out
 
 
@@ -177,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reproduce: run {args.run_id} has no {run_record.RECORD_FILE}: commit, packages and data cannot be "
               f"compared")
     else:
-        found = differences(json.loads(record_text), now)
+        then = json.loads(record_text)
+        now["sources"] = run_record.sources_now(then.get("sources", {}))  # the files the run imported, not this process's
+        found = differences(then, now)
         print(f"reproduce: {len(found)} difference(s) between run {args.run_id} and now" + (":" if found else ""))
         for line in found:
             print(f"  differs: {line}")

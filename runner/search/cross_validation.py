@@ -32,6 +32,7 @@ from runner.spec import components
 from runner.search import folds
 
 from runner.cli import run_lock
+from runner.files import atomic_write
 from runner.engine.engine import RunResult
 from runner.spec.run import RunSpec, SpecError, TrialSpec
 from runner.tracking.tracker import RUN_FILE, build_tracker
@@ -123,11 +124,8 @@ def run_folds(spec: RunSpec, run_dir: Path) -> RunResult:
 
 
 def _write_record(run_dir: Path, cv: Any, metric: str, done: dict[int, dict[str, Any]]) -> None:
-    path = run_dir / RECORD
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump({"folds_total": cv.folds, "seed": cv.seed, "metric": metric,
-                                   "folds": {k: done[k] for k in sorted(done)}}, sort_keys=False))
-    tmp.replace(path)  # a kill mid-write leaves the last whole record
+    record = {"folds_total": cv.folds, "seed": cv.seed, "metric": metric, "folds": {k: done[k] for k in sorted(done)}}
+    atomic_write(run_dir / RECORD, yaml.safe_dump(record, sort_keys=False))  # a kill mid-write leaves the last whole record
 
 
 def _log_fold(tracker: Any, run_dir: Path, metric: str, k: int, fold: dict[str, Any]) -> None:

@@ -158,9 +158,20 @@ def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# mappings whose keys are parameter-name globs: a dot after the mapping's own key is part of the glob
+GLOB_KEYED = ("optimizer.lr_multipliers",)
+
+
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    """tree[a][b][c] = value for "a.b.c", making the mappings on the way."""
-    *parents, leaf = dotted.split(".")
+    """tree[a][b][c] = value for "a.b.c", making the mappings on the way (an empty one for a null);
+    under a GLOB_KEYED mapping the rest is one key: "optimizer.lr_multipliers.backbone.*"."""
+    mapping = next((m for m in GLOB_KEYED if dotted.startswith(m + ".")), None)
+    if mapping is not None:
+        parents, leaf = mapping.split("."), dotted[len(mapping) + 1:]
+    else:
+        *parents, leaf = dotted.split(".")
     for part in parents:
-        tree = tree.setdefault(part, {})
+        if tree.get(part) is None:
+            tree[part] = {}
+        tree = tree[part]
     tree[leaf] = value

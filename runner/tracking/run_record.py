@@ -2,7 +2,9 @@
 
 Logged by the tracker when a run starts (rank 0 only): the git commit of the working directory (and of
 runner's own source when that is another checkout) with the uncommitted diff, package versions, the
-hardware and the data's identity. `runner reproduce` (runner/results/reproduce.py) compares it with now.
+hardware, the data's identity, and the sha256 of the source of every module the run imported from
+outside the Python installation (its standard library and site-packages): a user's model file that git
+does not track changes no commit and no `git diff HEAD`, only its own checksum. `runner reproduce` (runner/results/reproduce.py) compares it with now.
 Everything here is cheap (a few git calls and stat calls): a dataset folder is walked at most
 _MAX_FILES entries deep, and only files under _HASH_LIMIT bytes are hashed.
 """
@@ -14,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import sysconfig
 from glob import glob
 from importlib import metadata
 from pathlib import Path
@@ -115,6 +118,51 @@ def describe_path(text: str) -> dict[str, Any] | None:
     return out
 
 
+def imported_sources() -> dict[str, dict[str, str]]:
+    """{module name: {"file", "sha256"}} of every module imported so far whose file lies outside the Python
+    installation (the standard library, site-packages): runner's, the built-in models' and data's, the user's."""
+    installed = _installation_dirs()
+    out = {}
+    for name, module in sorted(list(sys.modules.items())):
+        if name in ("__main__", "__mp_main__"):  # the script itself: its module name says nothing about it later
+            continue
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not os.path.isfile(file):
+            continue  # built into the interpreter, a namespace package
+        real = os.path.realpath(file)
+        if real.startswith(installed) or {"site-packages", "dist-packages"} & set(Path(real).parts):
+            continue
+        out[name] = {"file": os.path.abspath(file), "sha256": _sha256(Path(file))}
+    return out
+
+
+def sources_now(recorded: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The recorded modules' checksums now: of the same file (a module the run imported need not be imported
+    where this runs), or, where that path is gone (another checkout), of the file the module's name finds now."""
+    import importlib.util
+
+    out = {}
+    for name, entry in recorded.items():
+        file = entry["file"]
+        if not os.path.isfile(file):
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            file = spec.origin if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+        out[name] = {"file": file or entry["file"], "sha256": _sha256(Path(file)) if file else "missing"}
+    return out
+
+
+def _installation_dirs() -> tuple[str, ...]:
+    dirs = set()
+    for base in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=base) if base else sysconfig.get_paths()
+        dirs.update(os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                    if k in paths)
+    return tuple(sorted(dirs))
+
+
 def _walk(root: Path, files: list[os.stat_result]) -> bool:
     """Stat every file under root (os.scandir: one system call per entry); True when cut short."""
     stack = [str(root)]
@@ -150,7 +198,8 @@ def build(spec: Any, cwd: Path | None = None) -> dict[str, Any]:
                       "diff_sha256": hashlib.sha256(work["diff"].encode()).hexdigest() if work["diff"] else None},
               "packages": packages(), "hardware": hardware(),
               "data": data_identity({k: v for k, v in spec.dataset.__to_plain__().items()
-                                     if k not in ("batch_size", "num_workers")})}
+                                     if k not in ("batch_size", "num_workers")}),
+              "sources": imported_sources()}
     if source["repo"] is not None and source["repo"] != work["repo"]:
         record["git"]["runner_source"] = {"repo": source["repo"], "commit": source["commit"],
                                           "dirty": bool(source["diff"])}

@@ -45,7 +45,7 @@ def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_s
         group.update({k: v for k, v in state.items() if k != "params"})
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2 grad norms), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 

@@ -68,7 +68,8 @@ def parse_space(params: dict[str, Any]) -> dict[str, Dim]:
             raise SpecError(f"{key}: {text}: population-based training changes only hyperparameters that may change "
                             f"in the middle of a run; allowed: {', '.join(MUTABLE)}")
         try:
-            value = parser.parse_override(f"{key}={text}").value()
+            # the sweep alone: Hydra's key grammar has no `*`, which an lr_multipliers glob needs
+            value = parser.parse_override(f"key={text}").value()
         except Exception as e:  # Hydra's grammar error, already in words
             raise SpecError(f"{key}: {text}: not a sweep ({str(e).splitlines()[0]})") from None
         if isinstance(value, IntervalSweep):

@@ -4,7 +4,9 @@ or to its end in the last round, in this process or as `python -m runner.search.
 The job file names the member's spec (its run directory, its hyperparameters, `trainer.resume` after
 the first round), the population's MLflow parent run, the hyperparameters to log as metrics at the step
 the round starts from and the lineage tags. The result, written next to it, is the objective at the
-boundary (the last validation, not the best so far: PBT compares members where they are now).
+boundary (the last validation, not the best so far: PBT compares members where they are now); a member
+whose loss diverged in the round has a NaN objective (its MLflow run FAILED, tagged pbt.diverged), so it
+ranks last and copies a better member, as a failed trial is recorded rather than fatal in the Optuna sweeper.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ def run_job(job_file: Path) -> dict[str, Any]:
     from mlflow.entities import Metric
 
     from runner.engine.engine import Engine
+    from runner.engine.monitor import Diverged
     from runner.engine.parallel import DistEnv
+    from runner.search.pbt.population import mlflow_key
     from runner.tracking.tracker import build_tracker
 
     job = json.loads(Path(job_file).read_text())
@@ -39,19 +43,27 @@ def run_job(job_file: Path) -> dict[str, Any]:
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     with process_state.isolated(), preemption.handled():
         engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")))
-        start = engine.progress.step
-        result = engine.fit()
+        start, began = engine.progress.step, time.perf_counter()
+        tags = dict(job.get("tags", {}))
+        try:
+            result = engine.fit()
+        except Diverged as e:  # a failed member, not a failed population: it ranks last and is exploited
+            log.warning("PBT member %s diverged: %s", tags.get("pbt.member", "?"), e)
+            result, tags["pbt.diverged"] = None, str(e)
         client = getattr(engine.tracker, "client", None)
         if client is not None and engine.tracker.run_id:
             now = int(time.time() * 1000)
             # the values in force from the step after `start` on, logged at the step they changed
-            metrics = [Metric(f"pbt/{k}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
-            client.log_batch(engine.tracker.run_id, metrics=metrics,
-                             tags=[_tag(k, v) for k, v in job.get("tags", {}).items()])
+            metrics = [Metric(f"pbt/{mlflow_key(k)}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
+            client.log_batch(engine.tracker.run_id, metrics=metrics, tags=[_tag(k, v) for k, v in tags.items()])
     history = engine.monitor.history.get(spec.objective.metric, [])
-    out = {"step": engine.progress.step, "objective": history[-1][1] if history else math.nan,
-           "best": result.objective, "run_id": engine.tracker.run_id or "", "seconds": result.seconds,
-           "finished": engine.finished}
+    if result is None:
+        out = {"step": engine.progress.step, "objective": math.nan, "best": math.nan, "diverged": tags["pbt.diverged"],
+               "run_id": engine.tracker.run_id or "", "seconds": time.perf_counter() - began, "finished": False}
+    else:
+        out = {"step": engine.progress.step, "objective": history[-1][1] if history else math.nan,
+               "best": result.objective, "run_id": engine.tracker.run_id or "", "seconds": result.seconds,
+               "finished": engine.finished}
     Path(job["result"]).write_text(json.dumps(out))
     return out
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 MUTABLE = ("optimizer.lr", "optimizer.lr_multipliers.*", "optimizer.weight_decay", "optimizer.momentum",
            "optimizer.betas", "model.dropout", "model.*dropout", "dataset.mixup_alpha", "dataset.cutmix_alpha",
            "task.label_smoothing", "task.*.label_smoothing", "trainer.clip_grad_norm")
-_GROUP_KEYS = ("weight_decay", "momentum", "betas")
+_GROUP_KEYS = ("weight_decay", "momentum", "betas", "lr_multiplier")  # lr_multiplier: the group's logged name
 _LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")  # OneCycleLR keeps its peak and floor in the group
 
 

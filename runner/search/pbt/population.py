@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +29,7 @@ from typing import Any, Callable
 import yaml
 
 from runner.engine import checkpoint
+from runner.files import atomic_write
 from runner.search.pbt import explore
 from runner.spec.fields import set_dotted
 from runner.spec.run import RunSpec, SpecError
@@ -92,9 +93,7 @@ class Population:
                 "rng": _rng_to_json(rng), "pb2_history": []}
 
     def _save(self, state: dict[str, Any]) -> None:
-        tmp = self._state_path().with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, self._state_path())
+        atomic_write(self._state_path(), json.dumps(state, indent=1))
 
     def load_or_start(self) -> dict[str, Any]:
         if self._state_path().is_file():
@@ -181,7 +180,13 @@ class Population:
         rng = _rng_from_json(state["rng"])
         order = ranked(state["members"], self.maximize)
         n = max(1, int(len(order) * self.settings.quantile))
-        top, bottom = order[:n], order[-n:]
+        finite = [m for m in order if math.isfinite(m["objectives"][-1][1])]  # not diverged (NaN)
+        if not finite:
+            raise SpecError(f"hydra.sweeper.params: every member diverged by step {boundary} (a NaN "
+                            f"{self.base.objective.metric}); narrow the space toward smaller lrs, or clip gradients")
+        # the bottom quantile and every diverged member copy one of the top quantile's finite members
+        top = finite[:n]
+        bottom = [m for m in order if m not in top and (m in order[-n:] or m not in finite)]
         for member in state["members"]:  # PB2's data: how much each member improved in this round
             objectives = member["objectives"]
             if len(objectives) >= 2:
@@ -222,6 +227,12 @@ def ranked(members: list[dict[str, Any]], maximize: bool) -> list[dict[str, Any]
         value = m["objectives"][-1][1]
         return -math.inf if math.isnan(value) else (value if maximize else -value)
     return sorted(members, key=key, reverse=True)
+
+
+def mlflow_key(key: str) -> str:
+    """A space key as an MLflow metric or param name: a glob's `*`, `?` and `[...]` are not allowed there, so
+    each becomes `_` (optimizer.lr_multipliers.backbone.* -> optimizer.lr_multipliers.backbone._)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bool:

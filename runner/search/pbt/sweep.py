@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.search.pbt import explore
-from runner.search.pbt.population import Population, Settings, ranked
+from runner.search.pbt.population import Population, Settings, mlflow_key, ranked
 from runner.cli.preflight import resolved
 from runner.spec.run import RunSpec
 
@@ -88,7 +88,7 @@ def _open_parent(cfg: DictConfig, sweep_dir: Path, base: RunSpec, pbt: Settings,
     saved = sweep_dir / PARENT_FILE
     reuse = saved.read_text().strip() if saved.is_file() else None
     params = {"pbt.population": pbt.population, "pbt.ready": pbt.ready, "pbt.quantile": pbt.quantile,
-              "pbt.explore": pbt.explore, **{f"space.{k}": d for k, d in space.items()}}
+              "pbt.explore": pbt.explore, **{f"space.{mlflow_key(k)}": d for k, d in space.items()}}
     parent.start(name=f"pbt {' '.join(base.overrides)}"[:200], tags={"runner.sweeper": "pbt", "sweep_dir": str(sweep_dir)},
                  params=params, reuse=reuse)
     saved.write_text(parent.run_id)

@@ -64,11 +64,11 @@ def test_trainer_peak_tflops_wins_and_a_cpu_has_no_peak() -> None:
 
 
 def test_mfu_is_the_achieved_tflops_per_device_over_the_peak() -> None:
-    rate = flops.FlopRate(flops_per_unit=1e9, peak_tflops=50.0, world=2)
-    got = rate.metrics(units=4000, seconds=2.0)  # 4e12 FLOPs on 2 devices in 2 s: 1 TFLOP/s each
+    rate = flops.FlopRate(peak_tflops=50.0, world=2)
+    got = rate.metrics(flops=4e12, seconds=2.0)  # 4e12 FLOPs on 2 devices in 2 s: 1 TFLOP/s each
     assert got == {"throughput/tflops": pytest.approx(1.0), "throughput/mfu": pytest.approx(0.02)}
-    assert flops.FlopRate(1e9, None).metrics(4000, 2.0) == {"throughput/tflops": pytest.approx(2.0)}
-    assert flops.FlopRate(None, 50.0).metrics(4000, 2.0) == {}
+    assert flops.FlopRate(None).metrics(4e12, 2.0) == {"throughput/tflops": pytest.approx(2.0)}
+    assert flops.FlopRate(50.0).metrics(0.0, 2.0) == {}  # no FLOPs counted: nothing logged
 
 
 def test_the_end_of_run_summary_prints_tflops_and_mfu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -83,3 +83,63 @@ def test_the_end_of_run_summary_prints_tflops_and_mfu(tmp_path: Path, caplog: py
     caplog.clear()
     print_summary(spec, RunResult(0.9, {}, {}, {}, 10, 2.0, 320.0, tflops=0.25), "")
     assert "  0.25 TFLOP/s per device, MFU unknown (set trainer.peak_tflops)\n" in caplog.text
+
+
+def logged_flops_per_unit(db: Path) -> dict[int, float]:
+    """Each logged step's FLOPs per unit: TFLOP/s over units/s of the same window (the same timed seconds)."""
+    from tests.runner.engine.test_parallel import metric_history
+
+    history = metric_history(db)
+    rates = {name: dict(history[name]) for name in history if name.startswith("throughput/")}
+    units = next(name for name in rates if name.endswith("_per_s"))
+    return {step: tflops * 1e12 / rates[units][step] for step, tflops in rates["throughput/tflops"].items()}
+
+
+def test_gradual_unfreezing_counts_the_frozen_and_the_unfrozen_epochs_each_at_their_own_flops(
+        tmp_path: Path, sqlite_uri: str) -> None:
+    """model.freeze=[1.*] until epoch 1 (issue 22, defect 12): the first layer's weight gradient is not computed
+    in epoch 0, so its steps log the frozen hand count per sample, and epoch 1's the full one (52% more here)."""
+    from tests.runner.engine.test_engine import tracked
+
+    engine = tracked(["model.hidden=[16]", "model.freeze=[1.*]", "model.unfreeze_after_epochs=1", "trainer.max_epochs=2",
+                      "dataset.batch_size=256", "trainer.log_every_n_steps=1", "trainer.eval_every_epoch=false",
+                      "trainer.progress_bar=off"], tmp_path / "run", sqlite_uri)
+    engine.fit()
+    per_sample = logged_flops_per_unit(tmp_path / "mlflow.db")
+    frozen, unfrozen = mlp_step_by_hand(1, [64, 16, 10], [False, True]), mlp_step_by_hand(1, [64, 16, 10])
+    assert unfrozen / frozen > 1.5
+    epoch = engine.steps_per_epoch
+    assert sorted(per_sample) == list(range(1, 2 * epoch + 1))
+    assert [per_sample[s] for s in range(1, 2 * epoch + 1)] == pytest.approx([frozen] * epoch + [unfrozen] * epoch,
+                                                                              rel=1e-9)
+
+
+def test_padded_text_batches_are_counted_at_their_own_length(tmp_path: Path, sqlite_uri: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token sequences of 8 to 24 tokens padded to each batch's longest (issue 22, defect 16): each step's logged
+    FLOPs are the counter's on a batch of that step's shape, not the stand-in's length scaled by tokens."""
+    from tests.runner.engine.test_engine import tracked
+
+    engine = tracked(["dataset._target_=tests.user_pkg.tokens.build_ragged", "task=language_modeling", "model=gpt",
+                      "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "dataset.batch_size=4",
+                      "trainer.max_steps=8", "trainer.log_every_n_steps=1", "trainer.eval_every_epoch=false",
+                      "trainer.progress_bar=off", "trainer.memory_estimate=false"], tmp_path / "run", sqlite_uri)
+    steps, real_step = [], engine.train_step  # each step's one micro-batch: its shape and its tokens that count
+
+    def recording(micro_batches):
+        (batch,) = micro_batches
+        steps.append((tuple(batch["input_ids"].shape), int((batch["labels"] != -100).sum())))
+        return real_step(micro_batches)
+
+    monkeypatch.setattr(engine, "train_step", recording)
+    engine.fit()
+    assert len({shape for shape, _ in steps}) > 1  # batches of several lengths
+    counted = []
+    for (batch, length), _ in steps:
+        ids = torch.zeros(batch, length, dtype=torch.long)
+        counted.append(flops.micro_step_flops(engine.module, ids, ids, batch, engine.pass_labels))
+    per_token = logged_flops_per_unit(tmp_path / "mlflow.db")
+    assert sorted(per_token) == list(range(1, 9))
+    # FLOPs per token logged x the step's tokens = the counter's FLOPs of that step's batch
+    assert [per_token[step] * tokens for step, (_, tokens) in enumerate(steps, start=1)] == pytest.approx(counted,
+                                                                                                      rel=1e-9)

@@ -27,6 +27,9 @@ def test_a_resume_from_a_step_between_log_steps_logs_every_value_of_the_uninterr
     timing = {"throughput/samples_per_s", "throughput/tflops"}
     assert {k: v for k, v in got.items() if k not in timing} == {k: v for k, v in want.items() if k not in timing}
     assert all([s for s, _ in got[k]] == [s for s, _ in want[k]] for k in timing)
+    # the window's FLOPs came back with it: the FLOPs per sample of step 15's window are every window's
+    per_sample = [t / s for (_, t), (_, s) in zip(got["throughput/tflops"], got["throughput/samples_per_s"])]
+    assert per_sample == pytest.approx([per_sample[0]] * 4, rel=1e-9)
 
 
 @pytest.mark.slow

@@ -96,3 +96,23 @@ def test_measuring_before_training_changes_nothing_and_is_logged(tmp_path: Path)
     assert float(tracker.tags["memory.parameters_mib"]) == pytest.approx(params / 2**20, abs=1e-3)
     assert float(tracker.tags["memory.optimizer_mib"]) == pytest.approx(2 * params / 2**20, abs=1e-3)  # adam: 2 moments
     assert float(tracker.tags["memory.activations_mib"]) > 0 and "memory.available_mib" in tracker.tags
+
+
+@pytest.mark.parametrize("averaging, copies", [
+    (["trainer.max_steps=1"], 0), (["trainer.max_steps=1", "trainer.ema.decay=0.9"], 1),
+    (["trainer.max_epochs=1", "dataset.batch_size=512", "trainer.ema.decay=0.9", "trainer.swa.start_epoch=0"], 2)])
+def test_the_ema_and_swa_weight_copies_are_counted(tmp_path: Path, averaging: list[str], copies: int) -> None:
+    """Each average is an fp32 copy of the parameters and persistent buffers beside the model (issue 22,
+    defect 14): the estimate counts exactly the bytes the averages hold, and its total grows by them."""
+    spec = compose_spec(["model=cnn", "model.channels=[32,64]", "model.norm=true",
+                         "trainer.eval_every_epoch=false", "trainer.progress_bar=off", *averaging], tmp_path)
+    tracker = RecordingTracker()
+    engine = Engine(spec, tracker)
+    engine.fit()
+    held = sum(v.numel() * v.element_size() for a in (engine.averages.ema, engine.averages.swa) if a is not None
+               for v in a.values.values())
+    assert held == copies * sum(v.numel() * v.element_size() for v in engine.module.state_dict().values())
+    assert float(tracker.tags.get("memory.averages_mib", "0")) == pytest.approx(held / 2**20, abs=5e-4)
+    parts = ("parameters", "gradients", "optimizer", "activations", "averages")
+    assert float(tracker.tags["memory.total_mib"]) == pytest.approx(
+        sum(float(tracker.tags.get(f"memory.{k}_mib", "0")) for k in parts), abs=5e-3)

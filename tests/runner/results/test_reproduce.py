@@ -1,6 +1,7 @@
 """The run record, `runner reproduce` and `runner compare`, in this process against real MLflow stores."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from importlib import metadata
@@ -95,6 +96,57 @@ def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in found] == [
         f"data root:{folder}", f"data train_file:{table}"]
     assert '"bytes": 15, "files": 2' in found[0] and '"bytes": 10, "files": 1' in found[0]
+
+
+UNTRACKED_NET = """import math
+
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.head = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x):
+        return self.head(x.flatten(1)) * {scale}
+"""
+
+
+def test_an_untracked_model_file_that_changed_is_a_difference(tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """The user's model is a file git does not track (issue 22, defect 13): `git diff HEAD` misses its change, so
+    the record holds the source of every module the run imported from outside site-packages, and reproduce
+    names the changed one."""
+    work = tmp_path / "work"
+    (work / "untracked_models_13").mkdir(parents=True)
+    git(work, "init", "-q")
+    (work / "README").write_text("a project\n")
+    git(work, "add", ".")
+    git(work, "commit", "-qm", "first")
+    net = work / "untracked_models_13" / "net.py"
+    (work / "untracked_models_13" / "__init__.py").write_text("")
+    net.write_text(UNTRACKED_NET.format(scale=1.0))
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    run(compose_spec([*TINY, "model._target_=untracked_models_13.net.Net"], tmp_path / "run", store))
+    client = MlflowClient(store)
+    (original,) = client.search_runs(["1"])
+    record = json.loads(Path(client.download_artifacts(original.info.run_id, run_record.RECORD_FILE,
+                                                       str(tmp_path))).read_text())
+    assert record["git"]["diff_sha256"] is None  # git sees no change: the file is untracked
+    source = record["sources"]["untracked_models_13.net"]
+    assert source == {"file": str(net), "sha256": hashlib.sha256(net.read_bytes()).hexdigest()}
+    assert not any("site-packages" in s["file"] for s in record["sources"].values())
+
+    old = source["sha256"]
+    net.write_text(UNTRACKED_NET.format(scale=2.0))
+    new = hashlib.sha256(net.read_bytes()).hexdigest()
+    capsys.readouterr()
+    reproduce.main([original.info.run_id, "--uri", store, "--run-dir", str(tmp_path / "again")])
+    out = capsys.readouterr().out
+    assert f"reproduce: 1 difference(s) between run {original.info.run_id} and now:" in out
+    assert f"  differs: source of untracked_models_13.net ({net}): {old} then, {new} now" in out
 
 
 def _fake_run(client: MlflowClient, experiment: str, name: str, lr: str, objective: float | None,

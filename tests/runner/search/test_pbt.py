@@ -7,6 +7,7 @@ with n_jobs=1 runs each member's round in-process); the CLI's refusals are in te
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -176,3 +177,58 @@ def test_a_sigkilled_population_command_goes_on_from_its_last_round_when_run_aga
     members = {m["run_id"] for m in state["members"]}
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert {r.info.status for r in runs if r.info.run_id in members} == {"FINISHED"}
+
+
+def test_lr_multiplier_globs_with_a_dot_are_explored_as_one_key(tmp_path: Path, store: str) -> None:
+    """`optimizer.lr_multipliers.1.*` (README's `backbone.*` has a dot too; issue 22, defect 15) parses as a
+    space, and each member trains with {"1.*": its value}: the glob stays one key of lr_multipliers, and the
+    first layer's group logs lr x that value at every step of both rounds."""
+    base = compose_spec(BASE, tmp_path / "base", store)
+    space = explore.parse_space({"optimizer.lr_multipliers.1.*": "interval(0.1, 0.9)"})
+    assert space == {"optimizer.lr_multipliers.1.*": explore.Dim(0.1, 0.9)}
+    settings = Settings(population=2, ready=3, quantile=0.5, perturb=(0.5,), resample_probability=0.0)
+    state = Population(base, space, settings, tmp_path / "sweep").run()
+    copier, _ = copier_and_source(state)
+    for member in state["members"]:
+        multiplier = member["hparams"]["optimizer.lr_multipliers.1.*"]
+        spec = yaml.safe_load((Path(member["run_dir"]) / "spec.yaml").read_text())
+        assert spec["optimizer"]["lr_multipliers"] == {"1.*": multiplier}
+        lr, scaled = history(store, member["run_id"], "lr"), history(store, member["run_id"], f"lr/x{multiplier:g}")
+        steps = (4, 5, 6) if member is copier else (1, 2, 3, 4, 5, 6)
+        assert [scaled[s] for s in steps] == [pytest.approx(lr[s] * multiplier, rel=1e-4) for s in steps]
+
+
+def test_a_diverging_member_ranks_last_and_is_exploited(tmp_path: Path, store: str) -> None:
+    """Member 1's lr (1000) makes it diverge at step 2 of round 1 (issue 22, defect 9): the population goes on,
+    the member ranks last with a NaN objective, copies member 0's step-3 checkpoint with its lr doubled, and
+    trains round 2 to the end; both MLflow runs end FINISHED, the diverged round's failure recorded as a tag."""
+    base = compose_spec([*BASE, "model._target_=tests.user_pkg.nan_net.NanWhenLarge", "optimizer=sgd"],
+                        tmp_path / "base", store)
+    settings = Settings(population=2, ready=3, quantile=0.5, perturb=(2.0,), resample_probability=0.0)
+    pop = Population(base, explore.parse_space(SPACE), settings, tmp_path / "sweep")
+    start = pop.load_or_start()
+    for member, lr in zip(start["members"], (0.01, 1000.0)):
+        member["hparams"]["optimizer.lr"] = lr
+    pop._save(start)
+    state = pop.run()
+    good, diverged = state["members"]
+    assert math.isfinite(good["objectives"][0][1]) and diverged["lineage"] == [{"from": 0, "step": 3, "run": good["run_id"]}]
+    assert diverged["hparams"]["optimizer.lr"] == pytest.approx(0.02)
+    client = MlflowClient(store)
+    assert [m.step for m in client.get_metric_history(diverged["run_id"], "val/acc")][-1] == 6
+    assert [client.get_run(m["run_id"]).info.status for m in (good, diverged)] == ["FINISHED", "FINISHED"]
+    assert client.get_run(diverged["run_id"]).data.tags["pbt.diverged"].startswith("the loss is not finite from step 2 on")
+    assert history(store, diverged["run_id"], "pbt/optimizer.lr") == {0: 1000.0, 3: pytest.approx(0.02)}
+
+
+def test_a_population_whose_every_member_diverged_stops_in_one_line(tmp_path: Path, store: str) -> None:
+    base = compose_spec([*BASE, "model._target_=tests.user_pkg.nan_net.NanWhenLarge", "optimizer=sgd"],
+                        tmp_path / "base", store)
+    pop = Population(base, explore.parse_space(SPACE), Settings(population=2, ready=3, quantile=0.5), tmp_path / "sweep")
+    start = pop.load_or_start()
+    for member in start["members"]:
+        member["hparams"]["optimizer.lr"] = 1000.0
+    pop._save(start)
+    with pytest.raises(SpecError, match=r"^hydra.sweeper.params: every member diverged by step 3 \(a NaN val/acc\); "
+                                        r"narrow the space toward smaller lrs, or clip gradients$"):
+        pop.run()
