@@ -86,10 +86,14 @@ def _typed(key: str, typed: set[str]) -> bool:
     return key in typed or any(t.endswith(".") and key.startswith(t) for t in typed)
 
 
-def check_source(target: str | Path) -> None:
-    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed."""
+def check_source(target: str | Path, training: bool = True) -> None:
+    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed
+    (training: a file of a run's weights alone, such as its best-step-N.pt, holds nothing to train on from)."""
     if not starts_over(Path(target)):
-        checkpoint.verify(target)
+        path = checkpoint.verify(target)
+        if training and checkpoint.kind(path) == checkpoint.WEIGHTS:
+            raise SpecError(f"trainer.resume: {path} holds a run's weights only, not its training state; train from "
+                            f"them with model.weights={path}, or evaluate them with mode=eval")
 
 
 def starts_over(target: Path) -> bool:

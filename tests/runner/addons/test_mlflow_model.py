@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from runner.spec import components
 
+from runner.engine import checkpoint
 from runner.results import export
 
 from runner.addons import mlflow_model
@@ -70,7 +71,7 @@ def test_best_weights_logged_load_back_by_run_and_registry_to_the_runners_output
     # the metrics of step 2 (its validation) are linked to the model
     assert {m.key for m in model.metrics} >= {"val/acc", "val/loss"} and {m.step for m in model.metrics} == {2}
 
-    best = torch.load(tmp_path / "run_best" / "checkpoints" / "best-step-00000002.pt", weights_only=True)["model"]
+    best = checkpoint.load(tmp_path / "run_best" / "checkpoints" / "best-step-00000002.pt")["model"]  # a runner checkpoint
     inputs = val_inputs(engine)
     expected = outputs_at(engine, best, inputs)
     assert not torch.allclose(expected, outputs_at(engine, engine.module.state_dict(), inputs))  # step 4's differ

@@ -16,7 +16,7 @@ from runner.engine import checkpoint
 
 from runner.spec import components
 from runner.cli.launch import run
-from runner.results.predict import generate
+from runner.tasks.language_modeling import generate
 from runner.results.source import resolve_source
 from runner.tracking.tracker import RUN_FILE
 from tests.conftest import compose_spec
