@@ -100,9 +100,10 @@ def write(path: Path, step: int, state: dict[str, Any], kind: str = TRAINING) ->
     return path
 
 
-def kind(path: str | Path) -> str:
-    """What a checkpoint file holds (TRAINING or WEIGHTS), checksum verified; nothing is unpickled."""
-    return _use(path, _read_meta)[1].get("kind", TRAINING)
+def verify_kind(path_or_run_dir: str | Path) -> tuple[Path, str]:
+    """verify(), and what the file holds (TRAINING or WEIGHTS), from one read; nothing is unpickled."""
+    path, meta = _use(path_or_run_dir, _read_meta)
+    return path, meta.get("kind", TRAINING)
 
 
 def is_checkpoint(head: bytes) -> bool:

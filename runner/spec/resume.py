@@ -90,10 +90,15 @@ def check_source(target: str | Path, training: bool = True) -> None:
     """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed
     (training: a file of a run's weights alone, such as its best-step-N.pt, holds nothing to train on from)."""
     if not starts_over(Path(target)):
-        path = checkpoint.verify(target)
-        if training and checkpoint.kind(path) == checkpoint.WEIGHTS:
-            raise SpecError(f"trainer.resume: {path} holds a run's weights only, not its training state; train from "
-                            f"them with model.weights={path}, or evaluate them with mode=eval")
+        path, kind = checkpoint.verify_kind(target)
+        if training:
+            _refuse_weights_only(path, kind)
+
+
+def _refuse_weights_only(path: Path, kind: str) -> None:
+    if kind == checkpoint.WEIGHTS:
+        raise SpecError(f"trainer.resume: {path} holds a run's weights only, not its training state; train from "
+                        f"them with model.weights={path}, or evaluate them with mode=eval")
 
 
 def starts_over(target: Path) -> bool:
@@ -105,7 +110,8 @@ def starts_over(target: Path) -> bool:
 def _saved_spec(target: Path) -> RunSpec:
     if starts_over(target):
         return RunSpec.from_yaml((target / "spec.yaml").read_text())
-    path = checkpoint.verify(target)
+    path, kind = checkpoint.verify_kind(target)
+    _refuse_weights_only(path, kind)  # a resume trains on from the file: a best-step-N.pt cannot be one
     text = checkpoint.read_spec(path)
     if text is None:  # a checkpoint written before checkpoints held their spec: the run's spec.yaml
         spec_file = path.parent.parent / "spec.yaml"

@@ -180,3 +180,28 @@ def test_a_huggingface_model_of_named_inputs_is_logged_pickled_and_loads_back(tm
         mlflow.set_tracking_uri(None)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+
+
+def test_an_ema_objective_logs_the_ema_weights_it_measured(tmp_path: Path, store: str) -> None:
+    """Defect: with objective.metric=val/ema/acc the logged model held the raw weights, not the EMA weights
+    whose validation the run reported as its best."""
+    spec = compose_spec([*[o for o in TINY if not o.startswith("objective.")], "tracking.log_model=best",
+                         "trainer.ema.decay=0.9", "objective.metric=val/ema/acc"], tmp_path / "run", store)
+    engine = Engine(spec, build_tracker(spec))
+    engine.fit()
+    source = engine.best_weights.source
+    step = int(source.rpartition(" ")[2])
+    kept = checkpoint.load(tmp_path / "run" / "checkpoints" / f"best-step-{step:08d}.pt")  # the tested weights
+    ema, raw = kept["averages"]["ema"]["values"], kept["model"]
+    assert not all(torch.equal(ema[k], raw[k]) for k in ema)  # the EMA differs from the raw weights
+    mlflow.set_tracking_uri(store)
+    try:
+        loaded = mlflow.pytorch.load_model(f"runs:/{engine.tracker.run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(None)
+    logged = loaded.state_dict()
+    assert logged.keys() == raw.keys() and all(torch.equal(logged[k], ema[k]) for k in raw)
+    inputs = val_inputs(engine)
+    torch.testing.assert_close(loaded(inputs), outputs_at(engine, ema, inputs), atol=ATOL, rtol=RTOL)
+    model = MlflowClient(store).get_logged_model(logged_models(store, engine.tracker.run_id)[0].model_id)
+    assert model.tags["runner.weights_from"] == f"{source} (ema)"
