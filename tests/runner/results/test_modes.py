@@ -288,6 +288,10 @@ def test_a_best_file_is_a_runner_checkpoint_that_eval_and_export_take_and_a_trai
     with pytest.raises(SpecError, match=r"^trainer.resume: .*best-step-00000002.pt holds a run's weights only, not "
                                         r"its training state; train from them with model.weights="):
         check_source(best_file)
+    from runner.engine.engine import Engine
+
+    started = Engine(compose_spec([*BEST_NOT_LAST, f"model.weights={best_file}"], tmp_path / "new")).module.state_dict()
+    assert all(torch.equal(started[k], v) for k, v in state["model"].items())  # what the refusal suggests works
     with pytest.raises(SpecError, match="^weights.which: best chooses among a run directory's files"):
         run(compose_spec(["mode=eval", f"trainer.resume={best_file}", "weights.which=best"], tmp_path / "refused"))
 
