@@ -7,7 +7,7 @@ collective under fsdp: every rank calls it): a runner checkpoint of the run's we
 read through runner/engine/run_weights.py, the one place that says which weights of a run are meant. Step checkpoints' rotation
 (keep_checkpoints) never removes it. At the end the best weights are loaded for the test and the last
 ones put back, so the final checkpoint still continues the run exactly. SWA's BatchNorm statistics are
-recomputed for the best SWA weights, as they are for the last ones.
+recomputed for the best SWA weights, as they are for the last ones, and kept in the best file.
 
 A resume continues from a step checkpoint, whose monitor knows the best step up to it: that step's best
 file is kept until a newer checkpoint knows a newer best, so a kill between a new best and the next
@@ -90,6 +90,12 @@ class BestWeights:
             engine.averages.load_state_dict(state["averages"])
             engine.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
             metrics = _test(engine)
+            if engine.averages.swa is not None and engine.averages.swa.count:
+                # the file then holds the SWA weights as tested: what eval, export and log_model take of it
+                averages = engine.averages.state_dict()  # a collective under fsdp
+                if engine.env.is_main:
+                    run_weights.save_best(self.directory, best, state["model"], averages, engine.spec.to_yaml(),
+                                          engine.tracker.run_id or "")
         finally:
             _restore(engine, saved)
         self.source = f"best@step {best}"

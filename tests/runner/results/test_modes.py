@@ -369,3 +369,19 @@ def test_predict_on_a_regression_run_writes_the_predicted_values_and_the_real_ta
     torch.testing.assert_close(got[:, :outputs], predicted.reshape(len(x), outputs), atol=1e-6, rtol=0)
     assert torch.equal(got[:, outputs:], y.reshape(len(y), outputs).float())  # the real targets, not integers
     assert not torch.equal(got[:, outputs:], got[:, outputs:].round())
+
+
+def test_an_swa_objectives_best_file_holds_the_batchnorm_statistics_its_test_used(tmp_path: Path, store: str) -> None:
+    """SWA's BatchNorm statistics are recomputed for the best SWA weights before their test: the best file
+    keeps them, so an evaluation of the run gives the run's own test/swa/* numbers."""
+    src = tmp_path / "src"
+    # lr 0.1: val/swa/acc is best at the end of epoch 0 (step 3), lower at the last step (9)
+    run(compose_spec(["model=cnn", "model.channels=[8]", "dataset.batch_size=512", "trainer.max_epochs=3",
+                      "optimizer.lr=0.1", "trainer.swa.start_epoch=0", "objective.metric=val/swa/acc",
+                      "trainer.progress_bar=off", "trainer.memory_estimate=false"], src, store))
+    source_run = (src / RUN_FILE).read_text().strip()
+    logged = MlflowClient(store).get_run(source_run)
+    assert logged.data.tags["test_from"] == "best@step 3"
+    result = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]"], tmp_path / "eval"))
+    assert result.final == {k: v for k, v in logged.data.metrics.items() if k.startswith("test/")}
+    assert {"test/swa/acc", "test/acc"} <= result.final.keys()
