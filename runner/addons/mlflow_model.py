@@ -133,7 +133,7 @@ def _example(spec: Any, data: Any, model: torch.nn.Module) -> tuple[Any, Any]:
     as a HF model does) and the signature inferred from them and the model's outputs."""
     from mlflow.models import infer_signature
 
-    from runner.results.export import example_inputs
+    from runner.tasks.batches import example_inputs
 
     batch = {k: v[:EXAMPLE_ROWS] for k, v in example_inputs(spec, data, model).items()}
     with torch.no_grad():

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from runner.engine import run_weights
+from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
 from runner.spec import components
 from runner.spec.run import RunSpec, SpecError
@@ -105,21 +106,6 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
     log.info("exported the %s weights of %s to %s (%s)", weights.source, path, out,
              ", ".join(sorted(p.name for p in out.iterdir())))
     return out
-
-
-def example_inputs(spec: RunSpec, data: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One batch of the model's inputs, by the forward argument each goes to (a tuple batch's inputs go to
-    the first argument): from validation, else test, else training data."""
-    from runner.engine.loader import make_loader
-    from runner.tasks.batches import split_batch
-
-    dataset = next(d for d in (data.val, data.test, data.train) if len(d))
-    loader = make_loader(dataset, spec.dataset.batch_size, seed=spec.seed, shuffle=False, num_workers=0,
-                         pin_memory=False, collate=data.collate)
-    inputs = split_batch(next(iter(loader))).inputs
-    if isinstance(inputs, dict):
-        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return {next(iter(inspect.signature(model.forward).parameters)): inputs}
 
 
 def load_exported(directory: str | Path) -> torch.nn.Module:

@@ -130,7 +130,8 @@ def test_fsdp_logs_the_last_weights_once_from_rank_0(tmp_path: Path) -> None:
     [output] = run.outputs.model_outputs
     assert output.step == 4
     # the runner's own model at the final weights: rebuilt from the run's last checkpoint by mode=export's code
-    final = export.load_exported(export.export_checkpoint(tmp_path / "run", tmp_path / "export", program=False))
+    final = export.load_exported(export.export_checkpoint(tmp_path / "run", tmp_path / "export", program=False,
+                                                          which="last"))  # a run directory: its tested weights by default
     inputs = torch.randn(16, 1, 8, 8)
     mlflow.set_tracking_uri(f"sqlite:///{db}")
     try:
