@@ -86,17 +86,19 @@ class RunWeights:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict holding the chosen weights: the raw ones, with the average's tensors in place
-        of those it averaged (cast to the model's dtypes). A tied tensor kept once by the average (its name
-        being the first of the tie's) replaces every name sharing its storage, so a load in any order agrees."""
+        of those it averaged (cast to the model's dtypes). The average holds every parameter and persistent
+        buffer once: a name it lacks is a tied parameter's second name (gpt's lm_head.weight), which takes
+        the average of its twin (the name whose raw tensor equals it; a save may have copied the tie apart),
+        so a load in any order agrees."""
         model = self.state["model"]
         if self.average == "none":
             return dict(model)
         values = self.state["averages"][self.average]["values"]
-        by_storage = {_storage(model[name]): value for name, value in values.items() if name in model}
         out = {}
         for name, raw in model.items():
-            value = values.get(name, by_storage.get(_storage(raw)))
-            out[name] = raw if value is None else value.to(raw.dtype)
+            twin = name if name in values else next(
+                (n for n in values if n in model and model[n].shape == raw.shape and torch.equal(model[n], raw)), None)
+            out[name] = raw if twin is None else values[twin].to(raw.dtype)
         return out
 
     def load_into(self, module: torch.nn.Module) -> None:
@@ -108,10 +110,9 @@ class RunWeights:
                             f"({str(e).splitlines()[0]})") from None
 
 
-def read(target: str | Path, which: str = "tested", average: str = "auto", objective: str | None = None) -> RunWeights:
+def read(target: str | Path, which: str = "tested", average: str = "auto") -> RunWeights:
     """The weights `target` (a run directory or a checkpoint file) names, chosen by `which` and `average`
-    (see the module docstring); `objective` is the metric `average=auto` follows (default: the run's own).
-    Every refusal is one line naming the key."""
+    (see the module docstring; auto follows the run's own objective). Every refusal is one line naming the key."""
     if which not in WHICH:
         raise SpecError(f"weights.which: {which!r}; choose one of {', '.join(WHICH)}")
     if average not in AVERAGES:
@@ -127,7 +128,7 @@ def read(target: str | Path, which: str = "tested", average: str = "auto", objec
         state = checkpoint.load(path)
         chosen = "best" if BEST_FILE.fullmatch(path.name) else "last"
     spec = yaml.safe_load(state.get("spec") or "{}") or {}
-    metric = objective or (spec.get("objective") or {}).get("metric", "")
+    metric = (spec.get("objective") or {}).get("metric", "")
     kind = measured_average(metric) if average == "auto" else average
     if kind != "none":
         kept = (state.get("averages") or {}).get(kind)
@@ -172,7 +173,3 @@ def _from_run_dir(run_dir: Path, which: str) -> tuple[Path, dict[str, Any], str]
         return file, checkpoint.load(file), "best"
     raise SpecError(f"weights.which: best: {run_dir} keeps no weights of its best step {step} (trainer.test_on=last "
                     f"or trainer.save_checkpoints=false); use weights.which=last")
-
-
-def _storage(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-    return t.untyped_storage().data_ptr(), tuple(t.shape)
