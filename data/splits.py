@@ -32,6 +32,8 @@ class DataSplits:
     collate: Optional[Callable] = None
     batch_transform: Optional[Callable] = None
     tokenizer: Optional[Any] = None  # the `tokenizers.Tokenizer` that made the ids, for a model to check its own against
+    # mode=predict on a text file: new texts as a dataset, encoded as this data encodes its own (labels 0)
+    encode_texts: Optional[Callable[[list[str]], Dataset]] = None
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,13 @@ def _classification(train_texts: list[str], train_labels: np.ndarray, val_texts:
     train, carved_val, carved_test = (pool.subset(idx) for idx in (train_idx, val_idx, test_idx))
     val = carved_val if val_texts is None else tokenized(val_texts, val_labels)
     test = tokenized(test_texts, test_labels) if len(test_texts) else carved_test
+
+    def encode_texts(texts: list[str]) -> TokenizedTexts:
+        return TokenizedTexts.pack([(prefix + ids)[:max_length] for ids in encode(tok, texts)], np.zeros(len(texts)))
+
     return TokenSplits(train, val, test, input_shape=(max_length,), num_classes=num_classes, vocab_size=vocab,
-                       pad_token_id=pad, max_length=max_length, collate=PadCollate(pad), tokenizer=tok)
+                       pad_token_id=pad, max_length=max_length, collate=PadCollate(pad), tokenizer=tok,
+                       encode_texts=encode_texts)
 
 
 def _imdb_base(root: Path) -> Optional[Path]:

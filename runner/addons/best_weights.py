@@ -2,11 +2,12 @@
 objective.metric, not from the last ones.
 
 At each validation that improves objective.metric, the model's weights and the averaged ones (EMA/SWA:
-the objective may be val/ema/acc) are written to <run_dir>/checkpoints/best-step-<N>.pt, atomically and
-as full tensors (a collective under fsdp: every rank calls it). Step checkpoints' rotation
+the objective may be val/ema/acc) are written to <run_dir>/checkpoints/best-step-<N>.pt as full tensors (a
+collective under fsdp: every rank calls it): a runner checkpoint of the run's weights alone, written and
+read through runner/engine/run_weights.py, the one place that says which weights of a run are meant. Step checkpoints' rotation
 (keep_checkpoints) never removes it. At the end the best weights are loaded for the test and the last
 ones put back, so the final checkpoint still continues the run exactly. SWA's BatchNorm statistics are
-recomputed for the best SWA weights, as they are for the last ones.
+recomputed for the best SWA weights, as they are for the last ones, and kept in the best file.
 
 A resume continues from a step checkpoint, whose monitor knows the best step up to it: that step's best
 file is kept until a newer checkpoint knows a newer best, so a kill between a new best and the next
@@ -15,18 +16,14 @@ checkpoint never loses the weights the resumed run calls best.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from runner.engine import parallel
-from runner.files import atomic_write
+from runner.engine import checkpoint, parallel, run_weights
 
 log = logging.getLogger(__name__)
-
-_BEST_FILE = re.compile(r"best-step-(\d+)\.pt")
 
 
 class BestWeights:
@@ -49,7 +46,8 @@ class BestWeights:
         state = {"step": step, "model": parallel.full_model_state(self.engine.module),
                  "averages": self.engine.averages.state_dict()}  # both collectives under fsdp
         if self.engine.env.is_main:
-            _atomic_save(state, self.directory / f"best-step-{step:08d}.pt")
+            run_weights.save_best(self.directory, step, state["model"], state["averages"], self.engine.spec.to_yaml(),
+                                  self.engine.tracker.run_id or "")
             self._prune(keep={self.committed, step})
         parallel.barrier()
 
@@ -92,27 +90,33 @@ class BestWeights:
             engine.averages.load_state_dict(state["averages"])
             engine.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
             metrics = _test(engine)
+            if engine.averages.swa is not None and engine.averages.swa.count:
+                # the file then holds the SWA weights as tested: what eval, export and log_model take of it
+                averages = engine.averages.state_dict()  # a collective under fsdp
+                if engine.env.is_main:
+                    run_weights.save_best(self.directory, best, state["model"], averages, engine.spec.to_yaml(),
+                                          engine.tracker.run_id or "")
         finally:
             _restore(engine, saved)
         self.source = f"best@step {best}"
         return metrics
 
-    def saved_model(self, step: int) -> dict | None:
-        """The model weights kept for `step` (full tensors, read on the calling rank); None where unreadable."""
-        state = self._read(step)
-        return None if state is None else state["model"]
+    def saved_state(self, step: int) -> dict | None:
+        """The weights kept for `step` (model and averages, full tensors, read on the calling rank); None where
+        unreadable."""
+        return self._read(step)
 
     def _read(self, step: int) -> dict | None:
-        path = self.directory / f"best-step-{step:08d}.pt"
+        path = run_weights.best_file(self.directory, step)
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return checkpoint.load(path)
         except Exception as e:  # missing or unreadable: the caller says so and tests the last weights
             log.warning("cannot read %s (%s)", path, (str(e).strip() or type(e).__name__).splitlines()[0])
             return None
 
     def _prune(self, keep: set[int | None]) -> None:
         for path in self.directory.glob("best-step-*.pt"):
-            match = _BEST_FILE.fullmatch(path.name)
+            match = run_weights.BEST_FILE.fullmatch(path.name)
             if match and int(match.group(1)) not in keep:
                 path.unlink(missing_ok=True)
 
@@ -139,8 +143,3 @@ def _restore(engine: Any, saved: dict) -> None:
             average.values[k].copy_(v)
         average.count = count
 
-
-def _atomic_save(state: dict, path: Path) -> None:
-    """Written beside its name, fsynced and renamed: a kill leaves the previous best file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(state, f))

@@ -2,7 +2,9 @@
 look for it: the run page's "Logged models", `mlflow.register_model`, `mlflow.pytorch.load_model`.
 
 best: the weights the test metrics came from (trainer.test_on=best: the best value of objective.metric;
-where no best weights were kept, the last ones, and the tags say so); last: the final weights. The model
+where no best weights were kept, the last ones, and the tags say so); last: the final weights. Of those,
+the raw weights or an average (`weights.average`; by default the one objective.metric measures: with
+val/ema/acc the EMA weights are what leaves the run), chosen by runner/engine/run_weights.py. The model
 is the one `model._target_` builds, freshly built on the CPU in fp32 and given those weights, so what is
 pickled is the user's own class: no DDP/FSDP/compile wrapper, no activation-checkpointing mixin. Loading
 it back needs that class importable (runner installed for the built-in runner.models; a user's own
@@ -20,13 +22,14 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from runner.spec import components
 
-from runner.engine import parallel
+from runner.engine import parallel, run_weights
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +51,21 @@ class ModelLogger:
         if self.which == "none":
             return
         engine = self.engine
-        source = engine.best_weights.source if self.which == "best" else f"last@step {engine.progress.step}"
-        step = int(source.rpartition(" ")[2])
+        tested = engine.best_weights.source if self.which == "best" else f"last@step {engine.progress.step}"
+        which, _, step = tested.partition("@step ")
+        step, average = int(step), run_weights.chosen_average(self.spec)
         if step == engine.progress.step:  # the module holds these weights: full tensors (fsdp: every rank gathers)
-            state = parallel.full_model_state(engine.module)
+            state = {"model": parallel.full_model_state(engine.module), "averages": engine.averages.state_dict()}
         else:  # a kept best file, read on the main rank only
-            state = engine.best_weights.saved_model(step) if engine.env.is_main else None
+            state = engine.best_weights.saved_state(step) if engine.env.is_main else None
         if not engine.env.is_main or engine.tracker.run_id is None:
             return
         if state is None:
             engine.monitor.say(f"tracking.log_model={self.which}: the weights of step {step} cannot be read; "
                                "no model logged")
             return
+        weights = run_weights.RunWeights(Path(self.spec.run_dir), which, step, average, state)
+        state, source = weights.state_dict(), weights.source
         started = time.perf_counter()
         engine.tracker.flush()  # the metrics of that step are stored: MLflow links them to the model
         info, serialization = log_model(self.spec, self.data, state, engine.tracker.run_id, source, step)
@@ -127,7 +133,7 @@ def _example(spec: Any, data: Any, model: torch.nn.Module) -> tuple[Any, Any]:
     as a HF model does) and the signature inferred from them and the model's outputs."""
     from mlflow.models import infer_signature
 
-    from runner.results.export import example_inputs
+    from runner.tasks.batches import example_inputs
 
     batch = {k: v[:EXAMPLE_ROWS] for k, v in example_inputs(spec, data, model).items()}
     with torch.no_grad():

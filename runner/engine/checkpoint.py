@@ -34,8 +34,9 @@ from runner.spec.run import SpecError
 log = logging.getLogger(__name__)
 
 LAST = "last.pt"
+TRAINING, WEIGHTS = "training", "weights"  # what a file holds: a run's whole state, or its weights alone
 _STEP_FILE = re.compile(r"step-(\d+)\.pt")
-_TMP_FILE = re.compile(r"\.(?:step-\d+|last)\.pt\.tmp-(\d+)")
+_TMP_FILE = re.compile(r"\.(?:step-\d+|best-step-\d+|last)\.pt\.tmp-(\d+)")
 _MAGIC = b"runner checkpoint 1\n"
 _HEADER = re.compile(rb"sha256 ([0-9a-f]{64}) meta (\d{10}) payload (\d{16})\n")
 _HEADER_LEN = len(_MAGIC) + len(b"sha256 %s meta %010d payload %016d\n" % (b"0" * 64, 0, 0))
@@ -67,21 +68,8 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     state["optimizer"] holds NaN or inf. state["spec"], the YAML text of the run spec, is also kept in
     the file's meta record, so `read_spec` reads it without unpickling the checkpoint.
     """
-    bad = _first_non_finite(state)
-    if bad is not None:
-        raise NonFiniteCheckpoint(f"checkpoint of step {step} not written: {bad} holds NaN or inf "
-                                  "(the previous checkpoint is kept)")
-    spec = state.get("spec")
-    if spec is not None and not isinstance(spec, str):
-        raise TypeError(f"state['spec'] must be the YAML text of the run spec, not {type(spec).__name__}")
-    meta = json.dumps({"step": step, "spec": spec}).encode()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _write_error(e, directory) from e
-    remove_orphans(directory)
     path = directory / f"step-{step:08d}.pt"
-    _atomic_write(path, lambda f: _write_checkpoint(f, state, meta))
+    write(path, step, state)
     try:
         _atomic_link(path, directory / LAST)
     except CheckpointWriteError:
@@ -90,6 +78,33 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     for old in _step_files(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+def write(path: Path, step: int, state: dict[str, Any], kind: str = TRAINING) -> Path:
+    """One checkpoint file at `path`, atomically, checked as save() checks one (no last.pt link, no
+    rotation). `kind` is kept in the meta record: TRAINING (everything a resume needs) or WEIGHTS (a
+    run's best weights: model and averages only, which evaluate but cannot continue training)."""
+    bad = _first_non_finite(state)
+    if bad is not None:
+        raise NonFiniteCheckpoint(f"checkpoint of step {step} not written: {bad} holds NaN or inf "
+                                  "(the previous checkpoint is kept)")
+    spec = state.get("spec")
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"state['spec'] must be the YAML text of the run spec, not {type(spec).__name__}")
+    meta = json.dumps({"step": step, "spec": spec, **({"kind": kind} if kind != TRAINING else {})}).encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(e, path.parent) from e
+    remove_orphans(path.parent)
+    _atomic_write(path, lambda f: _write_checkpoint(f, state, meta))
+    return path
+
+
+def verify_kind(path_or_run_dir: str | Path) -> tuple[Path, str]:
+    """verify(), and what the file holds (TRAINING or WEIGHTS), from one read; nothing is unpickled."""
+    path, meta = _use(path_or_run_dir, _read_meta)
+    return path, meta.get("kind", TRAINING)
 
 
 def is_checkpoint(head: bytes) -> bool:
@@ -330,6 +345,11 @@ def _read_state(path: Path) -> dict[str, Any]:
 def _read_spec(path: Path) -> str | None:
     with _verified(path) as (_, meta):
         return meta.get("spec")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    with _verified(path) as (_, meta):
+        return meta
 
 
 def _checkpoint_dir(run_dir: Path) -> Path:

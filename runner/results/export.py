@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import yaml
 
-from runner.engine import checkpoint
+from runner.engine import run_weights
+from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
 from runner.spec import components
 from runner.spec.run import RunSpec, SpecError
@@ -50,13 +51,14 @@ def run(spec: RunSpec) -> Path:
                         "give trainer.resume=<run dir | checkpoint>")
     from runner.results.source import resolve_source
 
-    source = resolve_source(spec)[0]  # a run dir, checkpoint file or MLflow run id; refused before any MLflow run exists
+    source = resolve_source(spec)  # a run dir, checkpoint file or MLflow run id; refused before any MLflow run exists
     tracker = build_tracker(spec)
     tracker.start(spec)
     try:
-        out = export_checkpoint(source, Path(spec.run_dir) / "export")
+        out = export_weights(source.weights, Path(spec.run_dir) / "export")
         info = yaml.safe_load((out / "model.yaml").read_text())["source"]
-        tracker.set_tags({"runner.exported_from_checkpoint": str(source),
+        tracker.set_tags({"runner.exported_from_checkpoint": str(source.path),
+                          "runner.exported_weights": source.weights.source,
                           **({"runner.exported_from_run": info["mlflow_run_id"]} if info.get("mlflow_run_id") else {})})
         tracker.log_artifact(out)  # a directory: its files land under the run's export/ artifacts
     except BaseException:
@@ -66,21 +68,23 @@ def run(spec: RunSpec) -> Path:
     return out
 
 
-def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = True) -> Path:
-    """Export the model of a checkpoint file, or of a run directory's newest good checkpoint, into out_dir
-    (`program=False`: no torch.export program, which takes seconds to trace)."""
-    path = checkpoint.verify(source)
-    state = checkpoint.load(path)
-    if not state.get("spec"):
+def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = True, which: str = "tested",
+                      average: str = "auto") -> Path:
+    """Export the model of a checkpoint file, or of a run directory's weights (`which`, `average`: by default
+    those its test metrics came from: runner/engine/run_weights.py), into out_dir (`program=False`: no
+    torch.export program, which takes seconds to trace)."""
+    return export_weights(run_weights.read(source, which, average), out_dir, program)
+
+
+def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program: bool = True) -> Path:
+    """Export the model of a trained run's chosen weights into out_dir."""
+    path, state = weights.path, weights.state
+    if not weights.spec:
         raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
-    spec = RunSpec.from_yaml(state["spec"])
+    spec = RunSpec.from_yaml(weights.spec)
     data = components.build_data(spec)
     model = components.build_model(spec, data)
-    try:
-        model.load_state_dict(state["model"])
-    except (RuntimeError, KeyError) as e:
-        raise SpecError(f"trainer.resume: the weights in {path} do not fit {spec.model.target} "
-                        f"({str(e).splitlines()[0]})") from None
+    weights.load_into(model)
     model.eval()
     inputs = example_inputs(spec, data, model)
     out = Path(out_dir)
@@ -95,28 +99,13 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = T
         "model": {"_target_": spec.model.target, "_convert_": "all", **spec.model.params, **_data_decided(spec, data)},
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in inputs.items()},
         "torch_export": program,
-        "source": {"checkpoint": str(path), "step": int(state.get("progress", {}).get("step", 0)),
+        "source": {"checkpoint": str(path), "step": weights.step, "weights": weights.source,
                    "mlflow_run_id": state.get("mlflow_run_id") or None},
     }
     (out / "model.yaml").write_text(HOW_TO_LOAD + yaml.safe_dump(record, sort_keys=False))
-    log.info("exported step %d of %s to %s (%s)", record["source"]["step"], path, out,
+    log.info("exported the %s weights of %s to %s (%s)", weights.source, path, out,
              ", ".join(sorted(p.name for p in out.iterdir())))
     return out
-
-
-def example_inputs(spec: RunSpec, data: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One batch of the model's inputs, by the forward argument each goes to (a tuple batch's inputs go to
-    the first argument): from validation, else test, else training data."""
-    from runner.engine.loader import make_loader
-    from runner.tasks.batches import split_batch
-
-    dataset = next(d for d in (data.val, data.test, data.train) if len(d))
-    loader = make_loader(dataset, spec.dataset.batch_size, seed=spec.seed, shuffle=False, num_workers=0,
-                         pin_memory=False, collate=data.collate)
-    inputs = split_batch(next(iter(loader))).inputs
-    if isinstance(inputs, dict):
-        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return {next(iter(inspect.signature(model.forward).parameters)): inputs}
 
 
 def load_exported(directory: str | Path) -> torch.nn.Module:
@@ -174,13 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.results.export", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="a run directory (its newest good checkpoint) or a checkpoint file")
     parser.add_argument("--out", help="where to write (default: <run dir>/export)")
+    parser.add_argument("--which", choices=run_weights.WHICH, default="tested",
+                        help="a run directory's weights: those its test came from (default), its best or its last")
+    parser.add_argument("--average", choices=run_weights.AVERAGES, default="auto",
+                        help="the raw weights or an average the run kept (default: the one its objective measures)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     source = Path(args.source)
     run_dir = source if source.is_dir() else source.parent.parent if source.parent.name == "checkpoints" else source.parent
     out = Path(args.out) if args.out else run_dir / "export"
     try:
-        print(export_checkpoint(source, out))
+        print(export_checkpoint(source, out, which=args.which, average=args.average))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,12 @@
 """`mode=predict`: the trained model's predictions for a split, a folder of images or a text file, written
 to <run_dir>/predictions.csv (or .jsonl) and logged to MLflow with the run.
 
-A classifier writes per input its id, predicted class and class probabilities (a split's rows also carry
-the true label); a language model continues each line of a text file (one prompt a line) by
-`predict.max_new_tokens` tokens: greedy at temperature 0, else sampled (top-k) from a generator seeded by
-`seed`, so a prediction is repeatable."""
+What a prediction is belongs to the task (runner/tasks/): per input its id and the task's columns
+(`Task.prediction_rows`: a classifier's class and probabilities, a regression's value), with the target's
+where a split is predicted; a task that predicts from prompts (a language model) continues each line of a
+text file by `predict.max_new_tokens` tokens (`Task.generate`): greedy at temperature 0, else sampled
+(top-k) from a generator seeded by `seed`, so a prediction is repeatable. The weights are the run's
+(`weights.which`, `weights.average`: runner/engine/run_weights.py)."""
 from __future__ import annotations
 
 import csv
@@ -15,20 +17,20 @@ from typing import Iterator
 
 import torch
 
+from runner.results.source import load_engine, source_spec, tracked
 from runner.spec import components
 from runner.spec.fields import SpecError
-from runner.results.modes import load_engine, source_spec, tracked
 from runner.tasks import batches
-from runner.tasks.language_modeling import LanguageModeling
 
 
 def run(spec):
     from runner.engine.engine import RunResult
 
-    spec, path, source_run = source_spec(spec)
-    engine, step = load_engine(spec, path)  # what can be refused is, before this run's records exist
+    spec, source = source_spec(spec)
+    engine = load_engine(spec, source.weights)  # what can be refused is, before this run's records exist
+    path, step = source.path, source.weights.step
     rows = predictions(engine, spec)
-    tracker = tracked(spec, source_run, path, "predicted")
+    tracker = tracked(spec, source, "predicted")
     try:
         rows = list(rows)
         out = write(rows, Path(spec.run_dir) / f"predictions.{spec.predict.format}")
@@ -37,7 +39,8 @@ def run(spec):
     except BaseException as e:
         tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
-    print(f"runner: predicted {len(rows)} inputs with {path} (step {step})\n  wrote {out}\n  {tracker.describe()}",
+    print(f"runner: predicted {len(rows)} inputs with the {source.weights.source} weights of {path}\n  wrote {out}\n"
+          f"  {tracker.describe()}",
           file=sys.stdout, flush=True)
     return RunResult(float("nan"), {}, {}, {}, step, 0.0)
 
@@ -45,32 +48,35 @@ def run(spec):
 def predictions(engine, spec) -> Iterator[dict]:
     """The rows to write, read lazily; an input this model cannot read is refused here, before any is."""
     given = spec.predict.input
-    if isinstance(engine.task, LanguageModeling):
+    if getattr(engine.task, "predicts_from", "inputs") == "prompts":
         if given is None or Path(given).is_dir():
-            raise SpecError(f"predict.input: {given!r}: a language model continues prompts; give a text file with one "
-                            "prompt a line")
+            raise SpecError(f"predict.input: {given!r}: task {spec.task.target} continues prompts; give a text file "
+                            "with one prompt a line")
         return generated(engine, spec, Path(given))
     if given is None:
-        return classified(engine, ((None, raw) for raw in engine.eval_loaders[spec.predict.split]), with_labels=True)
+        return predicted(engine, ((None, raw) for raw in engine.eval_loaders[spec.predict.split]), with_labels=True)
     if Path(given).is_dir():
-        return classified(engine, image_batches(spec, Path(given)), with_labels=False)
-    return classified(engine, text_batches(spec, Path(given)), with_labels=False)
+        return predicted(engine, image_batches(spec, Path(given)), with_labels=False)
+    return predicted(engine, text_batches(spec, Path(given)), with_labels=False)
 
 
 @torch.no_grad()
-def classified(engine, loader, with_labels: bool) -> Iterator[dict]:
+def predicted(engine, loader, with_labels: bool) -> Iterator[dict]:
+    """Per input its id and the task's prediction columns (Task.prediction_rows)."""
     index = 0
     for ids, raw in loader:  # ids: the inputs' names, or None for their index
         batch = batches.to_device(batches.split_batch(raw), engine.device)
         with engine.precision.autocast():
             logits = batches.logits_of(batches.call_model(engine.model, batch, engine.pass_labels))
-        probs = torch.softmax(logits.float(), dim=-1).cpu()
-        labels = batch.labels.cpu() if with_labels else None
-        for i, p in enumerate(probs):
-            row = {"id": ids[i] if ids is not None else index, "predicted": int(p.argmax())}
-            if labels is not None:
-                row["label"] = int(labels[i])
-            yield {**row, "probabilities": [round(float(v), 6) for v in p]}
+        if logits is None:
+            raise SpecError(f"mode: predict needs the model's outputs; {engine.spec.model.target} returns only its own "
+                            "loss")
+        try:
+            rows = engine.task.prediction_rows(logits, batch.labels if with_labels else None)
+        except NotImplementedError as e:
+            raise SpecError(f"task: {e}") from None
+        for i, row in enumerate(rows):
+            yield {"id": ids[i] if ids is not None else index, **row}
             index += 1
 
 
@@ -99,22 +105,17 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
 
 def text_batches(spec, file: Path) -> Iterator[tuple[list[int], dict]]:
     """Batches of the file's lines (one text a line; blank lines skipped, ids are line numbers), encoded as
-    the dataset encodes its own texts: its tokenizer, its [CLS] prefix, cut at its max_length."""
-    from runner.data.text import TokenizedTexts
-    from runner.data.tokenize import cls_prefix, encode
-
+    the dataset encodes its own texts (its `encode_texts`: its tokenizer, its [CLS] prefix, its max_length)."""
     data = components.build_data(spec)
-    tokenizer = getattr(data, "tokenizer", None)
-    if tokenizer is None:
+    encode_texts = getattr(data, "encode_texts", None)
+    if encode_texts is None:
         raise SpecError(f"predict.input: {str(file)!r} is a file; a classifier of dataset {spec.dataset.target} reads "
                         "a folder of images (a text classifier reads a text file, one text a line), or predict.split "
                         "with predict.input=null")
     numbered = [(n, line) for n, line in enumerate(file.read_text().splitlines()) if line.strip()]
     if not numbered:
         raise SpecError(f"predict.input: {str(file)!r} holds no text (one text a line)")
-    prefix, size = cls_prefix(tokenizer), spec.dataset.batch_size
-    ids = [(prefix + e)[:data.max_length] for e in encode(tokenizer, [line for _, line in numbered])]
-    texts = TokenizedTexts.pack(ids, [0] * len(ids))
+    texts, size = encode_texts([line for _, line in numbered]), spec.dataset.batch_size
 
     def read() -> Iterator[tuple[list[int], dict]]:
         for start in range(0, len(numbered), size):
@@ -141,29 +142,9 @@ def generated(engine, spec, file: Path) -> Iterator[dict]:
             except ValueError:
                 raise SpecError(f"predict.input: line {number + 1} of {file} is {line[:40]!r}; this dataset has no "
                                 "tokenizer, so a prompt is token ids separated by spaces") from None
-        new = generate(engine.model, prompt, p.max_new_tokens, p.temperature, p.top_k, generator, context)
+        new = engine.task.generate(engine.model, prompt, p.max_new_tokens, p.temperature, p.top_k, generator, context)
         text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
         yield {"id": number, "input": line, "generated": text, "tokens": new}
-
-
-@torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, temperature: float, top_k: int | None,
-             generator: torch.Generator, context: int | None = None) -> list[int]:
-    """The new token ids after `prompt`, one forward per token over the last `context` tokens (nanoGPT's loop)."""
-    device = next(model.parameters()).device
-    x = torch.tensor([prompt], device=device)
-    for _ in range(max_new_tokens):
-        logits = batches.logits_of(model(x if context is None else x[:, -context:]))[:, -1, :].float()
-        if temperature == 0:
-            token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-        x = torch.cat([x, token], dim=1)
-    return x[0, len(prompt):].tolist()
 
 
 def write(rows: list[dict], path: Path) -> Path:
@@ -173,8 +154,14 @@ def write(rows: list[dict], path: Path) -> Path:
     with path.open("w", newline="") as f:
         writer = None
         for row in rows:
-            flat = {k: v for k, v in row.items() if k not in ("probabilities", "tokens")}
-            flat.update({f"p_{i}": v for i, v in enumerate(row.get("probabilities", []))})
+            flat = {}
+            for key, value in row.items():
+                if key == "tokens":  # the generated text holds them
+                    continue
+                if isinstance(value, list):  # probabilities: p_0, p_1, ...; several outputs: predicted_0, ...
+                    flat.update({f"{'p' if key == 'probabilities' else key}_{i}": v for i, v in enumerate(value)})
+                else:
+                    flat[key] = value
             if writer is None:
                 writer = csv.DictWriter(f, fieldnames=list(flat))
                 writer.writeheader()

@@ -120,11 +120,14 @@ def _short(value: Any) -> str:
 
 
 def rerun_spec(spec: RunSpec, original: Any, uri: str, run_dir: Path) -> RunSpec:
-    """The same spec as a fresh, standalone run: not a resume, not a trial of the original's study."""
+    """The same spec as a fresh, standalone run: not a resume, not a trial of the original's study. An
+    evaluation, prediction or export keeps its source: its spec names the very weights file and average it
+    took (runner/results/source.py), so the rerun takes the same weights."""
     from runner.spec.run import TrialSpec
 
     name = f"{original.info.run_name} (reproduced)"
-    return spec.replace(run_dir=str(run_dir), trainer=dataclasses.replace(spec.trainer, resume=None),
+    resume = spec.trainer.resume if spec.mode != "train" else None
+    return spec.replace(run_dir=str(run_dir), trainer=dataclasses.replace(spec.trainer, resume=resume),
                         trial=TrialSpec(), tracking=dataclasses.replace(spec.tracking, uri=uri, run_name=name))
 
 

@@ -1,39 +1,108 @@
 """The trained run that `mode=eval|predict|export` works on: `trainer.resume=<run dir | checkpoint file |
-MLflow run id>` resolved to a checkpoint file, the spec it was trained with, and its MLflow run.
+MLflow run id>` resolved to its weights (`weights.which`, `weights.average`: runner/engine/run_weights.py),
+the checkpoint file holding them, the spec it was trained with, and its MLflow run.
 
 A run id is looked up in this invocation's tracking store: the run's `run_dir` tag (every run logs it)
 names the directory whose checkpoints hold the weights; MLflow itself holds no checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
-from runner.spec.fields import SpecError
+from runner.spec.fields import SpecError, set_dotted
 from runner.tracking.tracker import RUN_FILE
 
+if TYPE_CHECKING:
+    from runner.engine.run_weights import RunWeights
+
 _RUN_ID = re.compile(r"[0-9a-f]{32}")  # MLflow's run ids: uuid4 hex
+# how and where this invocation runs and logs, and which weights it takes: never the source run's
+_OWN_KEYS = ("mode", "eval", "predict", "weights", "tracking", "parallelism", "run_dir", "overrides")
 
 
-def resolve_source(spec) -> tuple[Path, dict, str | None]:
-    """(checkpoint file, the source run's spec as a dict, its MLflow run id or None) for spec.trainer.resume."""
-    from runner.engine import checkpoint
+class Source(NamedTuple):
+    path: Path               # the checkpoint file holding the weights (a best file, or a step checkpoint)
+    spec: dict               # the spec the run trained with
+    run_id: str | None       # its MLflow run
+    weights: RunWeights      # the weights chosen
+
+
+def resolve_source(spec) -> Source:
+    """The trained run spec.trainer.resume names, and the weights of it that spec.weights chooses."""
+    from runner.engine import run_weights
 
     target = spec.trainer.resume
     run_id = None
     if not Path(target).exists() and _RUN_ID.fullmatch(target):
         run_id, target = target, _run_dir_of(target, spec)
-    path = checkpoint.verify(target)  # a directory: its newest checkpoint that passes its checksum
+    weights = run_weights.read(target, spec.weights.which, spec.weights.average)
+    path = weights.path
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-    text = checkpoint.read_spec(path)
+    text = weights.spec
     if text is None:  # a checkpoint written before checkpoints held their spec
         if not (run_dir / "spec.yaml").is_file():
             raise SpecError(f"trainer.resume: {path} holds no run spec and no spec.yaml lies beside it")
         text = (run_dir / "spec.yaml").read_text()
     if run_id is None and (run_dir / RUN_FILE).is_file():
         run_id = (run_dir / RUN_FILE).read_text().strip() or None
-    return path, yaml.safe_load(text), run_id
+    return Source(path, yaml.safe_load(text), run_id, weights)
+
+
+def source_spec(spec) -> tuple:
+    """The spec this invocation runs (the source run's, with what was typed now on top) and its Source. The
+    spec names the chosen weights' own file and average, so it reruns on exactly them (runner reproduce)."""
+    from runner.spec.resume import typed_keys
+    from runner.spec.run import RunSpec
+
+    source = resolve_source(spec)
+    merged = source.spec
+    now, typed = spec.to_dict(), typed_keys(spec.overrides)
+    for key in typed:
+        if key.endswith("."):  # a group choice (dataset=imagefolder): the whole option, not a mix of two
+            group = key[:-1]
+            # the loader's keys are the run's, not the option's: the source's batch unless typed now
+            kept = {k: merged[group][k] for k in ("batch_size", "num_workers") if group == "dataset" and f"dataset.{k}" not in typed}
+            merged[group] = {**now[group], **kept}
+        elif key.split(".")[0] not in _OWN_KEYS:
+            set_dotted(merged, key, _get(now, key))
+    merged.update({k: now[k] for k in _OWN_KEYS})
+    merged["trainer"]["resume"] = str(source.path)
+    merged["weights"] = {"which": "tested", "average": source.weights.average}  # a file is its own choice
+    merged["model"].pop("weights", None)  # the checkpoint's weights replace any starting weights
+    return RunSpec.from_yaml(yaml.safe_dump(merged, sort_keys=False)), source
+
+
+def load_engine(spec, weights: RunWeights, tracker=None, averages: bool = False):
+    """An Engine of spec holding the chosen weights (nothing else of the run's training state). averages:
+    the raw weights in the model and the run's averages in the engine's (mode=eval evaluates each)."""
+    from runner.engine.engine import Engine
+
+    # the weights are loaded here: the engine must not resume the optimizer, schedule or data position
+    engine = Engine(spec.replace(trainer=dataclasses.replace(spec.trainer, resume=None)), tracker)
+    if averages:
+        dataclasses.replace(weights, average="none").load_into(engine.module)
+        engine.averages.load_state_dict(weights.averages)
+    else:
+        weights.load_into(engine.module)
+    engine.model.eval()
+    return engine
+
+
+def tracked(spec, source: Source, verb: str):
+    """A new MLflow run (or none, tracking=none) tagged with the run and checkpoint this one used."""
+    from runner.tracking.tracker import build_tracker
+
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(spec.run_dir) / "spec.yaml").write_text(spec.to_yaml())
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.set_tags({f"runner.{verb}_checkpoint": str(source.path), f"runner.{verb}_run": source.run_id or "",
+                      f"runner.{verb}_weights": source.weights.source, "runner.mode": spec.mode})
+    return tracker
 
 
 def check_at_start(spec) -> None:
@@ -47,7 +116,7 @@ def check_at_start(spec) -> None:
                         "one input per line")
     target = spec.trainer.resume
     if not (not Path(target).exists() and _RUN_ID.fullmatch(target)):
-        check_source(target)
+        check_source(target, training=False)
 
 
 def _run_dir_of(run_id: str, spec) -> str:
@@ -67,3 +136,9 @@ def _run_dir_of(run_id: str, spec) -> str:
         raise SpecError(f"trainer.resume: MLflow run {run_id} names the run directory {run_dir!r}, which is not "
                         "here; give the run directory or a checkpoint file instead")
     return run_dir
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree

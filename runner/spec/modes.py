@@ -27,8 +27,28 @@ class PredictSpec:
                                gt=0)
 
 
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Which weights of a trained run are meant (runner/engine/run_weights.py)."""
+
+    which: Literal["tested", "best", "last"] = opt(
+        "tested", "mode=eval|predict|export on a run directory: the weights its test metrics came from (the best "
+                  "with trainer.test_on=best), its best validation's, or its last")
+    average: Literal["auto", "none", "ema", "swa"] = opt(
+        "auto", "the weights that leave a run (mode=predict|export, tracking.log_model): the raw ones or an average "
+                "the run kept; auto: the one objective.metric measures (val/ema/acc: ema), else none")
+
+
 def check(spec) -> None:
     """Rules across keys (RunSpec.validate): a mode other than train works on a trained run."""
     if spec.mode != "train" and not spec.trainer.resume:
         raise SpecError(f"trainer.resume: mode={spec.mode} needs a trained run; give "
                         f"trainer.resume=<run dir | checkpoint file | MLflow run id>")
+    average = spec.weights.average
+    if spec.mode == "train" and spec.tracking.log_model != "none" and average in ("ema", "swa"):
+        on = spec.trainer.ema.decay is not None if average == "ema" else spec.trainer.swa.start_epoch is not None
+        if not on:
+            key = "trainer.ema.decay" if average == "ema" else "trainer.swa.start_epoch"
+            raise SpecError(f"weights.average: {average}: tracking.log_model={spec.tracking.log_model} logs the "
+                            f"{average.upper()} weights, but the run keeps none ({key} is null); set {key} or "
+                            "choose weights.average=none")

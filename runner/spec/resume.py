@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trainer.progress_bar",
               "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
               "trainer.resume", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
-              "dataset.root", "dataset.download", "trainer.profile", "parallelism.", "tracking.", "trial.")
+              "dataset.root", "dataset.download", "trainer.profile", "parallelism.", "tracking.", "trial.",
+              "weights.")  # which weights leave the run (tracking.log_model's average), not what is trained
 # These may change only together, keeping the global batch (a checkpoint is portable across strategies).
 BATCH_KEYS = ("dataset.batch_size", "accumulation.steps")
 
@@ -87,10 +88,19 @@ def _typed(key: str, typed: set[str]) -> bool:
     return key in typed or any(t.endswith(".") and key.startswith(t) for t in typed)
 
 
-def check_source(target: str | Path) -> None:
-    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed."""
+def check_source(target: str | Path, training: bool = True) -> None:
+    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed
+    (training: a file of a run's weights alone, such as its best-step-N.pt, holds nothing to train on from)."""
     if not starts_over(Path(target)):
-        checkpoint.verify(target)
+        path, kind = checkpoint.verify_kind(target)
+        if training:
+            _refuse_weights_only(path, kind)
+
+
+def _refuse_weights_only(path: Path, kind: str) -> None:
+    if kind == checkpoint.WEIGHTS:
+        raise SpecError(f"trainer.resume: {path} holds a run's weights only, not its training state; train from "
+                        f"them with model.weights={path}, or evaluate them with mode=eval")
 
 
 def starts_over(target: Path) -> bool:
@@ -102,7 +112,8 @@ def starts_over(target: Path) -> bool:
 def _saved_spec(target: Path) -> RunSpec:
     if starts_over(target):
         return RunSpec.from_yaml((target / "spec.yaml").read_text())
-    path = checkpoint.verify(target)
+    path, kind = checkpoint.verify_kind(target)
+    _refuse_weights_only(path, kind)  # a resume trains on from the file: a best-step-N.pt cannot be one
     text = checkpoint.read_spec(path)
     if text is None:  # a checkpoint written before checkpoints held their spec: the run's spec.yaml
         spec_file = path.parent.parent / "spec.yaml"

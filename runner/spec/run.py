@@ -22,7 +22,7 @@ from runner.spec.cross_validation import CrossValidationSpec, check_cross_valida
 from runner.spec.debug import DebugKeys
 from runner.spec.parts import Component, OptimizerSpec, SchedulerSpec, TaskSpec, component_dict
 from runner.spec.metric_names import check_metric_names, evaluation_metrics, fraction, produced_metrics
-from runner.spec.modes import EvalSpec, PredictSpec, check as check_mode
+from runner.spec.modes import EvalSpec, PredictSpec, WeightsSpec, check as check_mode
 
 __all__ = ["SpecError", "RunSpec", "opt", "check_option", "did_you_mean", "produced_metrics", "evaluation_metrics"]
 
@@ -286,6 +286,7 @@ class RunSpec:
     tune: TuneSpec = field(default_factory=TuneSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     predict: PredictSpec = field(default_factory=PredictSpec)
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
 
     # --- construction -------------------------------------------------------------------------
 

@@ -17,6 +17,10 @@ the other built-ins are written the same way):
                                                       # (default: {"loss": loss_sum})
     def summarize(self, sums, count) -> dict          # metric values from the totals (default: sum/count)
     def loss_options(self) -> dict                    # options set that change the loss (see below)
+    predicts_from = "inputs"                          # mode=predict reads inputs (a split, images, texts),
+    def prediction_rows(self, logits, labels) -> list # and gives per sample its prediction's columns
+                                                      # (with labels: the target's too); or "prompts", which
+    def generate(self, model, prompt, ...) -> list    # it continues (language models)
 
 One loss path. The task computes the loss from the model's logits (the output itself when it is a
 tensor, else its `.logits` or `["logits"]`). A model's own loss (`.loss` or `["loss"]`) is used only
@@ -69,6 +73,7 @@ class Task:
 
     metrics: ClassVar[dict[str, Direction]] = {"loss": "minimize"}
     unit: ClassVar[Literal["samples", "tokens"]] = "samples"
+    predicts_from: ClassVar[Literal["inputs", "prompts"]] = "inputs"
 
     def count(self, labels: torch.Tensor) -> int | torch.Tensor:
         """The units of a micro-batch the loss is averaged over: an int, or (labels on an accelerator) a
@@ -89,6 +94,12 @@ class Task:
     def loss_options(self) -> dict[str, Any]:
         """The options set on this task that change its loss: refused for a model that computes its own."""
         return {}
+
+    def prediction_rows(self, logits: torch.Tensor, labels: torch.Tensor | None) -> list[dict[str, Any]]:
+        """mode=predict: per sample of a batch, the columns of its prediction (a class and its probabilities,
+        a value, ...), with the target's where `labels` are given; a list value spans columns <name>_<i>."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what it predicts: define "
+                                  "prediction_rows(logits, labels), returning a dict of columns per sample")
 
     def metric_names(self, split: str) -> list[str]:
         """What this task reports for a split (an instance may report fewer than its class declares)."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from runner.spec.fields import SpecError
-from runner.engine.loader import EmptyShare
+from runner.engine.loader import EmptyShare, make_loader
 from runner.tasks import Batch, Task
 
 
@@ -100,3 +100,15 @@ def check_loss_options(module: torch.nn.Module, task: Task, stand_in: Batch, pas
         module.train(training)
     if logits_of(output) is None:
         own_loss(output, task, model)
+
+
+def example_inputs(spec: Any, data: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One batch of the model's inputs, by the forward argument each goes to (a tuple batch's inputs go to
+    the first argument): from validation, else test, else training data."""
+    dataset = next(d for d in (data.val, data.test, data.train) if len(d))
+    loader = make_loader(dataset, spec.dataset.batch_size, seed=spec.seed, shuffle=False, num_workers=0,
+                         pin_memory=False, collate=data.collate)
+    inputs = split_batch(next(iter(loader))).inputs
+    if isinstance(inputs, dict):
+        return {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return {next(iter(inspect.signature(model.forward).parameters)): inputs}

@@ -40,3 +40,17 @@ class Classification(Task):
 
     def loss_options(self) -> dict[str, Any]:
         return {"label_smoothing": self.label_smoothing} if self.label_smoothing else {}
+
+    def prediction_rows(self, logits: torch.Tensor, labels: torch.Tensor | None) -> list[dict[str, Any]]:
+        """The likeliest class and every class's probability; the true class where labels are given."""
+        import torch
+
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        hard = None if labels is None else (labels.argmax(dim=-1) if labels.is_floating_point() else labels).cpu()
+        rows = []
+        for i, p in enumerate(probs):
+            row: dict[str, Any] = {"predicted": int(p.argmax())}
+            if hard is not None:
+                row["label"] = int(hard[i])
+            rows.append({**row, "probabilities": [round(float(v), 6) for v in p]})
+        return rows

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import yaml
 
-from runner.engine import checkpoint
+from runner.engine import checkpoint, run_weights
 from runner.files import atomic_write
 from runner.search.pbt import explore
 from runner.spec.fields import set_dotted
@@ -243,7 +243,7 @@ def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bo
 def copy_checkpoint(source_dir: Path, target_dir: Path, target_run_id: str) -> Path:
     """The source's newest checkpoint as the target's own: exact in every tensor, but naming the target's
     MLflow run, so the target's run goes on in its own records."""
-    path, state = checkpoint.load_latest_good(source_dir)
+    path, state = run_weights.last_training_state(source_dir)
     state["mlflow_run_id"] = target_run_id
     state.pop("path", None)
     step = int(state["progress"]["step"])

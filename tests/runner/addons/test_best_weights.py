@@ -72,7 +72,7 @@ def test_a_run_tests_on_its_best_weights_kept_through_rotation_a_kill_and_its_re
     assert best == 2 and result.steps == 6
     files = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert files == ["best-step-00000002.pt", "last.pt", "step-00000006.pt"]  # rotation kept it
-    saved = torch.load(run / "checkpoints" / "best-step-00000002.pt", weights_only=True)
+    saved = checkpoint.load(run / "checkpoints" / "best-step-00000002.pt")  # a runner checkpoint
     assert_close_weights(saved["model"], before_kill[2])
 
     by_hand = hand_test(resumed, before_kill[2])

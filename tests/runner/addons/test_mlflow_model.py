@@ -14,6 +14,7 @@ from mlflow import MlflowClient
 
 from runner.spec import components
 
+from runner.engine import checkpoint
 from runner.results import export
 
 from runner.addons import mlflow_model
@@ -70,7 +71,7 @@ def test_best_weights_logged_load_back_by_run_and_registry_to_the_runners_output
     # the metrics of step 2 (its validation) are linked to the model
     assert {m.key for m in model.metrics} >= {"val/acc", "val/loss"} and {m.step for m in model.metrics} == {2}
 
-    best = torch.load(tmp_path / "run_best" / "checkpoints" / "best-step-00000002.pt", weights_only=True)["model"]
+    best = checkpoint.load(tmp_path / "run_best" / "checkpoints" / "best-step-00000002.pt")["model"]  # a runner checkpoint
     inputs = val_inputs(engine)
     expected = outputs_at(engine, best, inputs)
     assert not torch.allclose(expected, outputs_at(engine, engine.module.state_dict(), inputs))  # step 4's differ
@@ -129,7 +130,8 @@ def test_fsdp_logs_the_last_weights_once_from_rank_0(tmp_path: Path) -> None:
     [output] = run.outputs.model_outputs
     assert output.step == 4
     # the runner's own model at the final weights: rebuilt from the run's last checkpoint by mode=export's code
-    final = export.load_exported(export.export_checkpoint(tmp_path / "run", tmp_path / "export", program=False))
+    final = export.load_exported(export.export_checkpoint(tmp_path / "run", tmp_path / "export", program=False,
+                                                          which="last"))  # a run directory: its tested weights by default
     inputs = torch.randn(16, 1, 8, 8)
     mlflow.set_tracking_uri(f"sqlite:///{db}")
     try:
@@ -179,3 +181,28 @@ def test_a_huggingface_model_of_named_inputs_is_logged_pickled_and_loads_back(tm
         mlflow.set_tracking_uri(None)
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
+
+
+def test_an_ema_objective_logs_the_ema_weights_it_measured(tmp_path: Path, store: str) -> None:
+    """Defect: with objective.metric=val/ema/acc the logged model held the raw weights, not the EMA weights
+    whose validation the run reported as its best."""
+    spec = compose_spec([*[o for o in TINY if not o.startswith("objective.")], "tracking.log_model=best",
+                         "trainer.ema.decay=0.9", "objective.metric=val/ema/acc"], tmp_path / "run", store)
+    engine = Engine(spec, build_tracker(spec))
+    engine.fit()
+    source = engine.best_weights.source
+    step = int(source.rpartition(" ")[2])
+    kept = checkpoint.load(tmp_path / "run" / "checkpoints" / f"best-step-{step:08d}.pt")  # the tested weights
+    ema, raw = kept["averages"]["ema"]["values"], kept["model"]
+    assert not all(torch.equal(ema[k], raw[k]) for k in ema)  # the EMA differs from the raw weights
+    mlflow.set_tracking_uri(store)
+    try:
+        loaded = mlflow.pytorch.load_model(f"runs:/{engine.tracker.run_id}/model")
+    finally:
+        mlflow.set_tracking_uri(None)
+    logged = loaded.state_dict()
+    assert logged.keys() == raw.keys() and all(torch.equal(logged[k], ema[k]) for k in raw)
+    inputs = val_inputs(engine)
+    torch.testing.assert_close(loaded(inputs), outputs_at(engine, ema, inputs), atol=ATOL, rtol=RTOL)
+    model = MlflowClient(store).get_logged_model(logged_models(store, engine.tracker.run_id)[0].model_id)
+    assert model.tags["runner.weights_from"] == f"{source} (ema)"

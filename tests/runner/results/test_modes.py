@@ -16,7 +16,7 @@ from runner.engine import checkpoint
 
 from runner.spec import components
 from runner.cli.launch import run
-from runner.results.predict import generate
+from runner.tasks.language_modeling import generate
 from runner.results.source import resolve_source
 from runner.tracking.tracker import RUN_FILE
 from tests.conftest import compose_spec
@@ -198,3 +198,190 @@ def test_a_text_file_is_predicted_by_a_text_classifier_as_its_val_split_of_the_s
     assert [r["id"] for r in from_file] == ["0", "2", "3", "4", "5"]  # line numbers; the blank line is no text
     for a, b in zip(from_file, from_split, strict=True):
         assert {k: v for k, v in a.items() if k != "id"} == {k: v for k, v in b.items() if k not in ("id", "label")}
+
+
+# lr 0.3 overshoots: val/acc is best at step 2 (its first validation) and lower at step 8, the last
+BEST_NOT_LAST = ["model.hidden=[16]", "dataset.batch_size=256", "optimizer.lr=0.3", "trainer.max_steps=8",
+                 "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
+                 "trainer.memory_estimate=false"]
+
+
+@pytest.fixture(scope="module")
+def best_not_last(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("best_not_last")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    uri = f"sqlite:///{root}/mlflow.db"
+    run(compose_spec(BEST_NOT_LAST, root / "src", uri))
+    return root / "src", uri
+
+
+def at_step(uri: str, run_id: str, step: int, prefix: str) -> dict[str, float]:
+    """The metrics of `prefix` the run logged at `step`, read back from the store."""
+    client = MlflowClient(uri)
+    keys = [k for k in client.get_run(run_id).data.metrics if k.startswith(prefix)]
+    return {k: m.value for k in keys for m in client.get_metric_history(run_id, k) if m.step == step}
+
+
+def model_with(spec, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    data = components.build_data(spec)
+    model = components.build_model(components.resolved_spec(spec), data)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def test_eval_and_predict_of_a_run_directory_take_the_weights_the_run_tested_not_the_last(
+        best_not_last: tuple, tmp_path: Path) -> None:
+    """Defect: eval of a run directory gave the last weights' numbers (step 8), not those of the best weights
+    the run tested and reported (step 2)."""
+    src, uri = best_not_last
+    source_run = (src / RUN_FILE).read_text().strip()
+    client = MlflowClient(uri)
+    assert client.get_run(source_run).data.tags["test_from"] == "best@step 2"
+    val_best, val_last = at_step(uri, source_run, 2, "val/"), at_step(uri, source_run, 8, "val/")
+    assert val_best["val/acc"] != val_last["val/acc"]
+    tested = {k: v for k, v in client.get_run(source_run).data.metrics.items() if k.startswith("test/")}
+
+    result = run(compose_spec(["mode=eval", f"trainer.resume={src}"], tmp_path / "eval", uri))
+    assert result.final == {**val_best, **tested}  # exactly: the weights the run tested, evaluated as it did
+    new_run = client.get_run((tmp_path / "eval" / RUN_FILE).read_text().strip())
+    assert new_run.data.metrics == result.final and result.steps == 2
+    assert new_run.data.tags["runner.evaluated_weights"] == "best@step 2"
+    assert new_run.data.tags["runner.evaluated_checkpoint"] == str(src / "checkpoints" / "best-step-00000002.pt")
+    last = run(compose_spec(["mode=eval", f"trainer.resume={src}", "weights.which=last", "eval.splits=[val]"],
+                            tmp_path / "last"))
+    assert last.final == val_last and last.steps == 8
+
+    spec = compose_spec(["mode=predict", f"trainer.resume={src}"], tmp_path / "pred")
+    run(spec)
+    rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
+    source = compose_spec(BEST_NOT_LAST, src)
+    data = components.build_data(source)
+    x = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    with torch.no_grad():
+        best = model_with(source, checkpoint.load(src / "checkpoints" / "best-step-00000002.pt")["model"])(x).argmax(-1)
+        final = model_with(source, checkpoint.load(checkpoint.verify(src))["model"])(x).argmax(-1)
+    assert not torch.equal(best, final)
+    assert [int(r["predicted"]) for r in rows] == best.tolist()
+
+
+def test_a_best_file_is_a_runner_checkpoint_that_eval_and_export_take_and_a_training_resume_refuses(
+        best_not_last: tuple, tmp_path: Path) -> None:
+    """Defect: best-step-N.pt was refused as "not a valid runner checkpoint"; a run directory exported its last
+    weights."""
+    from runner.results.export import export_checkpoint, load_exported
+    from runner.spec.resume import check_source
+    from runner.spec.run import SpecError
+
+    src, uri = best_not_last
+    source_run = (src / RUN_FILE).read_text().strip()
+    best_file = src / "checkpoints" / "best-step-00000002.pt"
+    state = checkpoint.load(best_file)  # header and checksum verified
+    assert state["progress"]["step"] == 2 and yaml.safe_load(state["spec"])["trainer"]["max_steps"] == 8
+    tested = {k: v for k, v in MlflowClient(uri).get_run(source_run).data.metrics.items() if k.startswith("test/")}
+    result = run(compose_spec(["mode=eval", f"trainer.resume={best_file}", "eval.splits=[test]"], tmp_path / "eval"))
+    assert result.final == tested
+
+    for target in (best_file, src):  # the file itself, and the run directory's tested weights
+        exported = load_exported(export_checkpoint(target, tmp_path / "out" / target.name, program=False)).state_dict()
+        assert exported.keys() == state["model"].keys()
+        assert all(torch.equal(exported[k], v) for k, v in state["model"].items())
+    with pytest.raises(SpecError, match=r"^trainer.resume: .*best-step-00000002.pt holds a run's weights only, not "
+                                        r"its training state; train from them with model.weights="):
+        check_source(best_file)
+    from runner.engine.engine import Engine
+
+    started = Engine(compose_spec([*BEST_NOT_LAST, f"model.weights={best_file}"], tmp_path / "new")).module.state_dict()
+    assert all(torch.equal(started[k], v) for k, v in state["model"].items())  # what the refusal suggests works
+    with pytest.raises(SpecError, match="^weights.which: best chooses among a run directory's files"):
+        run(compose_spec(["mode=eval", f"trainer.resume={best_file}", "weights.which=best"], tmp_path / "refused"))
+
+
+EMA = [*BEST_NOT_LAST, "trainer.ema.decay=0.9", "objective.metric=val/ema/acc"]
+
+
+def test_an_ema_run_is_evaluated_with_its_averages_and_exported_and_predicted_with_the_ema_weights(
+        tmp_path: Path, store: str) -> None:
+    """Defect: eval reported no */ema/* metrics, and export and predict could not take the average the
+    objective measured (they wrote the raw weights)."""
+    from runner.results.export import export_checkpoint, load_exported
+
+    src = tmp_path / "src"
+    run(compose_spec(EMA, src, store))
+    source_run = (src / RUN_FILE).read_text().strip()
+    client = MlflowClient(store)
+    tested = client.get_run(source_run).data.tags["test_from"]
+    step = int(tested.rpartition(" ")[2])
+    kept = checkpoint.load(src / "checkpoints" / f"best-step-{step:08d}.pt")
+    ema, raw = kept["averages"]["ema"]["values"], kept["model"]
+    assert not all(torch.equal(ema[k], raw[k]) for k in raw)
+
+    result = run(compose_spec(["mode=eval", f"trainer.resume={src}"], tmp_path / "eval", store))
+    logged = client.get_run(source_run).data.metrics
+    assert {"val/ema/acc", "test/ema/acc", "test/acc"} <= result.final.keys()
+    assert {k: result.final[k] for k in result.final if k.startswith("test/")} == \
+        {k: v for k, v in logged.items() if k.startswith("test/")}  # the run's own test numbers, EMA's included
+    assert {k: result.final[k] for k in result.final if k.startswith("val/")} == at_step(store, source_run, step, "val/")
+
+    exported = load_exported(export_checkpoint(src, tmp_path / "export", program=False)).state_dict()
+    assert all(torch.equal(exported[k], ema[k]) for k in raw)  # auto: the average the objective measured
+    as_raw = load_exported(export_checkpoint(src, tmp_path / "raw", program=False, average="none")).state_dict()
+    assert all(torch.equal(as_raw[k], raw[k]) for k in raw)
+
+    source = compose_spec(EMA, src)
+    data = components.build_data(source)
+    x = torch.stack([data.test[i][0] for i in range(len(data.test))])
+    for average, weights in (("auto", ema), ("none", raw)):
+        run(compose_spec(["mode=predict", f"trainer.resume={src}", f"weights.average={average}"], tmp_path / average))
+        rows = list(csv.DictReader((tmp_path / average / "predictions.csv").open()))
+        with torch.no_grad():
+            probs = torch.softmax(model_with(source, weights)(x), dim=-1)
+        torch.testing.assert_close(torch.tensor([[float(r[f"p_{c}"]) for c in range(10)] for r in rows]), probs,
+                                   atol=1e-6, rtol=0)
+    spec = yaml.safe_load((tmp_path / "auto" / "spec.yaml").read_text())
+    assert spec["weights"] == {"which": "tested", "average": "ema"}  # what it took, for a rerun to take again
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_predict_on_a_regression_run_writes_the_predicted_values_and_the_real_targets(tmp_path: Path,
+                                                                                    outputs: int) -> None:
+    """Defect: a regression run predicted class 0 with probability 1.0 and cut the target to an integer; with
+    two outputs predict ended in a traceback."""
+    user_conf = f"hydra.searchpath=[file://{Path(__file__).resolve().parents[2] / 'user_pkg' / 'conf'}]"
+
+    def compose(overrides: list[str], run_dir: Path):
+        return compose_spec([*overrides, user_conf], run_dir)
+
+    train = ["task=regression", "dataset=linear_targets", f"+dataset.outputs={outputs}", "model.hidden=[16]",
+             "trainer.max_steps=5", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+    run(compose(train, tmp_path / "src"))
+    spec = compose(["mode=predict", f"trainer.resume={tmp_path / 'src'}", "predict.split=val"], tmp_path / "pred")
+    run(spec)
+    rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
+    source = compose(train, tmp_path / "src")
+    data = components.build_data(source)
+    x, y = (torch.stack(t) for t in zip(*[data.val[i] for i in range(len(data.val))]))
+    with torch.no_grad():
+        predicted = model_with(source, checkpoint.load(checkpoint.verify(tmp_path / "src"))["model"])(x)
+    columns = ["predicted", "target"] if outputs == 1 else [f"{c}_{i}" for c in ("predicted", "target")
+                                                            for i in range(outputs)]
+    assert list(rows[0]) == ["id", *columns]
+    got = torch.tensor([[float(r[c]) for c in columns] for r in rows])
+    torch.testing.assert_close(got[:, :outputs], predicted.reshape(len(x), outputs), atol=1e-6, rtol=0)
+    assert torch.equal(got[:, outputs:], y.reshape(len(y), outputs).float())  # the real targets, not integers
+    assert not torch.equal(got[:, outputs:], got[:, outputs:].round())
+
+
+def test_an_swa_objectives_best_file_holds_the_batchnorm_statistics_its_test_used(tmp_path: Path, store: str) -> None:
+    """SWA's BatchNorm statistics are recomputed for the best SWA weights before their test: the best file
+    keeps them, so an evaluation of the run gives the run's own test/swa/* numbers."""
+    src = tmp_path / "src"
+    # lr 0.1: val/swa/acc is best at the end of epoch 0 (step 3), lower at the last step (9)
+    run(compose_spec(["model=cnn", "model.channels=[8]", "dataset.batch_size=512", "trainer.max_epochs=3",
+                      "optimizer.lr=0.1", "trainer.swa.start_epoch=0", "objective.metric=val/swa/acc",
+                      "trainer.progress_bar=off", "trainer.memory_estimate=false"], src, store))
+    source_run = (src / RUN_FILE).read_text().strip()
+    logged = MlflowClient(store).get_run(source_run)
+    assert logged.data.tags["test_from"] == "best@step 3"
+    result = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]"], tmp_path / "eval"))
+    assert result.final == {k: v for k, v in logged.data.metrics.items() if k.startswith("test/")}
+    assert {"test/swa/acc", "test/acc"} <= result.final.keys()

@@ -75,6 +75,29 @@ def test_a_run_records_commit_diff_packages_hardware_and_reproduce_reruns_it_to_
     assert out.rstrip().endswith("reproduce: 1 final metric(s) differ: test/acc")
 
 
+def test_reproducing_an_evaluation_evaluates_the_same_weights_again(tmp_path: Path, store: str,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """An eval run's spec names the weights file and average it took: the rerun takes them again (it was
+    refused: a rerun dropped trainer.resume)."""
+    from runner.tracking.tracker import RUN_FILE
+
+    # lr 0.3 overshoots: the best validation (step 2) is not the last (step 6)
+    run(compose_spec([*TINY, "trainer.max_steps=6", "model.hidden=[16]", "dataset.batch_size=256", "optimizer.lr=0.3",
+                      "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false"], tmp_path / "src", store))
+    run(compose_spec(["mode=eval", f"trainer.resume={tmp_path / 'src'}"], tmp_path / "eval", store))
+    evaluated = (tmp_path / "eval" / RUN_FILE).read_text().strip()
+    client = MlflowClient(store)
+    original = client.get_run(evaluated)
+    assert original.data.tags["runner.evaluated_weights"] == "best@step 2"
+    capsys.readouterr()
+    assert reproduce.main([evaluated, "--uri", store, "--run-dir", str(tmp_path / "again")]) == 0
+    again = client.get_run((tmp_path / "again" / RUN_FILE).read_text().strip())
+    assert again.data.tags[reproduce.TAG] == evaluated
+    assert again.data.tags["runner.evaluated_checkpoint"] == original.data.tags["runner.evaluated_checkpoint"]
+    assert again.data.metrics == original.data.metrics and "val/acc" in again.data.metrics
+    assert f"{len(original.data.metrics)} of {len(original.data.metrics)} final metrics equal" in capsys.readouterr().out
+
+
 def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
     table = tmp_path / "train.csv"
     table.write_text("text,label\nhello,0\nworld,1\n")
