@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import shutil
 import signal
 import subprocess
 import sys
