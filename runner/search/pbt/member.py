@@ -30,6 +30,7 @@ def run_job(job_file: Path) -> dict[str, Any]:
 
     from runner.engine.engine import Engine
     from runner.engine.parallel import DistEnv
+    from runner.search.pbt.mutable import MidRunChanges
     from runner.tracking.tracker import build_tracker
 
     job = json.loads(Path(job_file).read_text())
@@ -38,7 +39,8 @@ def run_job(job_file: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     with process_state.isolated(), preemption.handled():
-        engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")))
+        # explore's new values reach the resumed optimizer and schedule through PBT's add-on
+        engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")), addons=[MidRunChanges()])
         start = engine.progress.step
         result = engine.fit()
         client = getattr(engine.tracker, "client", None)
