@@ -15,7 +15,7 @@ from runner.cli.registry import CONF_DIR
 from runner.spec.run import RunSpec
 from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)
 
-REPO = CONF_DIR.parent
+REPO = Path(__file__).resolve().parents[1]  # the checkout (runner/conf is a link into it since the folder move)
 
 
 def compose_spec(overrides: list[str], run_dir: Path, tracking_uri: str | None = None) -> RunSpec:

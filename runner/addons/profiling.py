@@ -97,7 +97,7 @@ class WindowProfiler(AddOn):
         self.asked_skip = spec.trainer.profile_skip_steps
         self.want = spec.trainer.profile_steps
         self.start_step, self.skip = 0, self.asked_skip  # set where the run starts (a resume: its step)
-        self.setup = _setup(spec, env, device, view.optimizer)
+        self.run_setup = _setup(spec, env, device, view.optimizer)
         self.totals: dict[str, float] = defaultdict(float)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.sync = sync
@@ -152,7 +152,7 @@ class WindowProfiler(AddOn):
         self._trace.export_chrome_trace(str(trace))
         if not self.env.is_main:
             return
-        text = profile_advice.report(self.figures, self.setup, self.start_step + self.skip, self.env.rank)
+        text = profile_advice.report(self.figures, self.run_setup, self.start_step + self.skip, self.env.rank)
         if self.skip < self.asked_skip:
             text += (f"\n(skipped the first {self.skip} steps, not trainer.profile_skip_steps={self.asked_skip}: "
                      f"the run has too few steps)")

@@ -67,8 +67,8 @@ class RunResult:
 
 
 class Engine:
-    """`addons`: the caller's own add-ons besides the run's (runner/addons/base.py), each built from the
-    engine's view: an Optuna trial's reporter (runner/cli/launch.py), PBT's mid-run changes (its member)."""
+    """`addons`: the caller's own add-ons besides the run's (runner/addons/base.py), set up with the engine's
+    view like them: an Optuna trial's reporter (runner/cli/launch.py), PBT's mid-run changes (its member)."""
 
     def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None,
                  addons: Sequence[AddOn] = ()):
@@ -118,8 +118,9 @@ class Engine:
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.device))
         self.progress = Progress()
-        self.schedule = averaging.swa_schedule(spec.trainer.swa, build_scheduler(spec.scheduler, self.optimizer, self.total_steps),
-                                               self.optimizer, self.progress, self.steps_per_epoch)  # SWALR with swa.lr
+        schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        # handed over to SWALR at SWA's first epoch when trainer.swa.lr is set
+        self.schedule = averaging.swa_schedule(spec.trainer.swa, schedule, self.optimizer, self.progress, self.steps_per_epoch)
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
                                self.env.is_main)
         self.monitor.flop_rate = flop_rate
