@@ -4,8 +4,9 @@ The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` a
 the job opens the study's storage itself, so reporting and pruning work whatever the launcher
 (in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
 evaluation the objective metric is reported to the trial at the run's optimizer step (so a resumed
-or restarted run reports new steps, never ones Optuna has seen), then the step loop asks the study's
-pruner; a rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned` and
+or restarted run reports new steps, never ones Optuna has seen) and the study's pruner is asked, by
+the trial's engine add-on (`TrialReporter`, registered by runner/cli/launch.py's build_engine); a
+rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned`, and the launch
 raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
 
 The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
