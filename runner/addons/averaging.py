@@ -37,8 +37,9 @@ import torch
 from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg_fn, update_bn
 
 from runner.engine.parallel import local_tensor_of
+from runner.addons.base import AddOn, EngineView, Progress
+from runner.spec.averaging import SwaSpec
 from runner.spec.run import RunSpec, SpecError
-from runner.tasks import batches
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +83,23 @@ class Average:
         self.count = int(state["count"])
 
 
-class Averages:
-    """The run's averaged weights. `engine` is the Engine (its module, evaluate, progress, loaders); every
-    method does nothing when both averagings are off."""
+class Averages(AddOn):
+    """The run's averaged weights, an add-on (runner/addons/base.py) that the engine also asks for the
+    averages' metrics of each evaluation (`evaluate`); every method does nothing when both averagings are off."""
 
-    def __init__(self, spec: RunSpec, engine: Any):
-        self.engine, self.ema_spec, self.swa_spec = engine, spec.trainer.ema, spec.trainer.swa
+    name = "averages"
+
+    def __init__(self, view: EngineView):
+        spec = view.spec
+        self.view, self.ema_spec, self.swa_spec = view, spec.trainer.ema, spec.trainer.swa
         on = self.ema_spec.decay is not None or self.swa_spec.start_epoch is not None
-        tensors = self._tensors = _named_tensors(engine.module) if on else {}  # the module's own, updated in place
+        tensors = self._tensors = _named_tensors(view.module) if on else {}  # the module's own, updated in place
         self.ema = Average("ema", tensors) if self.ema_spec.decay is not None else None
         self.swa = Average("swa", tensors) if self.swa_spec.start_epoch is not None else None
         if self.swa is not None:
-            _check_swa_reached(spec, engine.total_steps, engine.steps_per_epoch)
+            _check_swa_reached(spec, view.total_steps, view.steps_per_epoch)
 
-    def schedule(self, schedule: Any) -> Any:
-        """The run's lr schedule, handing over to SWALR at SWA's first epoch when `swa.lr` is set."""
-        if self.swa is None or self.swa_spec.lr is None:
-            return schedule
-        return SwaSchedule(schedule, self.engine, self.swa_spec, self.engine.steps_per_epoch)
-
-    def on_step(self, step: int) -> None:
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
         """After optimizer step `step` (1-based): the EMA takes the new weights in."""
         if self.ema is None:
             return
@@ -120,17 +118,23 @@ class Averages:
         out: dict[str, float] = {}
         for average in self._active():
             with self._swapped_in(average):
-                metrics = self.engine.evaluate(split)
+                metrics = self.view.evaluate_model(split)
             out.update({_averaged_name(name, average.kind): value for name, value in metrics.items()})
         return out
 
+    def on_train_end(self, stop: Any) -> None:
+        """Training ended (not paused: a paused run's SWA goes on averaging): SWA's BatchNorm statistics."""
+        if not stop.paused and not stop.pruned:
+            self.finish()
+
     def finish(self) -> None:
-        """The end of training: BatchNorm statistics recomputed for the SWA weights over the training data."""
-        if self.swa is None or not self.swa.count or not _has_batchnorm(self.engine.module):
+        """BatchNorm statistics recomputed for the SWA weights over the training data (the end of training,
+        and the best SWA weights the test uses)."""
+        if self.swa is None or not self.swa.count or not _has_batchnorm(self.view.module):
             return
-        buffers = {name for name, _ in self.engine.module.named_buffers()} & set(self.swa.values)
+        buffers = {name for name, _ in self.view.module.named_buffers()} & set(self.swa.values)
         with self._swapped_in(self.swa, keep=buffers):
-            _recompute_batchnorm(self.engine)
+            _recompute_batchnorm(self.view)
 
     def state_dict(self) -> dict | None:
         """For the checkpoint: full tensors (a collective under fsdp: every rank calls it)."""
@@ -174,22 +178,31 @@ class Averages:
                     local_tensor_of(tensors[name]).copy_(value)
 
 
+def swa_schedule(spec: SwaSpec, base: Any, optimizer: torch.optim.Optimizer, progress: Progress,
+                 steps_per_epoch: int) -> Any:
+    """The run's lr schedule, handing over to SWALR at SWA's first epoch when `trainer.swa.lr` is set."""
+    if spec.start_epoch is None or spec.lr is None:
+        return base
+    return SwaSchedule(base, optimizer, progress, spec, steps_per_epoch)
+
+
 class SwaSchedule:
     """The run's schedule until SWA's first epoch, then torch's SWALR (annealing to `swa.lr` over
     `anneal_epochs`, in optimizer steps: one optimizer step is one scheduler step). A schedule driven by
     evaluations (plateau) stops reacting once SWA holds the lr."""
 
-    def __init__(self, base: Any, engine: Any, spec: Any, steps_per_epoch: int):
-        self.base, self.engine, self.spec = base, engine, spec
+    def __init__(self, base: Any, optimizer: torch.optim.Optimizer, progress: Progress, spec: SwaSpec,
+                 steps_per_epoch: int):
+        self.base, self.optimizer, self.progress, self.spec = base, optimizer, progress, spec
         self.anneal_steps = spec.anneal_epochs * steps_per_epoch
         self.swalr: SWALR | None = None
-        for group in engine.optimizer.param_groups:
+        for group in optimizer.param_groups:
             # SWALR adds this key to the groups: set from the start, a checkpoint written before SWA's first
             # epoch and one written after hold the same keys (loading the optimizer's state compares them)
             group["swa_lr"] = spec.lr * group.get("lr_multiplier", 1.0)  # multipliers keep their ratio
 
     def step(self) -> None:
-        if self.engine.progress.epoch < self.spec.start_epoch:
+        if self.progress.epoch < self.spec.start_epoch:
             self.base.step()
             return
         if self.swalr is not None:
@@ -203,12 +216,16 @@ class SwaSchedule:
             self.swalr.step()
 
     def _make(self) -> SWALR:
-        swa_lr = [group["swa_lr"] for group in self.engine.optimizer.param_groups]
-        return SWALR(self.engine.optimizer, swa_lr, anneal_epochs=self.anneal_steps, anneal_strategy="cos")
+        swa_lr = [group["swa_lr"] for group in self.optimizer.param_groups]
+        return SWALR(self.optimizer, swa_lr, anneal_epochs=self.anneal_steps, anneal_strategy="cos")
 
     def on_eval(self, metrics: dict[str, float]) -> None:
         if self.swalr is None:
             self.base.on_eval(metrics)
+
+    def scale_peak(self, index: int, factor: float) -> None:
+        """A changed lr mid-run (PBT's explore): the base schedule's peak; SWALR anneals from the group's lr."""
+        self.base.scale_peak(index, factor)
 
     def state_dict(self) -> dict:
         return {"base": self.base.state_dict(), "swalr": self.swalr.state_dict() if self.swalr is not None else None}
@@ -273,31 +290,28 @@ def _has_batchnorm(module: torch.nn.Module) -> bool:
 class _Forward(torch.nn.Module):
     """update_bn's model: one prepared batch through the engine's module as the engine calls it."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, view: EngineView):
         super().__init__()
-        self.engine, self.module = engine, engine.module
+        self.view, self.module = view, view.module
 
     def forward(self, batch: Any) -> Any:
-        with self.engine.precision.autocast():
-            return batches.call_model(self.module, batch, self.engine.pass_labels)
+        return self.view.forward(batch)
 
 
-def _recompute_batchnorm(engine: Any) -> None:
+def _recompute_batchnorm(view: EngineView) -> None:
     """torch's update_bn over one pass of the training split (the module itself, not its DDP wrapper,
     whose forward would broadcast rank 0's statistics); under ddp/fsdp the ranks' statistics are then
     averaged. The RNG (dropout) is left as it was, so a resumed run computes the same statistics."""
-    sampler = engine.train_loader.batch_sampler
-    sampler.set_epoch(engine.progress.epoch)
 
     def prepared() -> Iterator[list]:
-        for raw in engine.train_loader:
-            yield [engine.precision.prepare_batch(batches.to_device(batches.split_batch(raw), engine.device))]
+        for batch in view.train_batches():
+            yield [batch]  # a list: update_bn would take a (named) tuple's first item as the whole input
 
-    devices = [engine.device] if engine.device.type == "cuda" else []
+    devices = [view.device] if view.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        update_bn(prepared(), _Forward(engine))
+        update_bn(prepared(), _Forward(view))
     if torch.distributed.is_initialized():
-        stats = [b for m in engine.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        stats = [b for m in view.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                  for b in (m.running_mean, m.running_var) if b is not None]
         for b in stats:
             torch.distributed.all_reduce(b)

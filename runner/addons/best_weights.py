@@ -21,17 +21,21 @@ from typing import Any
 
 import torch
 
+from runner.addons.base import AddOn, EngineView
 from runner.engine import checkpoint, parallel, run_weights
 
 log = logging.getLogger(__name__)
 
 
-class BestWeights:
-    """Keeps the best weights on disk and tests on them. `engine` is the Engine (its module, averages,
-    monitor, progress, evaluate)."""
+class BestWeights(AddOn):
+    """Keeps the best weights on disk and tests on them (the engine calls `test`). `averages` are the run's
+    (runner/addons/averaging.py): kept and tested beside the model's weights."""
 
-    def __init__(self, spec: Any, engine: Any):
-        self.engine, self.metric = engine, spec.objective.metric
+    name = "best_weights"
+
+    def __init__(self, view: EngineView, averages: Any):
+        spec = view.spec
+        self.view, self.averages, self.metric = view, averages, spec.objective.metric
         self.wanted = spec.trainer.test_on == "best"
         # trainer.save_checkpoints=false writes nothing, the best weights included: the last ones are tested
         self.on = self.wanted and spec.trainer.save_checkpoints
@@ -39,65 +43,67 @@ class BestWeights:
         self.committed: int | None = None  # the best step the newest step checkpoint knows
         self.source = ""                   # where the test metrics came from: "best@step 40", "last@step 60"
 
-    def after_eval(self, step: int) -> None:
+    def after_evaluation(self, metrics: dict[str, float]) -> None:
         """After a validation; every rank decides alike (the metrics were reduced across ranks)."""
-        if not self.on or self.engine.monitor.best_step.get(self.metric) != step:
+        step = self.view.progress.step
+        if not self.on or self.view.best_step(self.metric) != step:
             return
-        state = {"step": step, "model": parallel.full_model_state(self.engine.module),
-                 "averages": self.engine.averages.state_dict()}  # both collectives under fsdp
-        if self.engine.env.is_main:
-            run_weights.save_best(self.directory, step, state["model"], state["averages"], self.engine.spec.to_yaml(),
-                                  self.engine.tracker.run_id or "")
+        state = {"step": step, "model": parallel.full_model_state(self.view.module),
+                 "averages": self.averages.state_dict()}  # both collectives under fsdp
+        if self.view.env.is_main:
+            run_weights.save_best(self.directory, step, state["model"], state["averages"], self.view.spec.to_yaml(),
+                                  self.view.tracker.run_id or "")
             self._prune(keep={self.committed, step})
         parallel.barrier()
 
-    def on_checkpoint(self) -> None:
+    def after_checkpoint(self, path: Path) -> None:
         """A step checkpoint was written (main rank): its best step is the one a resume would test on."""
-        self.committed = self.engine.monitor.best_step.get(self.metric)
+        self.committed = self.view.best_step(self.metric)
         if self.on:
             self._prune(keep={self.committed})
 
-    def resumed(self) -> None:
-        self.committed = self.engine.monitor.best_step.get(self.metric)
+    def load_state_dict(self, state: Any) -> None:
+        """Resumed: the checkpoint's monitor (loaded before the add-ons) knows its best step."""
+        self.committed = self.view.best_step(self.metric)
 
     def test(self) -> dict[str, float]:
         """The run's test metrics: of the best weights (the last ones are back afterwards), or of the last."""
-        engine, step = self.engine, self.engine.progress.step
-        best = engine.monitor.best_step.get(self.metric)
+        view, step = self.view, self.view.progress.step
+        best = view.best_step(self.metric)
         self.source = f"last@step {step}"
         if best is not None and best == step and self.wanted:  # the last weights are the best ones
             self.source = f"best@step {best}"
-            return _test(engine)
+            return _test(view)
         if not self.on:
             if self.wanted and best is not None:
-                engine.monitor.say(f"trainer.test_on=best: trainer.save_checkpoints=false keeps no weights of step "
-                                   f"{best}; testing the last weights (step {step})")
-            return _test(engine)
+                view.say(f"trainer.test_on=best: trainer.save_checkpoints=false keeps no weights of step "
+                         f"{best}; testing the last weights (step {step})")
+            return _test(view)
         if best is None:
-            engine.monitor.say(f"trainer.test_on=best: {self.metric} was never evaluated (no validation of it); "
-                               "testing the last weights")
-            return _test(engine)
-        state = parallel.broadcast_object(self._read(best) if engine.env.is_main else None)
+            view.say(f"trainer.test_on=best: {self.metric} was never evaluated (no validation of it); "
+                     "testing the last weights")
+            return _test(view)
+        state = parallel.broadcast_object(self._read(best) if view.env.is_main else None)
         if state is None:
-            engine.monitor.say(f"trainer.test_on=best: the weights of step {best} are not in {self.directory} "
-                               "(removed, or written before runner kept them); testing the last weights")
-            return _test(engine)
-        saved = _snapshot(engine)
+            view.say(f"trainer.test_on=best: the weights of step {best} are not in {self.directory} "
+                     "(removed, or written before runner kept them); testing the last weights")
+            return _test(view)
+        saved = _snapshot(view.module, self.averages)
         try:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            set_model_state_dict(engine.module, state["model"], options=StateDictOptions(full_state_dict=True))
-            engine.averages.load_state_dict(state["averages"])
-            engine.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
-            metrics = _test(engine)
-            if engine.averages.swa is not None and engine.averages.swa.count:
+            set_model_state_dict(view.module, state["model"], options=StateDictOptions(full_state_dict=True))
+            self.averages.load_state_dict(state["averages"])
+            self.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
+            metrics = _test(view)
+            if self.averages.swa is not None and self.averages.swa.count:
                 # the file then holds the SWA weights as tested: what eval, export and log_model take of it
-                averages = engine.averages.state_dict()  # a collective under fsdp
-                if engine.env.is_main:
-                    run_weights.save_best(self.directory, best, state["model"], averages, engine.spec.to_yaml(),
-                                          engine.tracker.run_id or "")
+                averages = self.averages.state_dict()  # a collective under fsdp
+                if view.env.is_main:
+                    run_weights.save_best(self.directory, best, state["model"], averages, view.spec.to_yaml(),
+                                          view.tracker.run_id or "")
         finally:
-            _restore(engine, saved)
+            _restore(view.module, saved)
         self.source = f"best@step {best}"
         return metrics
 
@@ -121,22 +127,20 @@ class BestWeights:
                 path.unlink(missing_ok=True)
 
 
-def _test(engine: Any) -> dict[str, float]:
-    return {**engine.evaluate("test"), **engine.averages.evaluate("test")}
+def _test(view: EngineView) -> dict[str, float]:
+    return view.evaluate("test")
 
 
-def _snapshot(engine: Any) -> dict:
+def _snapshot(module: torch.nn.Module, averages: Any) -> dict:
     """This rank's own tensors (shards under fsdp) of the model and the averages: no collective to put back."""
-    module = {name: parallel.local_tensor_of(t).detach().clone()
-              for name, t in engine.module.state_dict(keep_vars=True).items()}
-    averages = [(a, {k: v.clone() for k, v in a.values.items()}, a.count)
-                for a in (engine.averages.ema, engine.averages.swa) if a is not None]
-    return {"module": module, "averages": averages}
+    tensors = {name: parallel.local_tensor_of(t).detach().clone() for name, t in module.state_dict(keep_vars=True).items()}
+    kept = [(a, {k: v.clone() for k, v in a.values.items()}, a.count) for a in (averages.ema, averages.swa) if a is not None]
+    return {"module": tensors, "averages": kept}
 
 
 @torch.no_grad()
-def _restore(engine: Any, saved: dict) -> None:
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+def _restore(module: torch.nn.Module, saved: dict) -> None:
+    for name, t in module.state_dict(keep_vars=True).items():
         parallel.local_tensor_of(t).copy_(saved["module"][name])
     for average, values, count in saved["averages"]:
         for k, v in values.items():

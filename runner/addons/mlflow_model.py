@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from runner.addons.base import AddOn, EngineView
 from runner.spec import components
 
 from runner.engine import parallel, run_weights
@@ -38,43 +39,49 @@ EXAMPLE_ROWS = 2       # samples of a validation batch kept as the input example
 _MODEL_LIBRARIES = ("torchvision", "timm", "transformers")  # pinned too where the run loaded them
 
 
-class ModelLogger:
-    """`engine` is the Engine (its spec, env, tracker, module, best_weights, progress); `data` its data."""
+class ModelLogger(AddOn):
+    """An add-on (runner/addons/base.py): logs at the end of a finished run. `data` is the run's data (the
+    input example), `best_weights` the run's BestWeights (which weights the test used)."""
 
-    def __init__(self, spec: Any, engine: Any, data: Any):
+    name = "model_logging"
+
+    def __init__(self, spec: Any, view: EngineView, data: Any, best_weights: Any):
         self.which = "none" if spec.tracking.name == "none" else spec.tracking.log_model
-        self.spec, self.engine, self.data = spec, engine, data
+        self.spec, self.view, self.data, self.best_weights = spec, view, data, best_weights
         self.model_uri: str | None = None  # models:/<model id> once logged
+
+    def on_run_end(self, final: dict[str, float]) -> None:
+        self.log()
 
     def log(self) -> None:
         """At the end of training, after the test: every rank calls it (the same decision on each)."""
         if self.which == "none":
             return
-        engine = self.engine
-        tested = engine.best_weights.source if self.which == "best" else f"last@step {engine.progress.step}"
+        view = self.view
+        tested = self.best_weights.source if self.which == "best" else f"last@step {view.progress.step}"
         which, _, step = tested.partition("@step ")
         step, average = int(step), run_weights.chosen_average(self.spec)
-        if step == engine.progress.step:  # the module holds these weights: full tensors (fsdp: every rank gathers)
-            state = {"model": parallel.full_model_state(engine.module), "averages": engine.averages.state_dict()}
+        if step == view.progress.step:  # the module holds these weights: full tensors (fsdp: every rank gathers)
+            state = {"model": parallel.full_model_state(view.module), "averages": self.best_weights.averages.state_dict()}
         else:  # a kept best file, read on the main rank only
-            state = engine.best_weights.saved_state(step) if engine.env.is_main else None
-        if not engine.env.is_main or engine.tracker.run_id is None:
+            state = self.best_weights.saved_state(step) if view.env.is_main else None
+        if not view.env.is_main or view.tracker.run_id is None:
             return
         if state is None:
-            engine.monitor.say(f"tracking.log_model={self.which}: the weights of step {step} cannot be read; "
-                               "no model logged")
+            view.say(f"tracking.log_model={self.which}: the weights of step {step} cannot be read; "
+                     "no model logged")
             return
         weights = run_weights.RunWeights(Path(self.spec.run_dir), which, step, average, state)
         state, source = weights.state_dict(), weights.source
         started = time.perf_counter()
-        engine.tracker.flush()  # the metrics of that step are stored: MLflow links them to the model
-        info, serialization = log_model(self.spec, self.data, state, engine.tracker.run_id, source, step)
+        view.tracker.flush()  # the metrics of that step are stored: MLflow links them to the model
+        info, serialization = log_model(self.spec, self.data, state, view.tracker.run_id, source, step)
         self.model_uri = info.model_uri
-        engine.tracker.set_tags({"runner.logged_model": f"{info.model_uri} ({source})"})
+        view.tracker.set_tags({"runner.logged_model": f"{info.model_uri} ({source})"})
         how = ("a torch.export program" if serialization == "pt2" else f"pickled: loading it needs {self.spec.model.target} "
                "importable and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true")
-        engine.monitor.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} ({how}; "
-                           f"{time.perf_counter() - started:.2f} s)")
+        view.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} ({how}; "
+                 f"{time.perf_counter() - started:.2f} s)")
 
 
 def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step: int) -> tuple[Any, str]:

@@ -9,7 +9,8 @@ plugin) to <run_dir>/profile/; the main rank logs the shares to MLflow and print
 advice (runner/addons/profile_advice.py).
 
 With profiling off the engine holds a `NoProfiler`: its phases are one shared no-op context each and
-its step iterator is the loader's own, so a run pays nothing per step.
+its step iterator is the loader's own, so a run pays nothing per step. Both are add-ons
+(runner/addons/base.py) besides: the report comes at the end of training (`on_train_end`).
 """
 from __future__ import annotations
 
@@ -20,15 +21,15 @@ import re
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from runner.addons import profile_advice
+from runner.addons.base import AddOn, EngineView
 from runner.engine.optim import fused_kernel_runs, kernels
 from runner.engine.parallel import DistEnv
 from runner.spec.run import RunSpec
-from runner.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class Phases:
 OFF = Phases(lambda name: _OFF)
 
 
-class NoProfiler:
+class NoProfiler(AddOn):
     """Profiling off: nothing per step."""
 
+    name = "profiler"
     phase = OFF
 
     def steps(self, groups: Iterable) -> Iterable:
@@ -86,15 +88,16 @@ class _Timed:
         self.label.__exit__(*exc)
 
 
-class WindowProfiler:
-    def __init__(self, spec: RunSpec, env: DistEnv, device: torch.device, tracker: Tracker,
-                 optimizer: torch.optim.Optimizer, total_steps: int, start_step: int):
-        self.spec, self.env, self.device, self.tracker = spec, env, device, tracker
-        want, remaining = spec.trainer.profile_steps, max(total_steps - start_step, 0)
+class WindowProfiler(AddOn):
+    name = "profiler"
+
+    def __init__(self, view: EngineView):
+        spec, env, device = view.spec, view.env, view.device
+        self.view, self.spec, self.env, self.device, self.tracker = view, spec, env, device, view.tracker
         self.asked_skip = spec.trainer.profile_skip_steps
-        self.skip = min(self.asked_skip, max(remaining - want, 0))  # a short run is still profiled, at its end
-        self.want, self.start_step = want, start_step
-        self.setup = _setup(spec, env, device, optimizer)
+        self.want = spec.trainer.profile_steps
+        self.start_step, self.skip = 0, self.asked_skip  # set where the run starts (a resume: its step)
+        self.run_setup = _setup(spec, env, device, view.optimizer)
         self.totals: dict[str, float] = defaultdict(float)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.sync = sync
@@ -108,6 +111,10 @@ class WindowProfiler:
 
     def steps(self, groups: Iterable) -> Iterator:
         """The engine's optimizer steps, the window opened and closed at step boundaries."""
+        if self.started == 0:  # the run's first steps in this process: the window counts from here
+            self.start_step = self.view.progress.step
+            remaining = max(self.view.total_steps - self.start_step, 0)
+            self.skip = min(self.asked_skip, max(remaining - self.want, 0))  # a short run is still profiled, at its end
         it = iter(groups)
         try:
             while True:
@@ -126,6 +133,9 @@ class WindowProfiler:
                 self._close()
             raise
 
+    def on_train_end(self, stop: Any) -> None:
+        self.finish()
+
     def finish(self) -> None:
         """Training ended normally: report the window (rank 0) and write this rank's trace."""
         if self.prof is not None:
@@ -142,7 +152,7 @@ class WindowProfiler:
         self._trace.export_chrome_trace(str(trace))
         if not self.env.is_main:
             return
-        text = profile_advice.report(self.figures, self.setup, self.start_step + self.skip, self.env.rank)
+        text = profile_advice.report(self.figures, self.run_setup, self.start_step + self.skip, self.env.rank)
         if self.skip < self.asked_skip:
             text += (f"\n(skipped the first {self.skip} steps, not trainer.profile_skip_steps={self.asked_skip}: "
                      f"the run has too few steps)")
@@ -198,11 +208,10 @@ class WindowProfiler:
         self._trace = prof
 
 
-def build(spec: RunSpec, env: DistEnv, device: torch.device, tracker: Tracker, optimizer: torch.optim.Optimizer,
-          total_steps: int, start_step: int) -> NoProfiler | WindowProfiler:
-    if not spec.trainer.profile:
+def build(view: EngineView) -> NoProfiler | WindowProfiler:
+    if not view.spec.trainer.profile:
         return NoProfiler()
-    return WindowProfiler(spec, env, device, tracker, optimizer, total_steps, start_step)
+    return WindowProfiler(view)
 
 
 def _spans(events: list) -> list[tuple[float, float]]:

@@ -24,8 +24,8 @@ from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.spec.run import ParallelismSpec, RunSpec, SpecError
-from runner.tracking.tracker import build_tracker, check_tracking, end_left_running
-from runner.search.trial import parent_run_id
+from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
+from runner.search.trial import open_trial, parent_run_id, pruned
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,21 @@ def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
         spec, tracker = tune.run_finder(spec, env, tracker)
         if spec is None:  # tune.apply=false: found and reported, nothing to train
             return tune.NOTHING_TRAINED
-    engine = Engine(spec, tracker, env)
+    engine = build_engine(spec, tracker, env)
     result = engine.fit()
+    if result.pruned:
+        raise pruned(result.pruned)  # how a job tells the sweeper its trial was pruned
     if env.is_main:
         (Path(spec.run_dir) / RESULT_FILE).write_text(yaml.safe_dump(dataclasses.asdict(result)))
         print_summary(spec, result, engine.tracker.describe())
     return result
+
+
+def build_engine(spec: RunSpec, tracker: Tracker, env: DistEnv | None = None) -> Engine:
+    """A run's engine as the CLI builds it: an Optuna trial's run reports each validation to its trial and
+    asks its pruner, through the trial's add-on (runner/search/trial.py)."""
+    trial = open_trial(spec)
+    return Engine(spec, tracker, env, addons=[trial] if trial is not None else [])
 
 
 def launch_workers(spec: RunSpec) -> RunResult:

@@ -400,3 +400,18 @@ def _first_good(run_dir: Path, read: Callable[[Path], T]) -> tuple[Path, T]:
             refused = e
     raise SpecError(f"trainer.resume: no valid checkpoint in {run_dir}: all {len(candidates)} refused, "
                     f"the newest ({refused.path.name}) for {refused.reason}")
+
+
+# A checkpoint written before the add-ons had one entry each kept theirs at the top: where each was.
+_TOP_LEVEL_ADDON_KEYS = {"averages": "averages", "early_stopping": "early_stopping", "overfit_goal": "overfit",
+                         "unfreezing": "unfreezer"}
+
+
+def addon_states(state: dict) -> dict:
+    """The add-ons' entries of a checkpoint, by add-on name; read from the old top-level keys in a checkpoint
+    written before they had one entry each (its oldest early-stopping state lies in its monitor's)."""
+    if "addons" in state:
+        return state["addons"]
+    old = {name: state.get(key) for name, key in _TOP_LEVEL_ADDON_KEYS.items()}
+    old["early_stopping"] = old["early_stopping"] or state.get("monitor")
+    return {name: value for name, value in old.items() if value is not None}

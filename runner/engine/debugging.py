@@ -1,5 +1,6 @@
-"""What the debug presets (conf/debug/) switch on: smaller splits, overfitting a few batches, autograd
-anomaly detection. The keys are the trainer's (runner/spec/debug.py); the engine calls these in a few hooks.
+"""What the debug presets (conf/debug/) switch on: smaller splits, overfitting a few batches (the goal is an
+add-on: runner/addons/overfit_goal.py), autograd anomaly detection. The keys are the trainer's
+(runner/spec/debug.py); the engine calls these in a few hooks.
 
 Limits take each split's first samples, before the loader deals them to ranks: every rank, every
 world size and a resumed run then see the same subset, and the loader's order stays a function of
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import deque
 from typing import Any, Callable, Iterator
 
 import torch
@@ -17,7 +17,6 @@ from torch.utils.data import Dataset, TensorDataset
 
 from runner.engine.monitor import Diverged
 from runner.spec.run import RunSpec
-from runner.engine.stopping import Stop
 
 
 class Head(Dataset):
@@ -79,49 +78,6 @@ def limit_data(spec: RunSpec, data: Any, dp_degree: int) -> Any:
     if limits == sizes:
         return data
     return LimitedData(data, {split: head(getattr(data, split), limits[split]) for split in limits})
-
-
-class OverfitGoal:
-    """trainer.overfit_batches: the run stops once the training loss of each of the last pass's steps is
-    below overfit_target_loss, and says at the end whether it got there."""
-
-    def __init__(self, spec: RunSpec, steps_per_pass: int, reduce_sum: Callable):
-        self.on = spec.trainer.overfit_batches > 0
-        self.target = spec.trainer.overfit_target_loss
-        self.reduce_sum = reduce_sum
-        self.recent: deque[float] = deque(maxlen=max(steps_per_pass, 1))
-        self.reached_at: int | None = None
-
-    def on_step(self, step: int, loss_sum: torch.Tensor, samples: int) -> Stop | None:
-        if not self.on:
-            return None
-        total, count = self.reduce_sum([loss_sum.detach().double(), torch.tensor(float(samples), dtype=torch.float64,
-                                                                                   device=loss_sum.device)])
-        self.recent.append(float(total) / max(float(count), 1.0))  # a sync per step: only under this debug key
-        if len(self.recent) == self.recent.maxlen and max(self.recent) < self.target:
-            self.reached_at = step
-            return Stop(f"overfit: reached, training loss {max(self.recent):.4g} < {self.target:g} at step {step}")
-        return None
-
-    def state_dict(self) -> dict:
-        """The last pass's losses (every rank holds the same): a resumed run reaches the goal at the same step."""
-        return {"recent": list(self.recent), "reached_at": self.reached_at}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if state:  # none in a checkpoint written before the goal was checkpointed
-            self.recent.extend(state["recent"])
-            self.reached_at = state["reached_at"]
-
-    def report(self, say: Callable[[str], None], step: int) -> None:
-        if self.on:
-            say(self.summary(step))
-
-    def summary(self, step: int) -> str:
-        if self.reached_at is not None:
-            return f"overfit: reached, training loss {max(self.recent):.4g} < {self.target:g} at step {self.reached_at}"
-        last = f"{self.recent[-1]:.4g}" if self.recent else "none"
-        return (f"overfit: not reached, training loss {last} after {step} steps (target {self.target:g}); "
-                f"raise trainer.max_steps or optimizer.lr")
 
 
 @contextlib.contextmanager

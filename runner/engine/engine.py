@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.engine import activation_checkpointing, finetune, fit_checks, memory_estimate, parallel, preemption
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, memory_estimate, parallel, preemption
 
 from runner.addons import averaging, profiling
 
@@ -25,21 +28,22 @@ from runner.spec import components, metric_names
 from runner import tasks
 from runner.engine import compiling, debugging, flops
 from runner.addons import mlflow_model
+from runner.addons.base import AddOn, AddOns, EngineView, Progress, first_stop
+from runner.addons.overfit_goal import OverfitGoal
+from runner.addons.unfreezing import GradualUnfreezing
 from runner.tasks import batches
 from runner.addons.best_weights import BestWeights
-from runner.engine.engine_checkpoints import EngineCheckpoints, Progress
 from runner.engine.loader import make_loader, on_device, optimizer_steps
 from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
 from runner.engine.precision import Precision
 from runner.engine.schedule import build_scheduler
-from runner.spec.resume import typed_keys
+from runner.spec.resume import starts_over, typed_keys
 from runner.engine.rng import seed_everything
 from runner.spec.run import RunSpec, SpecError
 from runner.engine.stopping import Stop, Stopping, pause_due
 from runner.tracking.tracker import NullTracker, Tracker
-from runner.search.trial import open_trial, pruned
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,15 @@ class RunResult:
     mfu: float | None = None     # tflops / the device's peak; None where no peak is known
     compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
     test_from: str = ""  # the weights the test metrics came from: "best@step 40", "last@step 60"
+    pruned: str = ""     # why an Optuna pruner stopped the run (its caller raises optuna.TrialPruned); "" if not
 
 
-class Engine(EngineCheckpoints):
-    def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None):
+class Engine:
+    """`addons`: the caller's own add-ons besides the run's (runner/addons/base.py), set up with the engine's
+    view like them: an Optuna trial's reporter (runner/cli/launch.py), PBT's mid-run changes (its member)."""
+
+    def __init__(self, spec: RunSpec, tracker: Tracker | None = None, env: DistEnv | None = None,
+                 addons: Sequence[AddOn] = ()):
         spec = components.resolved_spec(spec, typed_keys(spec.overrides))
         self.spec = spec
         self.tracker = tracker or NullTracker()
@@ -111,33 +120,64 @@ class Engine(EngineCheckpoints):
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
-        self.unfreezer = None
-        if spec.model.freeze and spec.model.unfreeze_after_epochs is not None:
-            # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
-            self.unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
-                                            spec.model.unfreeze_after_epochs)
-        self.schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
-        self.averages = averaging.Averages(spec, self)  # EMA/SWA of the weights; nothing when both are off
-        self.schedule = self.averages.schedule(self.schedule)  # SWALR from SWA's first epoch, with swa.lr
         self.progress = Progress()
-        self.trial = open_trial(spec)  # None unless this run is an Optuna trial (hparams_search)
+        schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        # handed over to SWALR at SWA's first epoch when trainer.swa.lr is set
+        self.schedule = averaging.swa_schedule(spec.trainer.swa, schedule, self.optimizer, self.progress, self.steps_per_epoch)
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
-                               self.env.is_main, self.trial)
+                               self.env.is_main)
         self.monitor.flop_rate = flop_rate
         self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
-        self.best_weights = BestWeights(spec, self)  # trainer.test_on=best: the best weights, kept to test on
-        self.logged_model = mlflow_model.ModelLogger(spec, self, data)  # tracking.log_model: the model in MLflow
-        self.stopping = Stopping(spec.trainer.early_stopping, self.trial)
-        self.watch = NonFiniteWatch(spec, self.device)
-        self.overfit = debugging.OverfitGoal(spec, self.steps_per_epoch, parallel.all_reduce_sum)
-        self.stop_vote = preemption.StopVote(self.env.distributed)
-        self.finished, self.final = False, {}
+        self.view = self._view()
+        self.addons = AddOns([*self._addons(spec, data), *components.build_callbacks(spec), *addons], self.view)
+        self.finished, self.final, self.test_from = False, {}, ""
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
             self._load_state(resume_state)
-        self.profiler = profiling.build(spec, self.env, self.device, self.tracker, self.optimizer, self.total_steps,
-                                        self.progress.step)  # trainer.profile; otherwise a no-op
+
+    def _addons(self, spec: RunSpec, data) -> list[AddOn]:
+        """The run's add-ons (runner/addons/base.py), in the order their hooks run; a new one is one line here.
+        Those the engine also calls itself (the averages' metrics, the test, the watch, the profiler's phases)
+        keep a name."""
+        view = self.view
+        self.averages = averaging.Averages(view)  # EMA/SWA of the weights; nothing when both are off
+        self.watch = NonFiniteWatch(spec, self.device)
+        self.best_weights = BestWeights(view, self.averages)  # trainer.test_on=best: the best weights, kept to test on
+        self.stopping = Stopping(spec.trainer.early_stopping)
+        self.logged_model = mlflow_model.ModelLogger(spec, view, data, self.best_weights)  # tracking.log_model
+        self.profiler = profiling.build(view)  # trainer.profile; otherwise a no-op
+        return [
+            self.averages,                                                 # trainer.ema, trainer.swa
+            self.watch,                                                    # trainer.max_non_finite_steps
+            *self._unfreezing(spec),                                       # model.unfreeze_after_epochs
+            OverfitGoal(spec, self.steps_per_epoch, parallel.all_reduce_sum),  # trainer.overfit_batches
+            self.best_weights,                                             # trainer.test_on
+            self.stopping,                                                 # trainer.early_stopping
+            self.logged_model,                                             # tracking.log_model
+            self.profiler,                                                 # trainer.profile
+            preemption.StopVote(self.env.distributed),                     # SIGTERM/SIGHUP: all ranks stop at one step
+        ]
+
+    def _unfreezing(self, spec: RunSpec) -> list[AddOn]:
+        if not (spec.model.freeze and spec.model.unfreeze_after_epochs is not None):
+            return []
+        # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
+        unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
+                                   spec.model.unfreeze_after_epochs)
+        return [GradualUnfreezing(unfreezer, list(spec.model.freeze))]
+
+    def _view(self) -> EngineView:
+        """What the add-ons see of the engine. Functions rather than bound methods where a tool (a test, a
+        finder) may put another in the engine's place."""
+        return EngineView(
+            spec=self.spec, env=self.env, device=self.device, module=self.module, optimizer=self.optimizer,
+            schedule=self.schedule, progress=self.progress, total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch, tracker=self.tracker, say=self.monitor.say,
+            evaluate=lambda split: {**self.evaluate(split), **self.averages.evaluate(split)},
+            evaluate_model=lambda split: self.evaluate(split),
+            best_step=lambda metric: self.monitor.best_step.get(metric),
+            train_batches=self._train_batches, forward=self._bare_forward)
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
@@ -170,8 +210,7 @@ class Engine(EngineCheckpoints):
                                            self.train_loader, self._micro_loss)
                 with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
                     stop = self._train()
-                self.overfit.report(self.monitor.say, self.progress.step)
-                self.profiler.finish()
+                self.addons.on_train_end(stop)  # the overfit goal's line, the profile, SWA's BatchNorm statistics
                 if stop.paused:
                     self.pause()
                 elif not stop.pruned:
@@ -191,12 +230,11 @@ class Engine(EngineCheckpoints):
             self.tracker.log_text("".join(traceback.format_exception(e)), "error.txt")
             self.tracker.finish("FAILED")
             raise
-        if stop.pruned:
-            raise pruned(stop.reason)  # how a job tells the sweeper its trial was pruned
         seconds, rates = time.perf_counter() - started, self.monitor.run_rates()
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
-                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.best_weights.source)
+                         rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.test_from,
+                         stop.reason if stop.pruned else "")
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
@@ -208,39 +246,32 @@ class Engine(EngineCheckpoints):
         self.monitor.window.start()
         while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
-            if self.unfreezer is not None:
-                unfrozen = self.unfreezer.on_epoch_start(p.epoch)
-                if unfrozen and self.env.is_main:
-                    log.info("epoch %d: unfroze %d parameter tensors (%s)", p.epoch, len(unfrozen),
-                             ", ".join(self.spec.model.freeze))
+            self.addons.on_epoch_start(p.epoch)  # gradual unfreezing
             for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
                 lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
                 self.monitor.step_starts()
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
-                self.averages.on_step(p.step)
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
                                          self.split_sizes["train"])
-                self.watch.on_step(p.step, loss_sum)
                 self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
                                      self.last_step_flops)
-                if self.monitor.is_log_step(p.step) or trainer.check_finite_every_step:
-                    self.watch.check(parallel.all_reduce_max)
+                # the EMA, the non-finite watch, the overfit goal, the stop vote (SIGTERM/SIGHUP), a user's callbacks
+                stop = self.addons.on_step_end(p.step, loss_sum, samples)
                 with self.monitor.window.paused():  # throughput counts training time only
                     if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
-                        stop = self._evaluate_and_watch()
-                    signum = self.stop_vote.agreed()  # SIGTERM/SIGHUP: every rank stops here, with this step's checkpoint
+                        stop = first_stop([stop, self._evaluate_and_watch()])
+                    signum = stop.signal if stop is not None else 0  # every rank stops here, with this step's checkpoint
                     if signum or (stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0):
                         self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
-                stop = (stop or self.overfit.on_step(p.step, loss_sum, samples)
-                        or pause_due(trainer.stop_at_step, p.step, self.total_steps))  # PBT's round boundary
+                stop = stop or pause_due(trainer.stop_at_step, p.step, self.total_steps)  # PBT's round boundary
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
                 p.epoch, p.samples_in_epoch = p.epoch + 1, 0
-                self.averages.on_epoch_end(p.epoch)
+                self.addons.on_epoch_end(p.epoch)  # SWA takes the weights in
                 if trainer.eval_every_epoch and stop is None:
                     with self.monitor.window.paused():
                         stop = self._evaluate_and_watch()
@@ -250,13 +281,13 @@ class Engine(EngineCheckpoints):
         """Validate if the last step was not (a run shorter than an epoch, or one resumed after its last
         step), test, and write the final checkpoint: a run resumed after this has nothing left to do.
         The run trained to its end: what that validation would decide (stop, prune) no longer matters."""
-        self.averages.finish()
         self._evaluate_and_watch()
         self.final = self.best_weights.test()
-        self.tracker.set_tags({"test_from": self.best_weights.source})
+        self.test_from = self.best_weights.source
+        self.tracker.set_tags({"test_from": self.test_from})
         self.finished = True
         self.save_checkpoint()
-        self.logged_model.log()
+        self.addons.on_run_end(self.final)  # the model logged to MLflow
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """One optimizer step: this rank's loss sum, units and the grad norm (log steps, or clipping); its
@@ -292,6 +323,18 @@ class Engine(EngineCheckpoints):
             self.optimizer.zero_grad(set_to_none=True)
         self.last_step_flops = step_flops
         return loss_sum, sum(counts), grad_norm
+
+    def _train_batches(self) -> Iterator[tasks.Batch]:
+        """One pass over the training split in this epoch's order, prepared as a step prepares its batches
+        (no augmentation by batch transforms): SWA's BatchNorm statistics."""
+        self.train_loader.batch_sampler.set_epoch(self.progress.epoch)
+        for raw in self.train_loader:
+            yield self.precision.prepare_batch(batches.to_device(batches.split_batch(raw), self.device))
+
+    def _bare_forward(self, batch: tasks.Batch):
+        """The bare module (not its DDP wrapper, whose forward would broadcast rank 0's buffers) on a batch."""
+        with self.precision.autocast():
+            return batches.call_model(self.module, batch, self.pass_labels)
 
     def _micro_loss(self, raw) -> torch.Tensor:
         """The memory estimate's micro-step, eager even under trainer.compile: a compilation here would fall
@@ -362,16 +405,98 @@ class Engine(EngineCheckpoints):
             return None
         p.last_eval_step = p.step
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
-        metrics = {**self.evaluate("val"), **self.averages.evaluate("val")}
+        metrics = self.view.evaluate("val")  # the model's and its averaged weights'
         self.model.train()
         if metrics:
             self.schedule.on_eval(metrics)
         self.monitor.on_eval(metrics, p.step, p.epoch)
-        self.best_weights.after_eval(p.step)
-        stop = self.stopping.after_eval(metrics)
+        stop = self.addons.after_evaluation(metrics)  # the best weights kept, an Optuna pruner, early stopping
         if stop is not None:
             self.monitor.say(stop.reason)
         return stop
+
+    # --- checkpoints: everything needed to continue as if never stopped ---------------------------
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.spec.trainer.save_checkpoints:  # debug=fast: nothing to resume from is wanted
+            return None
+        self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
+        model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
+        rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
+        log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
+        addons = self.addons.state_dict()  # every rank: the averages' full tensors are a collective under fsdp
+        if not self.env.is_main:
+            parallel.barrier()
+            return None
+        # metrics up to this step are stored before the checkpoint exists: a kill after it loses none
+        self.tracker.flush()
+        state = {
+            "spec": self.spec.to_yaml(),
+            "model": model_state,
+            "optimizer": optim_state,
+            "schedule": self.schedule.state_dict(),
+            "precision": self.precision.state_dict(),
+            "rng": rng,
+            "progress": vars(self.progress).copy(),
+            "monitor": self.monitor.state_dict(),
+            "log_windows": log_windows,
+            "finished": self.finished,
+            "final": self.final,
+            "test_from": self.test_from,
+            "mlflow_run_id": self.tracker.run_id or "",
+            "addons": addons,  # one entry per add-on with state, by its name
+        }
+        path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
+                               self.spec.trainer.keep_checkpoints)
+        self.addons.after_checkpoint(path)
+        parallel.barrier()
+        return path
+
+    def pause(self) -> None:
+        """trainer.stop_at_step: validated at this step (population-based training ranks members by it) and
+        checkpointed; neither tested nor finished, so a resume trains on along the same schedule."""
+        self._evaluate_and_watch()
+        self.save_checkpoint()
+        self.tracker.set_tags({"runner.outcome": "paused", "runner.paused_at_step": str(self.progress.step)})
+
+    def _read_checkpoint(self, where: str) -> dict | None:
+        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
+        state = None
+        if self.env.is_main and not starts_over(Path(where)):
+            path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
+            state["path"] = str(path)
+        return parallel.broadcast_object(state)
+
+    def _load_state(self, state: dict) -> None:
+        try:
+            parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
+        self.schedule.load_state_dict(state["schedule"])
+        self.precision.load_state_dict(state["precision"])
+        rng = state["rng"]
+        checkpoint.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world else rng[0])
+        vars(self.progress).update(state["progress"])  # in place: the add-ons hold this object
+        self.monitor.load_state_dict(state["monitor"], step=self.progress.step)
+        self.monitor.window.load_state_dict(state.get("log_windows", []), self.env.rank, self.env.world, self.device)
+        self.addons.load_state_dict(checkpoint.addon_states(state))  # after the monitor: the best weights ask for its best step
+        # Extended (a larger trainer.max_steps/max_epochs): a finished run trains on and ends again.
+        self.finished = bool(state.get("finished")) and (self.progress.step >= self.total_steps or self.stopping.stopped_early)
+        self.final = dict(state.get("final") or {})
+        self.test_from = self.best_weights.source = state.get("test_from", "")
+        source_run = state.get("mlflow_run_id") or ""
+        if _inside(Path(state["path"]), Path(self.spec.run_dir)):
+            self.resume_run_id = source_run or None  # continuing this run directory: reattach to its run
+        else:  # another run's checkpoint starts a new run, which names where it came from
+            self.resumed_from = {"runner.resumed_from_checkpoint": state["path"]}
+            if source_run:
+                self.resumed_from["runner.resumed_from_run"] = source_run
+        log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
+                 self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path.resolve().is_relative_to(directory.resolve())
 
 def _finetune_call(key: str, fn, *args):
     """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is

@@ -2,7 +2,7 @@
 Optuna trial's intermediate values, the objective, and the curves plot.
 
 Reporting decides nothing: whether to stop early or prune is the step loop's (runner/engine/stopping.py,
-`TrialReporter.verdict`). The step loop hands over device tensors; they are read (a device sync)
+and the Optuna trial's add-on, runner/search/trial.py). The step loop hands over device tensors; they are read (a device sync)
 only on log steps.
 """
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from runner.addons.base import AddOn, EngineView
+from runner.engine.parallel import all_reduce_max
 from runner.spec import metric_names
 from runner.engine.compiling import CompileClock
 from runner.engine.flops import FlopRate
 from runner.engine.log_window import LogWindow
 from runner.spec.run import RunSpec
 from runner.tracking.tracker import Tracker
-from runner.search.trial import TrialReporter
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,17 @@ class Diverged(RuntimeError):
     """The loss stopped being finite: the run ends FAILED; no checkpoint holds the broken weights."""
 
 
-class NonFiniteWatch:
+class NonFiniteWatch(AddOn):
     """Counts consecutive steps with a non-finite loss; `check` reads the count (all ranks together)
     and raises Diverged once the limit was reached. fp16 may see a few such steps that its loss scaler
     skips; every other precision stops at the first.
 
     A step only hands over its loss sum (a list append: no tensor op, no device sync per step); `check`
-    folds the steps since the last check into the counters on the device in a few tensor ops."""
+    folds the steps since the last check into the counters on the device in a few tensor ops. As an
+    add-on it checks on log steps (every step with trainer.check_finite_every_step); the engine also
+    checks before each evaluation and checkpoint (no evaluated or saved weights ever diverged)."""
+
+    name = "non_finite_watch"
 
     def __init__(self, spec: RunSpec, device: torch.device):
         self.limit = spec.trainer.max_non_finite_steps if spec.precision.name == "fp16" else 1
@@ -55,6 +60,15 @@ class NonFiniteWatch:
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
         self.pending: list[torch.Tensor] = []  # loss sums of steps first_pending, first_pending + 1, ...
         self.first_pending = 0
+        self.check_every, self.log_every, self.total_steps = spec.trainer.check_finite_every_step, 1, 0
+
+    def setup(self, view: EngineView) -> None:
+        self.log_every, self.total_steps = view.spec.trainer.log_every_n_steps, view.total_steps
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        self.on_step(step, loss_sum)
+        if self.check_every or step % self.log_every == 0 or step == self.total_steps:  # the monitor's log steps
+            self.check(all_reduce_max)
 
     def on_step(self, step: int, loss_sum: torch.Tensor) -> None:
         if not self.pending:
@@ -104,9 +118,8 @@ class Monitor:
     reduced across ranks on log steps); only the main rank's tracker logs and only it writes files."""
 
     def __init__(self, spec: RunSpec, tracker: Tracker, total_steps: int, steps_per_epoch: int,
-                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]], is_main: bool = True,
-                 trial: TrialReporter | None = None):
-        self.spec, self.tracker, self.trial = spec, tracker, trial
+                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]], is_main: bool = True):
+        self.spec, self.tracker = spec, tracker
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
         self.unit = metric_names.unit(spec)  # what the loss averages over, as the task declares it
@@ -171,8 +184,6 @@ class Monitor:
             if name not in self.best or self.better(name, value, self.best[name]):
                 self.best[name], self.best_step[name] = value, step
         self.say(f"epoch {epoch} step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        if self.trial is not None:
-            self.trial.report(metrics, step)
 
     def say(self, text: str) -> None:
         """One line for the console and the run log (runner.log): through the logger always, so the file

@@ -23,6 +23,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from runner.addons.base import AddOn
+from runner.engine.stopping import Stop
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -77,8 +80,9 @@ def at_step_boundaries() -> Iterator[None]:
         _state["deferred"] = False
 
 
-class StopVote:
-    """Whether any rank got a stop signal, decided by all ranks at the same step.
+class StopVote(AddOn):
+    """Whether any rank got a stop signal, decided by all ranks at the same step (an add-on: asked at
+    every step's end, it returns a Stop carrying the signal; the engine writes that step's checkpoint).
 
     Under ddp/fsdp the vote is a collective: one network round trip (far more than a small step takes
     across nodes). So ranks vote only at steps they all know in advance: each vote also takes the
@@ -87,11 +91,17 @@ class StopVote:
     reduced values only, so it is the same on every rank; a signal stops the run within about
     `every_s` seconds plus one step, well inside a preemption's grace period."""
 
+    name = "stop_vote"
+
     def __init__(self, distributed: bool, every_s: float = 0.5, max_steps: int = 100):
         self.distributed, self.every_s, self.max_steps = distributed, every_s, max_steps
         self.calls = 0        # step boundaries seen (one call each)
         self.next_vote = 1    # the boundary of the next vote: the first one votes
         self.voted_at, self.voted_time = 0, time.perf_counter()
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> Stop | None:
+        signum = self.agreed()
+        return Stop(f"stopped by {signal.Signals(signum).name}", signal=signum) if signum else None
 
     def agreed(self) -> int:
         """The signal number that stops the run at this step boundary, or 0 (on vote boundaries a

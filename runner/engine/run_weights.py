@@ -82,7 +82,7 @@ class RunWeights:
     @property
     def averages(self) -> dict | None:
         """The checkpoint's averages (runner/addons/averaging.py's Averages.state_dict), for an engine to evaluate."""
-        return self.state.get("averages")
+        return checkpoint.addon_states(self.state).get("averages")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict holding the chosen weights: the raw ones, with the average's tensors in place
@@ -93,7 +93,7 @@ class RunWeights:
         model = self.state["model"]
         if self.average == "none":
             return dict(model)
-        values = self.state["averages"][self.average]["values"]
+        values = self.averages[self.average]["values"]
         out = {}
         for name, raw in model.items():
             twin = name if name in values else next(
@@ -131,7 +131,7 @@ def read(target: str | Path, which: str = "tested", average: str = "auto") -> Ru
     metric = (spec.get("objective") or {}).get("metric", "")
     kind = measured_average(metric) if average == "auto" else average
     if kind != "none":
-        kept = (state.get("averages") or {}).get(kind)
+        kept = (checkpoint.addon_states(state).get("averages") or {}).get(kind)
         if kept is None or not kept.get("count") and kind == "swa":
             why = "SWA had not started yet" if kept is not None else f"the run trained without trainer.{kind}"
             key = "weights.average" if average != "auto" else f"weights.average: auto follows {metric}, and"

@@ -55,6 +55,13 @@ class Schedule:
                             f"choose one of {', '.join(sorted(metrics))}")
         self.scheduler.step(float(metrics[self.monitor]))
 
+    def scale_peak(self, index: int, factor: float) -> None:
+        """Group `index`'s peak lr changed by `factor` mid-run (PBT's explore; the group's own lr keys are the
+        caller's): the schedule's shape goes on from where it is, at the new scale."""
+        for part in (self.scheduler, *getattr(self.scheduler, "_schedulers", [])):  # SequentialLR holds its parts
+            if hasattr(part, "base_lrs") and index < len(part.base_lrs):
+                part.base_lrs[index] = part.base_lrs[index] * factor
+
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "total_steps": self.total_steps, "scheduler": self.scheduler.state_dict()}
 

@@ -1,4 +1,5 @@
-"""Why a run stops before its last step: early stopping and pruning, decided after an evaluation.
+"""Why a run stops before its last step: early stopping, pruning (the Optuna trial's add-on,
+runner/search/trial.py), a pause, a signal; early stopping and pruning are decided after an evaluation.
 
 The step loop asks after each evaluation and gets a `Stop` back (or None): a stop is a value, never
 an exception raised inside a report, so no reporter can end a run behind the loop's back.
@@ -6,12 +7,9 @@ an exception raised inside a report, so no reporter can end a run behind the loo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from runner.addons.base import AddOn
 from runner.spec.run import EarlyStoppingSpec
-
-if TYPE_CHECKING:
-    from runner.search.trial import TrialReporter
 
 
 @dataclass(frozen=True)
@@ -22,6 +20,7 @@ class Stop:
     reason: str
     pruned: bool = False
     paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
+    signal: int = 0       # SIGTERM/SIGHUP (runner/engine/preemption.py): this step's checkpoint, then the process exits
 
 
 def pause_due(stop_at_step: int | None, step: int, total_steps: int) -> Stop | None:
@@ -67,22 +66,24 @@ class EarlyStopping:
         self.stopped = bool(state["stopped"])
 
 
-class Stopping:
-    """The step loop's question after each evaluation: the Optuna pruner first, then early stopping."""
+class Stopping(AddOn):
+    """Early stopping as the step loop asks after each evaluation (an add-on: runner/addons/base.py)."""
 
-    def __init__(self, spec: EarlyStoppingSpec, trial: "TrialReporter | None") -> None:
-        self.early, self.trial = EarlyStopping(spec), trial
+    name = "early_stopping"
+
+    def __init__(self, spec: EarlyStoppingSpec) -> None:
+        self.early = EarlyStopping(spec)
 
     @property
     def stopped_early(self) -> bool:
         return self.early.stopped
 
-    def after_eval(self, metrics: dict[str, float]) -> Stop | None:
-        verdict = self.trial.verdict() if self.trial is not None and metrics else None
-        return Stop(verdict, pruned=True) if verdict else self.early.update(metrics)
+    def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
+        return self.early.update(metrics)
 
     def state_dict(self) -> dict:
         return self.early.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.early.load_state_dict(state)
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.early.load_state_dict(state)

@@ -4,8 +4,9 @@ The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` a
 the job opens the study's storage itself, so reporting and pruning work whatever the launcher
 (in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
 evaluation the objective metric is reported to the trial at the run's optimizer step (so a resumed
-or restarted run reports new steps, never ones Optuna has seen), then the step loop asks the study's
-pruner; a rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned` and
+or restarted run reports new steps, never ones Optuna has seen) and the study's pruner is asked, by
+the trial's engine add-on (`TrialReporter`, registered by runner/cli/launch.py's build_engine); a
+rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned`, and the launch
 raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
 
 The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storage, storage_url  # the sweeper's protocol
+from runner.addons.base import AddOn, EngineView, Progress
+from runner.engine.stopping import Stop
 
 if TYPE_CHECKING:
     from runner.spec.run import RunSpec
@@ -41,16 +44,31 @@ def is_pruned(error: BaseException) -> bool:
     return optuna is not None and isinstance(error, optuna.TrialPruned)
 
 
-class TrialReporter:
+class TrialReporter(AddOn):
     """Reports a run's evaluations to its trial (`report`) and says whether the pruner stops it (`verdict`).
+    An engine add-on (runner/addons/base.py) that the launch registers for a trial's run: after each
+    validation it reports and returns the pruner's stop.
 
     Under ddp/fsdp every rank holds one (their metrics are all-reduced, hence equal): rank 0 alone
     reports and asks the pruner, and broadcasts the verdict, so all ranks stop at the same step.
     """
 
+    name = "optuna_trial"
+
     def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool):
         self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
         self.last: tuple[int, dict[str, float]] = (0, {})
+        self.progress = Progress()
+
+    def setup(self, view: EngineView) -> None:
+        self.progress = view.progress
+
+    def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
+        if not metrics:  # an empty split: nothing to report
+            return None
+        self.report(metrics, self.progress.step)
+        verdict = self.verdict()
+        return Stop(verdict, pruned=True) if verdict else None
 
     def report(self, metrics: dict[str, float], step: int) -> None:
         """The objective at this optimizer step (Optuna prunes single objectives only)."""

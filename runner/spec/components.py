@@ -10,6 +10,7 @@ What the data decides reaches a model only through constructor parameters of the
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -108,7 +109,50 @@ def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
     # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
     fit_checks.check_model_reads(spec, fit_checks.declared_inputs(load_target("dataset", spec.dataset.target)))
     spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
-    return resolved_parts(metric_names.with_declared_modes(spec), typed)
+    return resolved_callbacks(resolved_parts(metric_names.with_declared_modes(spec), typed))
+
+
+# --- a user's own engine add-ons: trainer.callbacks ------------------------------------------------
+
+def resolved_callbacks(spec: RunSpec) -> RunSpec:
+    """trainer.callbacks checked against their classes (each an engine add-on) and completed with their
+    defaults. Every key of a callback is the user's own, so one its class does not take is an error."""
+    resolved = []
+    for i, callback in enumerate(spec.trainer.callbacks):
+        key = f"trainer.callbacks[{i}]"
+        _check_addon(key, callback.target)
+        params = resolve(key, callback.target, callback.params, {f"{key}.{k}" for k in callback.params})
+        resolved.append(callback.with_params(params))
+    if not resolved:
+        return spec
+    return spec.replace(trainer=dataclasses.replace(spec.trainer, callbacks=tuple(resolved)))
+
+
+def build_callbacks(spec: RunSpec) -> list[Any]:
+    """The user's add-ons of trainer.callbacks, built; each is named by its class's `name`, else by its
+    `_target_` (its checkpoint entry; a second of one target gets #2)."""
+    from runner.addons.base import AddOn
+
+    built: list[AddOn] = []
+    seen: dict[str, int] = {}
+    for i, callback in enumerate(spec.trainer.callbacks):
+        key = f"trainer.callbacks[{i}]"
+        _check_addon(key, callback.target)
+        addon = build_component(key, callback.target, callback.params, {})
+        name = addon.name or callback.target
+        seen[name] = seen.get(name, 0) + 1
+        addon.name = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        built.append(addon)
+    return built
+
+
+def _check_addon(key: str, target: str) -> None:
+    from runner.addons.base import AddOn
+
+    fn = load_target(key, target)
+    if not (inspect.isclass(fn) and issubclass(fn, AddOn)):
+        raise SpecError(f"{key}._target_: {target} is not an engine add-on; give a class that subclasses "
+                        "runner.addons.base.AddOn (its hooks: runner/addons/base.py)")
 
 
 # --- the training parts: task, optimizer, schedule ------------------------------------------------

@@ -162,6 +162,23 @@ class EarlyStoppingSpec:
 
 
 @dataclass(frozen=True)
+class CallbackSpec(Component):
+    """A user's own engine add-on (Lightning users call these callbacks): a class named by `_target_`,
+    subclassing runner.addons.base.AddOn, and its own arguments, checked against its signature."""
+
+    target: str = ""
+    params: dict = field(default_factory=dict)
+
+    def __to_plain__(self) -> dict:
+        return {"_target_": self.target, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str) -> "CallbackSpec":
+        data = component_dict(data, key)
+        return cls(target=data.pop("_target_"), params=data)
+
+
+@dataclass(frozen=True)
 class TrainerSpec(DebugKeys):  # the debugging keys: runner/spec/debug.py
     max_epochs: int = opt(20, "epochs to train", gt=0)
     max_steps: Optional[int] = opt(None, "optimizer steps to train; wins over max_epochs when set", gt=0)
@@ -199,6 +216,8 @@ class TrainerSpec(DebugKeys):  # the debugging keys: runner/spec/debug.py
     ema: EmaSpec = field(default_factory=EmaSpec)
     swa: SwaSpec = field(default_factory=SwaSpec)
     cross_validation: CrossValidationSpec = field(default_factory=CrossValidationSpec)
+    callbacks: tuple[CallbackSpec, ...] = opt((), "a user's own add-ons, each {_target_: my_pkg.MyCallback, ...its "
+                                                  "arguments}: a subclass of runner.addons.base.AddOn")
 
 
 @dataclass(frozen=True)
@@ -389,6 +408,10 @@ def _with_components(cfg: dict) -> dict:
     for group, spec_class in _COMPONENTS.items():
         if group in cfg:
             cfg[group] = spec_class.parse(cfg[group])
+    trainer = cfg.get("trainer")
+    if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, tuple)):
+        cfg["trainer"] = {**trainer, "callbacks": [CallbackSpec.parse(c, f"trainer.callbacks[{i}]")
+                                                   for i, c in enumerate(trainer["callbacks"])]}
     return cfg
 
 

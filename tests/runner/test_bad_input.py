@@ -301,6 +301,11 @@ CASES = [
     case("task._target_=tests.user_pkg.training.FocalLoss +task.gamma=-1", "error: task.gamma: -1.0 is not allowed; "
          "give a number >= 0", RUN),
     # --- issue 14, runner-side inputs (helper records): components that break their contract, the run directory
+    # a user's own engine add-on (trainer.callbacks): checked against its class like any component
+    case(["trainer.callbacks=[{_target_: tests.user_pkg.callbacks.StepCounter, scael: 2}]"],
+         "error: trainer.callbacks[0].scael: unknown key for tests.user_pkg.callbacks.StepCounter; did you mean scale?"),
+    case(["trainer.callbacks=[{_target_: tests.user_pkg.callbacks.NotAnAddOn}]"],
+         "error: trainer.callbacks[0]._target_: tests.user_pkg.callbacks.NotAnAddOn is not an engine add-on"),
     case("model._target_=5", "error: model._target_: 5 is not a dotted path to a callable"),
     case("model._target_=builtins.dict", "error: model._target_: builtins.dict returned a dict, not a torch.nn.Module",
          RUN),

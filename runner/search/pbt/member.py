@@ -34,6 +34,7 @@ def run_job(job_file: Path) -> dict[str, Any]:
     from runner.engine.monitor import Diverged
     from runner.engine.parallel import DistEnv
     from runner.search.pbt.population import mlflow_key
+    from runner.search.pbt.mutable import MidRunChanges
     from runner.tracking.tracker import build_tracker
 
     job = json.loads(Path(job_file).read_text())
@@ -42,7 +43,8 @@ def run_job(job_file: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     with process_state.isolated(), preemption.handled():
-        engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")))
+        # explore's new values reach the resumed optimizer and schedule through PBT's add-on
+        engine = Engine(spec, build_tracker(spec, 0, parent_run_id=job.get("parent_run_id")), addons=[MidRunChanges()])
         start, began = engine.progress.step, time.perf_counter()
         tags = dict(job.get("tags", {}))
         try:

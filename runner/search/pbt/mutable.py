@@ -13,9 +13,7 @@ import fnmatch
 import logging
 from typing import Any
 
-import yaml
-
-from runner.spec.fields import flat_keys
+from runner.addons.base import AddOn, EngineView
 
 log = logging.getLogger(__name__)
 
@@ -31,24 +29,45 @@ def is_mutable(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in MUTABLE)
 
 
+class MidRunChanges(AddOn):
+    """PBT's mid-run changes, an engine add-on (runner/addons/base.py) that every member's run registers
+    (runner/search/pbt/member.py). Its checkpoint entry is the mutable hyperparameters the run trained with;
+    a resume whose spec gives others (explore's) puts this spec's values into the loaded optimizer and
+    schedule. A checkpoint without the entry (written before it existed) gets them all put back, which
+    changes nothing where nothing changed."""
+
+    name = "pbt_changes"
+
+    def setup(self, view: EngineView) -> None:
+        self.view = view
+        self.fresh = snapshot(view.optimizer)  # the hyperparameters this run's spec gives, before any checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hyperparameters": mutable_values(self.view.spec)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        saved = None if state is None else state["hyperparameters"]
+        apply_changed(saved, self.view.spec, self.view.optimizer, self.view.schedule, self.fresh)
+
+
+def mutable_values(spec: Any) -> dict[str, Any]:
+    return {k: v for k, v in spec.flat().items() if is_mutable(k)}
+
+
 def snapshot(optimizer: Any) -> list[dict[str, Any]]:
     """Each param group's lr before any schedule moved it (initial_lr) and its other hyperparameters."""
     return [{"initial_lr": g.get("initial_lr", g["lr"]), **{k: g[k] for k in _GROUP_KEYS if k in g}}
             for g in optimizer.param_groups]
 
 
-def apply_changed(saved_yaml: str | None, spec: Any, optimizer: Any, schedule: Any, fresh: list[dict]) -> list[str]:
-    """After a checkpoint was loaded: where this spec's mutable keys differ from the saved spec's, its values
-    replace the loaded ones. Returns the changed keys (none for an ordinary resume, whose spec is the saved one)."""
-    if not saved_yaml:
+def apply_changed(saved: dict[str, Any] | None, spec: Any, optimizer: Any, schedule: Any, fresh: list[dict]) -> list[str]:
+    """After a checkpoint was loaded: where this spec's mutable keys differ from the `saved` ones (the
+    checkpoint's; None: unknown, every value put back), its values replace the loaded ones. Returns the
+    changed keys (none for an ordinary resume, whose spec is the saved one)."""
+    new = mutable_values(spec)
+    changed = [] if saved is None else sorted(k for k in set(saved) | set(new) if saved.get(k) != new.get(k))
+    if saved is not None and not changed:
         return []
-    saved = flat_keys(yaml.safe_load(saved_yaml))
-    new = spec.flat()
-    changed = sorted(k for k in set(saved) | set(new) if is_mutable(k) and saved.get(k) != new.get(k))
-    if not changed:
-        return []
-    scheduler = getattr(schedule, "scheduler", schedule)
-    inner = [scheduler, *getattr(scheduler, "_schedulers", [])]  # SequentialLR (warmup) holds its parts
     for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
         old = group.get("initial_lr", group["lr"])
         factor = want["initial_lr"] / old if old else None
@@ -56,15 +75,14 @@ def apply_changed(saved_yaml: str | None, spec: Any, optimizer: Any, schedule: A
             for key in _LR_KEYS:
                 if key in group:
                     group[key] = group[key] * factor
-            for part in inner:
-                if hasattr(part, "base_lrs") and i < len(part.base_lrs):
-                    part.base_lrs[i] = part.base_lrs[i] * factor
+            schedule.scale_peak(i, factor)  # the schedule's own copy of the peak (base_lrs), SWA's included
         elif factor is None:  # a group frozen by a 0 multiplier before: its new lr from here, unscheduled
             group["lr"] = group["initial_lr"] = want["initial_lr"]
         for key in _GROUP_KEYS:
             if key in want:
                 group[key] = want[key]
-    log.info("resumed with changed hyperparameters: %s", ", ".join(f"{k}={new.get(k)!r}" for k in changed))
+    if changed:
+        log.info("resumed with changed hyperparameters: %s", ", ".join(f"{k}={new.get(k)!r}" for k in changed))
     return changed
 
 

@@ -49,8 +49,8 @@ def test_ema_equals_the_hand_computed_average_of_the_weights_after_each_optimize
         d = min(decay, (1 + t) / (10 + t)) if warmup else decay
         ema = {k: d * ema[k] + (1 - d) * weights[k] for k in ema}
     saved = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")
-    assert saved["averages"]["ema"]["count"] == 6
-    assert_close_weights(saved["averages"]["ema"]["values"], ema)
+    assert saved["addons"]["averages"]["ema"]["count"] == 6
+    assert_close_weights(saved["addons"]["averages"]["ema"]["values"], ema)
     assert_close_weights(saved["model"], seen[-1])  # the raw weights are checkpointed as they are, beside the EMA
     assert not any(torch.allclose(ema[k], seen[-1][k]) for k in ema)  # the average is not the raw weights
 
@@ -62,7 +62,7 @@ def test_swa_is_the_mean_of_the_end_of_epoch_weights_and_swalr_anneals_to_its_lr
     engine.fit()
     per_epoch = engine.steps_per_epoch
     ends = [seen[per_epoch * (epoch + 1)] for epoch in (1, 2)]  # the ends of epochs 1 and 2 (from 0)
-    swa = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["averages"]["swa"]
+    swa = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["addons"]["averages"]["swa"]
     assert swa["count"] == 2
     assert_close_weights(swa["values"], {k: (ends[0][k] + ends[1][k]) / 2 for k in ends[0]})
     lrs = [lr for _, lr in engine.monitor.history["lr"]]
@@ -132,7 +132,7 @@ def test_averaged_weights_are_logged_evaluated_and_resumed_exactly(tmp_path: Pat
     assert {"val/ema/loss", "val/ema/acc", "val/swa/acc", "test/ema/acc", "test/swa/loss"} <= set(logged)
     assert logged == want
     assert [s for s, _ in logged["val/swa/acc"]] == [s for s, _ in logged["val/acc"]][1:]  # from epoch 1's end on
-    averages = {run: checkpoint.load(tmp_path / run / "checkpoints" / "last.pt")["averages"] for run in ("full", "cut")}
+    averages = {run: checkpoint.load(tmp_path / run / "checkpoints" / "last.pt")["addons"]["averages"] for run in ("full", "cut")}
     assert logged["val/ema/loss"][-1][1] == pytest.approx(hand_val_loss(full, averages["full"]["ema"]["values"]), rel=1e-6)
     assert logged["val/ema/loss"][-1][1] != pytest.approx(logged["val/loss"][-1][1], rel=1e-3)
     assert result.objective == max(v for _, v in logged["val/ema/acc"])  # objective.metric=val/ema/acc
@@ -151,7 +151,7 @@ def test_swa_batchnorm_statistics_are_recomputed_for_the_averaged_weights(tmp_pa
                                   "trainer.swa.start_epoch=0", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"],
                                  tmp_path / "run"))
     engine.fit()
-    swa = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["averages"]["swa"]["values"]
+    swa = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["addons"]["averages"]["swa"]["values"]
     by_hand = {k: v.clone() for k, v in swa.items()}
     engine.module.load_state_dict(by_hand)
     engine.train_loader.batch_sampler.set_epoch(2)
@@ -186,14 +186,14 @@ def test_two_ranks_average_like_one_process_with_the_global_batch(tmp_path: Path
     want = checkpoint.load(tmp_path / "single" / "checkpoints" / "last.pt")
     got = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")
     for kind in ("ema", "swa"):
-        assert got["averages"][kind]["count"] == want["averages"][kind]["count"]
-        assert_same(got["averages"][kind]["values"], want["averages"][kind]["values"])
+        assert got["addons"]["averages"][kind]["count"] == want["addons"]["averages"][kind]["count"]
+        assert_same(got["addons"]["averages"][kind]["values"], want["addons"]["averages"][kind]["values"])
     assert {k: v for k, v in got["final"].items() if "/ema/" in k or "/swa/" in k} == pytest.approx(
         {k: v for k, v in want["final"].items() if "/ema/" in k or "/swa/" in k}, rel=1e-5)
     # resumed from step 60 (epoch 2 of 25-step epochs: SWA and SWALR under way), the ranks end with the same averages
     step_60 = tmp_path / "run" / "checkpoints" / "step-00000060.pt"
     proc = run_cli([*ranks, f"trainer.resume={step_60}", f"hydra.run.dir={tmp_path / 'resumed'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    resumed = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "last.pt")["averages"]
+    resumed = checkpoint.load(tmp_path / "resumed" / "checkpoints" / "last.pt")["addons"]["averages"]
     for kind in ("ema", "swa"):
-        assert all(torch.equal(value, resumed[kind]["values"][key]) for key, value in got["averages"][kind]["values"].items())
+        assert all(torch.equal(value, resumed[kind]["values"][key]) for key, value in got["addons"]["averages"][kind]["values"].items())

@@ -96,7 +96,8 @@ def test_best_weights_logged_load_back_by_run_and_registry_to_the_runners_output
     # last: the final weights (step 4), through the same logger with tracking.log_model=last, on this run
     # (a second tracked run would cost seconds; test_fsdp_logs_the_last_weights_once_from_rank_0 runs one)
     tracking = dataclasses.replace(engine.spec.tracking, log_model="last")
-    last = mlflow_model.ModelLogger(dataclasses.replace(engine.spec, tracking=tracking), engine, engine.logged_model.data)
+    last = mlflow_model.ModelLogger(dataclasses.replace(engine.spec, tracking=tracking), engine.view, engine.logged_model.data,
+                                    engine.best_weights)
     last.log()
     model = client.get_logged_model(last.model_uri.removeprefix("models:/"))
     assert model.tags["runner.weights_from"] == "last@step 4" and model.tags["runner.step"] == "4"

@@ -20,10 +20,11 @@ def train(overrides: list[str], run_dir: Path, **kw) -> Engine:
 
 def tracked(overrides: list[str], run_dir: Path, uri: str) -> Engine:
     """An engine that logs to the MLflow store at uri, as the CLI builds it."""
+    from runner.cli.launch import build_engine
     from runner.tracking.tracker import build_tracker
 
     spec = compose_spec(overrides, run_dir, tracking_uri=uri)
-    return Engine(spec, build_tracker(spec))
+    return build_engine(spec, build_tracker(spec))
 
 
 def ctrl_c_during_step(engine: Engine, step: int) -> Engine:

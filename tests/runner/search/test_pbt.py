@@ -61,6 +61,23 @@ def test_explore_changes_only_the_lr_and_it_takes_effect_at_that_step(tmp_path: 
     assert differ == {"optimizer.lr", "run_dir", "trainer.resume", "tracking.run_name"}
 
 
+def test_explore_changes_the_lr_under_swa_lr_too(tmp_path: Path, store: str) -> None:
+    """Defect 8: with trainer.swa.lr the schedule is SWA's (runner/addons/averaging.py), whose base schedule
+    kept the old peak: the doubled lr held for the first step after the copy only (step 4), then the
+    source's came back (step 5: 0.0475 where 0.0951 was asked). 2 steps an epoch, SWA from epoch 2 (step 6
+    on): steps 4 and 5 take the base schedule's lr, doubled."""
+    state = population(tmp_path, store, Settings(population=2, ready=3, quantile=0.5, perturb=(2.0,),
+                                                 resample_probability=0.0),
+                       ["scheduler=cosine", "trainer.limit_train=0.05", "trainer.swa.start_epoch=2",
+                        "trainer.swa.lr=0.001"]).run()
+    copier, source = copier_and_source(state)
+    assert copier["hparams"]["optimizer.lr"] == pytest.approx(2 * source["hparams"]["optimizer.lr"])
+    own, theirs = history(store, copier["run_id"], "lr"), history(store, source["run_id"], "lr")
+    for step in (4, 5):
+        assert own[step] == pytest.approx(2 * theirs[step], rel=1e-9)
+    assert theirs[4] != theirs[5]  # the schedule moves
+
+
 def test_explore_stays_within_bounds_and_refuses_keys_that_cannot_change_mid_run() -> None:
     space = explore.parse_space({"optimizer.lr": "tag(log, interval(1e-3, 0.1))", "model.dropout": "interval(0, 0.5)",
                                  "optimizer.momentum": "choice(0.8, 0.9, 0.99)"})

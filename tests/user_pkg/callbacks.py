@@ -1,0 +1,45 @@
+"""A user's own engine add-on, named only by `_target_` in trainer.callbacks: it counts what it saw, logs the
+counts to the run's tracker after each validation, and keeps them in the run's checkpoints."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runner.addons.base import AddOn, EngineView
+
+
+class StepCounter(AddOn):
+    """Counts optimizer steps, training samples and validations; logs `user/steps`, `user/samples` and
+    `user/evaluations` (times `scale`) at each validation's step."""
+
+    name = "step_counter"
+
+    def __init__(self, scale: int = 1) -> None:
+        if scale < 1:
+            raise ValueError(f"scale: {scale} is not allowed; give a whole number >= 1")
+        self.scale = scale
+        self.steps = self.samples = self.evaluations = 0
+
+    def setup(self, view: EngineView) -> None:
+        self.view = view
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+
+    def after_evaluation(self, metrics: dict[str, float]) -> None:
+        self.evaluations += 1
+        self.view.tracker.log_metrics({f"user/{k}": v * self.scale for k, v in self.state_dict().items()},
+                                      self.view.progress.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "samples": self.samples, "evaluations": self.evaluations}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.steps, self.samples, self.evaluations = state["steps"], state["samples"], state["evaluations"]
+
+
+class NotAnAddOn:
+    """A class that is no engine add-on: trainer.callbacks refuses it."""
