@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runner.spec.run import ParallelismSpec, SpecError
+from runner.spec.parallelism import ParallelismSpec
+from runner.spec.run import SpecError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.spec.run import EarlyStoppingSpec
+from runner.spec.trainer import EarlyStoppingSpec
 
 if TYPE_CHECKING:
     from runner.search.trial import TrialReporter

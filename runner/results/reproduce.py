@@ -116,7 +116,7 @@ def _short(value: Any) -> str:
 
 def rerun_spec(spec: RunSpec, original: Any, uri: str, run_dir: Path) -> RunSpec:
     """The same spec as a fresh, standalone run: not a resume, not a trial of the original's study."""
-    from runner.spec.run import TrialSpec
+    from runner.spec.trial import TrialSpec
 
     name = f"{original.info.run_name} (reproduced)"
     return spec.replace(run_dir=str(run_dir), trainer=dataclasses.replace(spec.trainer, resume=None),

@@ -16,7 +16,8 @@ from torch import nn
 from runner.engine import checkpoint
 from runner.engine.finetune import LoadReport, Unfreezer, freeze, load_weights, lr_multiplier_groups
 from runner.engine.schedule import build_scheduler
-from runner.spec.run import SchedulerSpec, SpecError
+from runner.spec.run import SpecError
+from runner.spec.scheduler import SchedulerSpec
 
 
 class Net(nn.Module):
