@@ -15,6 +15,7 @@ from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner.cli import registry
 from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
+from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec, SpecError
 
 
@@ -55,13 +56,14 @@ def _to_job_log(line: str) -> None:
 
 
 def spec_from_hydra(cfg: DictConfig) -> RunSpec:
-    """The RunSpec of the job Hydra is running (its run directory is the job's output directory)."""
+    """The RunSpec of the job Hydra is running (its run directory is the job's output directory), with the
+    task's declarations applied (its objective's direction resolved)."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
     container = resolved(cfg)
     container["run_dir"] = hydra_cfg.runtime.output_dir
-    return RunSpec.from_config(container, tuple(hydra_cfg.overrides.task))
+    return with_task_declarations(RunSpec.from_config(container, tuple(hydra_cfg.overrides.task)))
 
 
 # `runner <subcommand> ...`: a first argument Hydra would never take (an override holds `=`)

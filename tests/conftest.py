@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.cli.registry import CONF_DIR
+from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec
 from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)
 
@@ -28,7 +29,7 @@ def compose_spec(overrides: list[str], run_dir: Path, tracking_uri: str | None =
         cfg = compose("config", overrides=overrides)
     container = OmegaConf.to_container(cfg, resolve=True)
     container["run_dir"] = str(run_dir)
-    return RunSpec.from_config(container, tuple(overrides))
+    return with_task_declarations(RunSpec.from_config(container, tuple(overrides)))
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

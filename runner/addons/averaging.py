@@ -38,7 +38,7 @@ from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg
 
 from runner.engine.parallel import local_tensor_of
 from runner.addons.base import AddOn, EngineView, Progress
-from runner.spec.averaging import SwaSpec
+from runner.spec.trainer import SwaSpec
 from runner.spec.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)

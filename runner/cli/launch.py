@@ -23,7 +23,8 @@ from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
-from runner.spec.run import ParallelismSpec, RunSpec, SpecError
+from runner.spec.parallelism import ParallelismSpec
+from runner.spec.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
 

@@ -14,7 +14,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.cli import registry
 from runner.cli.run_dir import check_writable, under_torchrun
-from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option, did_you_mean
+from runner.spec.fields import did_you_mean
+from runner.spec.metric_names import with_task_declarations
+from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option
 
 CONFIG_NAME = "config"
 
@@ -86,6 +88,7 @@ def _check_command_line(args: Any) -> str | None:
         container = resolved(cfg)
         container["run_dir"] = run_dir
         spec = RunSpec.from_config(container, tuple(line for line in variant if not _key_of(line).startswith("hydra")))
+        spec = with_task_declarations(spec)  # metric names, the objective's direction: the task's checks
         first = first or (spec, run_dir)
     if first is not None:  # every job's values are good: now what they name outside themselves
         _check_surroundings(first[0], dir_key, first[1])

@@ -90,7 +90,7 @@ class Engine:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.dp_degree} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.dp_degree, 1)}")
-        self.task = tasks.build_task(spec.task, data.num_classes)
+        self.task = components.build_task(spec.task, data.num_classes)
         metric_names.check_produced(spec, self.task, self.split_sizes)
         self.batch_transform = data.batch_transform
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",

@@ -1,43 +1,19 @@
-"""Checks that the model, the data and the task fit each other, in one line each: what a model reads
-(token ids or tensors) against what the data gives, the labels a task learns from against the data's,
-and what a builder returned (DataSplits, a module with parameters, finite weights)."""
+"""Checks that the model, the data and the task fit each other once they are built, in one line each: the
+labels a task learns from against the data's, and what a builder returned (DataSplits, a module with
+parameters, finite weights). What a model reads against what the data gives is known before either is
+built: runner/spec/components.py checks it."""
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from runner.spec import components
 from runner.spec.fields import SpecError
-from runner.spec.run import RunSpec
+
+if TYPE_CHECKING:
+    from runner.spec.run import RunSpec
 
 # The labels each built-in task can learn from, as the first training item holds them (see label_kind).
 TASK_LABELS = {"classification": "class ids", "language_modeling": "token ids per position",
                "regression": "real values"}
-
-
-def declared_inputs(builder: Callable) -> str | None:
-    """"token ids" when the builder's return annotation promises them (a DataSplits subclass with
-    `gives_token_ids`, data/splits.py's TokenSplits), else None: known only once it has run."""
-    returns = components.hints(builder).get("return") if not inspect.isclass(builder) else None
-    return "token ids" if getattr(returns, "gives_token_ids", False) is True else None
-
-
-def model_reads(target: str) -> str | None:
-    """What a model reads, by the data-decided sizes its signature takes: a vocabulary means token ids,
-    an input shape without one means tensors (images, features); None when it names neither."""
-    try:
-        names = inspect.signature(components.load_target("model", target)).parameters
-    except (TypeError, ValueError):
-        return None
-    return "token ids" if "vocab_size" in names else "tensors" if "input_shape" in names else None
-
-
-def check_model_reads(spec: RunSpec, data_gives: str | None) -> None:
-    reads = model_reads(spec.model.target)
-    if data_gives is not None and reads is not None and reads != data_gives:
-        what = "vocab_size" if reads == "token ids" else "input_shape"
-        raise SpecError(f"model: {spec.model.target} reads {reads} (it takes {what}), but dataset "
-                        f"{spec.dataset.target} gives {data_gives}; choose a model for {data_gives} or another dataset")
 
 
 def label_kind(data: Any) -> str | None:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from runner.spec.components import build_component, load_target
-from runner.spec.run import OptimizerSpec, SpecError
+from runner.spec.optimizer import OptimizerSpec
+from runner.spec.run import SpecError
 
 
 def build_optimizer(spec: OptimizerSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -10,7 +10,8 @@ if TYPE_CHECKING:
 
 import torch
 
-from runner.spec.run import PrecisionSpec, SpecError
+from runner.spec.precision import PrecisionSpec
+from runner.spec.run import SpecError
 
 log = logging.getLogger(__name__)
 

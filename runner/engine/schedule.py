@@ -26,7 +26,8 @@ import torch
 from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LinearLR, OneCycleLR, ReduceLROnPlateau, SequentialLR
 
 from runner.spec.components import build_component, complaint, load_target
-from runner.spec.run import SchedulerSpec, SpecError
+from runner.spec.run import SpecError
+from runner.spec.scheduler import SchedulerSpec
 
 
 class Schedule:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runner.addons.base import AddOn
-from runner.spec.run import EarlyStoppingSpec
+from runner.spec.trainer import EarlyStoppingSpec
 
 
 @dataclass(frozen=True)

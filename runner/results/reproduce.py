@@ -123,7 +123,7 @@ def rerun_spec(spec: RunSpec, original: Any, uri: str, run_dir: Path) -> RunSpec
     """The same spec as a fresh, standalone run: not a resume, not a trial of the original's study. An
     evaluation, prediction or export keeps its source: its spec names the very weights file and average it
     took (runner/results/source.py), so the rerun takes the same weights."""
-    from runner.spec.run import TrialSpec
+    from runner.spec.trial import TrialSpec
 
     name = f"{original.info.run_name} (reproduced)"
     resume = spec.trainer.resume if spec.mode != "train" else None

@@ -34,7 +34,8 @@ from runner.search import folds
 from runner.cli import run_lock
 from runner.files import atomic_write
 from runner.engine.engine import RunResult
-from runner.spec.run import RunSpec, SpecError, TrialSpec
+from runner.spec.run import RunSpec, SpecError
+from runner.spec.trial import TrialSpec
 from runner.tracking.tracker import RUN_FILE, build_tracker
 from runner.engine.parallel import in_torchrun
 from runner.search.trial import TrialReporter, is_pruned, open_trial, parent_run_id, pruned

@@ -1,6 +1,10 @@
 """runner's side of a multirun: the MLflow parent run, and what the Optuna sweeper adds to runner's
 jobs (trial.* overrides so each job reports to its trial, the objective's direction).
 
+The objective's direction is resolved once per sweep, as every job resolves it (the task's declaration
+for objective.metric: runner/spec/metric_names.py), and is what the study optimizes and what picks a
+grid's best job.
+
 The Optuna sweeper knows nothing of runner: runner's task function declares `RunnerSweepHook`
 (runner/__main__.py, `@sweep_hook`), and the sweeper calls it. A plain grid multirun gets its parent
 from `ParentRunCallback` (conf/config.yaml: hydra.callbacks). Jobs find their parent through the
@@ -27,6 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError, SweepHook
+from runner.spec.fields import SpecError
 from runner.tracking.mlflow_store import open_client, open_experiment, owner_tags
 from runner.search.sweep_summary import Job, best_job, log_jobs_table, mark_best, print_summary, run_link
 from runner.tracking.tracker import RUN_FILE, run_exists
@@ -85,12 +90,17 @@ class ParentRunCallback(Callback):
         self.grid = False
         self.jobs: list[Job] = []
         self.started: dict[int, float] = {}
+        self.maximize: bool | None = None  # the objective's resolved direction; None where it cannot be resolved
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         target = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
         if "runner_optuna_sweeper" in target or "runner_pbt_sweeper" in target:  # each opens its own parent
             return
         self.grid = True
+        try:
+            self.maximize = sweep_objective(config).direction == "maximize"
+        except SpecError as e:  # preflight refuses this before the sweep; a job will say it again
+            log.warning(f"the multirun's best job is not marked: {e}")
         self.parent = ParentRun.from_config(config)
         if self.parent is None:
             return
@@ -123,7 +133,7 @@ class ParentRunCallback(Callback):
         if not self.grid:
             return
         metric = str(OmegaConf.select(config, "objective.metric", default="objective"))
-        best = best_job(self.jobs, OmegaConf.select(config, "objective.direction", default=None) == "maximize")
+        best = best_job(self.jobs, self.maximize) if self.maximize is not None else None
         sweep_dir, link = Path(str(config.hydra.sweep.dir)), None
         if self.parent is not None and self.parent.run_id is not None:
             try:
@@ -148,7 +158,11 @@ class RunnerSweepHook(SweepHook):
         self.lock = threading.Lock()  # slot threads report trials concurrently through one MLflow client
 
     def direction(self) -> Any:
-        return OmegaConf.select(self.config, "objective.direction", default=None)
+        """The study's direction when hydra.sweeper.direction is null: the objective's, resolved for its task."""
+        try:
+            return sweep_objective(self.config).direction
+        except SpecError as e:
+            raise SweepConfigError(str(e)) from None
 
     def preload(self) -> list[str]:
         modules = ["runner.cli.launch", "runner.search.trial", "optuna"]
@@ -160,8 +174,6 @@ class RunnerSweepHook(SweepHook):
         return [f"trial.storage={_quote(storage_url)}", f"trial.study_name={_quote(study_name)}", f"trial.number={number}"]
 
     def sweep_started(self, study: Any, d: dict[str, Any]) -> None:
-        from runner.spec.run import SpecError
-
         try:
             self.parent = ParentRun.from_config(self.config)
         except SpecError as e:  # the store cannot be opened: one line, before any trial
@@ -267,6 +279,23 @@ class RunnerSweepHook(SweepHook):
                 client.set_tag(child, "optuna.best", flag)
         if results is not None and results.exists():
             client.log_artifact(run_id, str(results))
+
+
+def sweep_objective(config: DictConfig) -> Any:
+    """The sweep's objective (an ObjectiveSpec) from its composed config, its direction resolved for its task
+    as each job's is; a SpecError when it cannot be (an unknown metric, a direction the task contradicts)."""
+    from runner.spec.fields import build
+    from runner.spec.metric_names import resolved_objective
+    from runner.spec.objective import ObjectiveSpec
+
+    node = OmegaConf.to_container(config.objective, resolve=True) if "objective" in config else {}
+    task = OmegaConf.select(config, "task._target_", default="runner.tasks.Classification")
+    try:
+        return resolved_objective(build(ObjectiveSpec, node, "objective."), str(task))
+    except SpecError:
+        raise
+    except (ImportError, AttributeError, ValueError) as e:  # the task cannot be imported: each job says so too
+        raise SpecError(f"task._target_: cannot import {task!r} ({type(e).__name__}: {e})") from None
 
 
 def trial_run_id(trial: Any) -> Optional[str]:

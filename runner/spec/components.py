@@ -1,4 +1,5 @@
-"""Components named by `_target_`: the model and the dataset, a user's or a built-in one alike.
+"""Components named by `_target_`: the model, the dataset and the task, the optimizer and the schedule, a
+user's or a built-in one alike.
 
 A component's YAML names a callable (`_target_`, Hydra's instantiate convention) and gives its keyword
 arguments. `resolve` checks them against the callable's signature before anything starts (an unknown
@@ -22,8 +23,9 @@ from typing import Any, Callable
 from runner.engine import fit_checks
 
 from runner.spec import metric_names
-from runner.spec.fields import SpecError, convert
-from runner.spec.run import RunSpec, did_you_mean
+from runner.spec.fields import SpecError, convert, did_you_mean
+from runner.spec.run import RunSpec
+from runner.spec.task import TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +104,15 @@ def _nested(value: Any, key: str, typed: set[str]) -> Any:
 
 
 def resolved_spec(spec: RunSpec, typed: set[str] = frozenset()) -> RunSpec:
-    """The spec with its model and dataset arguments checked and completed, and the metric modes the
-    task declares filled in."""
+    """The spec a run runs: its model and dataset arguments checked and completed, the task's declarations
+    applied (metric names checked, the objective's direction and the metric modes filled in:
+    metric_names.with_task_declarations), and its task, optimizer and schedule arguments checked and completed."""
     model = resolve("model", spec.model.target, spec.model.params, typed)
     data = resolve("dataset", spec.dataset.target, spec.dataset.params, typed)
     # here, in preflight, rather than once the data is built: reading and tokenizing can take minutes
-    fit_checks.check_model_reads(spec, fit_checks.declared_inputs(load_target("dataset", spec.dataset.target)))
+    check_model_reads(spec, declared_inputs(load_target("dataset", spec.dataset.target)))
     spec = spec.replace(model=spec.model.with_params(model), dataset=spec.dataset.with_params(data))
-    return resolved_callbacks(resolved_parts(metric_names.with_declared_modes(spec), typed))
+    return resolved_callbacks(resolved_parts(metric_names.with_task_declarations(spec), typed))
 
 
 # --- a user's own engine add-ons: trainer.callbacks ------------------------------------------------
@@ -153,6 +156,33 @@ def _check_addon(key: str, target: str) -> None:
     if not (inspect.isclass(fn) and issubclass(fn, AddOn)):
         raise SpecError(f"{key}._target_: {target} is not an engine add-on; give a class that subclasses "
                         "runner.addons.base.AddOn (its hooks: runner/addons/base.py)")
+
+
+# --- what a model reads against what the data gives, known before either is built ----------------
+
+def declared_inputs(builder: Callable) -> str | None:
+    """"token ids" when the builder's return annotation promises them (a DataSplits subclass with
+    `gives_token_ids`, data/splits.py's TokenSplits), else None: known only once it has run."""
+    returns = hints(builder).get("return") if not inspect.isclass(builder) else None
+    return "token ids" if getattr(returns, "gives_token_ids", False) is True else None
+
+
+def model_reads(target: str) -> str | None:
+    """What a model reads, by the data-decided sizes its signature takes: a vocabulary means token ids,
+    an input shape without one means tensors (images, features); None when it names neither."""
+    try:
+        names = inspect.signature(load_target("model", target)).parameters
+    except (TypeError, ValueError):
+        return None
+    return "token ids" if "vocab_size" in names else "tensors" if "input_shape" in names else None
+
+
+def check_model_reads(spec: RunSpec, data_gives: str | None) -> None:
+    reads = model_reads(spec.model.target)
+    if data_gives is not None and reads is not None and reads != data_gives:
+        what = "vocab_size" if reads == "token ids" else "input_shape"
+        raise SpecError(f"model: {spec.model.target} reads {reads} (it takes {what}), but dataset "
+                        f"{spec.dataset.target} gives {data_gives}; choose a model for {data_gives} or another dataset")
 
 
 # --- the training parts: task, optimizer, schedule ------------------------------------------------
@@ -228,9 +258,15 @@ def build_data(spec: RunSpec) -> Any:
     from runner.search import folds  # late: torch and scikit-learn, which the spec checks before the run do without
 
     data = folds.for_run(spec, data)  # a k-fold run's fold: its own train and val, the same test
-    fit_checks.check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
+    check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
     fit_checks.check_task_labels(spec, data)
     return data
+
+
+def build_task(spec: TaskSpec, num_classes: int | None) -> Any:
+    """The task `spec.target` (a runner.tasks.Task) with its own arguments, and the data's number of classes
+    where its class takes one."""
+    return build_component("task", spec.target, spec.params, {"num_classes": num_classes})
 
 
 def build_model(spec: RunSpec, data: Any) -> Any:

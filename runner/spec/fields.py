@@ -1,6 +1,7 @@
 """Typed spec fields: `opt` declares a dataclass field with its help text and bounds; `build` makes
 frozen dataclasses from plain data (Hydra's composed config, spec.yaml), checking every key, type
-and range, and says what is wrong in one line (`SpecError`).
+and range, and says what is wrong in one line (`SpecError`). `Component` is what the specs of the
+groups named by `_target_` (dataset, model, task, optimizer, scheduler) share.
 
 Written here rather than taken from pydantic or OmegaConf structured configs: those report several
 lines per error and neither suggests the key a typo meant.
@@ -175,3 +176,30 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
             tree[part] = {}
         tree = tree[part]
     tree[leaf] = value
+
+
+def component_dict(data: Any, key: str) -> dict:
+    """A component's node as a plain dict with a dotted `_target_` (a parsed spec gives its own)."""
+    if hasattr(data, "__to_plain__"):
+        return data.__to_plain__()
+    if not isinstance(data, dict):
+        raise SpecError(f"{key}: expected a mapping with a _target_, got {data!r}")
+    data = dict(data)
+    target = data.get("_target_")
+    if not isinstance(target, str) or "." not in target:
+        raise SpecError(f"{key}._target_: {target!r} is not a dotted path to a callable; e.g. my_pkg.models.Net")
+    return data
+
+
+class Component:
+    """What every spec named by `_target_` shares (its dataclass has `target` and `params` fields): a
+    callable's dotted path and its own arguments, which runner/spec/components.py checks against the
+    callable's signature once it can be imported."""
+
+    params: dict
+
+    def with_params(self, params: dict):
+        return dataclasses.replace(self, params=dict(params))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)

@@ -1,35 +1,76 @@
-"""Metric names a run produces, known from its spec before anything runs (no torch): what a monitor,
-a plateau schedule or an objective may watch. Names, directions and the unit are the task's
-declarations (runner/tasks), read from its class without building it. The engine checks again once
-the data is built. `spec` is a RunSpec (not imported: runner/spec/run.py imports this module).
+"""The checks and the values that need the task, run after the spec is built (RunSpec.validate needs no
+task). Names, directions and the unit are the task's declarations (runner/tasks), read from its class
+without building it (no torch):
+
+- the metric names a run produces, known from its spec before anything runs: what a monitor, a plateau
+  schedule or an objective may watch (a misspelled one is refused);
+- the directions left null: objective.direction, early stopping's and plateau's mode (a typed objective
+  direction that contradicts the declaration is refused).
+
+`with_task_declarations` is that step; the CLI, preflight, the PBT sweep and `components.resolved_spec`
+apply it to every spec they build. The engine checks the names again once the data is built.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from runner import tasks
 from runner.spec.fields import SpecError, did_you_mean
+from runner.spec.objective import ObjectiveSpec
 
-RunSpec = Any
+if TYPE_CHECKING:
+    from runner.spec.run import RunSpec
 
 
-def task_class(spec: RunSpec) -> type[tasks.Task]:
-    cls = tasks.task_class(spec.task.target)
+def task_class(target: str) -> type[tasks.Task]:
+    """The task class `target` names (task._target_), refused in one line unless it is a runner task."""
+    cls = tasks.task_class(target)
     if not (isinstance(cls, type) and issubclass(cls, tasks.Task)):  # its metrics and directions would be unknown
-        raise SpecError(f"task._target_: {spec.task.target} is not a task class; name a subclass of runner.tasks.Task "
+        raise SpecError(f"task._target_: {target} is not a task class; name a subclass of runner.tasks.Task "
                         "(its loss, metrics and their directions), e.g. runner.tasks.Classification")
     return cls
 
 
 def unit(spec: RunSpec) -> str:
     """What the task's loss is averaged over: samples or tokens."""
-    return task_class(spec).unit
+    return task_class(spec.task.target).unit
 
 
 def direction(spec: RunSpec, metric: str) -> str:
     """maximize or minimize, as the task declares `metric` (`<split>/<name>`)."""
-    return tasks.direction(task_class(spec), metric)
+    return tasks.direction(task_class(spec.task.target), metric)
+
+
+def with_task_declarations(spec: RunSpec) -> RunSpec:
+    """The spec after the checks that need its task: every metric it watches is one the run evaluates, and
+    the directions left null are the task's (the objective's, early stopping's and plateau's). A task that
+    cannot be imported is left as it is: building it says why, in one line naming task._target_."""
+    try:
+        task_class(spec.task.target)
+    except SpecError:
+        raise
+    except (ImportError, AttributeError, ValueError):
+        return spec
+    check_metric_names(spec)
+    spec = with_declared_modes(spec)
+    return dataclasses.replace(spec, objective=resolved_objective(spec.objective, spec.task.target))
+
+
+def resolved_objective(objective: ObjectiveSpec, task_target: str) -> ObjectiveSpec:
+    """The objective with its direction: the one the task declares for its metric. A direction given (typed,
+    or from a preset) that contradicts the declaration is refused: ranking by it would keep the worst
+    weights. The sweep hook resolves a sweep's objective here too, from its composed config."""
+    cls = task_class(task_target)
+    try:
+        declared = tasks.direction(cls, objective.metric)
+    except ValueError:
+        raise SpecError(f"objective.metric: {objective.metric!r} is not a metric {cls.__name__} declares; choose one "
+                        f"of {', '.join(f'val/{name}' for name in sorted(cls.metrics))}") from None
+    if objective.direction is not None and objective.direction != declared:
+        raise SpecError(f"objective.direction: {objective.direction} contradicts the task: {cls.__name__} declares "
+                        f"{objective.metric} {declared}; allowed: {declared}, or null (the task's)")
+    return dataclasses.replace(objective, direction=declared)
 
 
 def with_declared_modes(spec: RunSpec) -> RunSpec:
@@ -51,15 +92,10 @@ def _mode(spec: RunSpec, metric: str) -> str:
         return "min"
 
 
-def fraction(spec: RunSpec, split: str) -> float:
-    value = spec.dataset.get(f"{split}_fraction", 0.0)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
 def split_metrics(spec: RunSpec, split: str) -> set[str]:
     """The metrics the task declares for a split (an instance may report fewer: top5 needs > 5 classes),
     and those of the averaged weights (val/ema/acc)."""
-    names = {f"{split}/{name}" for name in task_class(spec).metrics}
+    names = {f"{split}/{name}" for name in task_class(spec.task.target).metrics}
     return names | averaged(spec, names)
 
 
@@ -79,7 +115,7 @@ def has_split(spec: RunSpec, split: str) -> bool:
     builder that carves it takes `<split>_fraction`; one without that key brings its own (official test
     sets, folders). The engine checks again once the data is built."""
     if f"{split}_fraction" in spec.dataset.params:
-        return fraction(spec, split) > 0
+        return spec.dataset.fraction(split) > 0
     return True
 
 
@@ -111,12 +147,6 @@ def produced_metrics(spec: RunSpec) -> set[str]:
 
 def check_metric_names(spec: RunSpec) -> None:
     """A misspelled monitor or objective would silently watch nothing (NaN): refuse it before training."""
-    try:
-        task_class(spec)
-    except SpecError:
-        raise
-    except (ImportError, AttributeError, ValueError):
-        return  # a task that cannot be imported: building it says why, in one line naming task._target_
     during, at_end = evaluation_metrics(spec)
     if spec.trainer.early_stopping.monitor is not None:
         _check_metric("trainer.early_stopping.monitor", spec.trainer.early_stopping.monitor, during, at_end, spec, "=null")

@@ -1,5 +1,6 @@
-"""The keys of runner's modes besides training (`mode=eval|predict|export`, runner/results/modes.py): what an
-evaluation evaluates and what a prediction reads and writes."""
+"""The keys of runner's modes besides training (`mode=eval|predict|export`, conf/config.yaml's `eval` and
+`predict`; runner/results/modes.py acts on them): what an evaluation evaluates and what a prediction reads
+and writes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class WeightsSpec:
                 "the run kept; auto: the one objective.metric measures (val/ema/acc: ema), else none")
 
 
-def check(spec) -> None:
+def check_mode(spec) -> None:
     """Rules across keys (RunSpec.validate): a mode other than train works on a trained run."""
     if spec.mode != "train" and not spec.trainer.resume:
         raise SpecError(f"trainer.resume: mode={spec.mode} needs a trained run; give "

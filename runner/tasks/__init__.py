@@ -132,14 +132,6 @@ def metric_values(task: Task, sums: dict[str, float], count: float, split: str) 
     return {f"{split}/{name}": value for name, value in values.items()}
 
 
-def build_task(spec: Any, num_classes: int | None) -> Task:
-    """The task `spec.target` (a TaskSpec) with its own arguments, and the data's number of classes where
-    its class takes one."""
-    from runner.spec.components import build_component
-
-    return build_component("task", spec.target, spec.params, {"num_classes": num_classes})
-
-
 def __getattr__(name: str) -> type[Task]:
     # runner.tasks.Classification etc. (conf/task's _target_s, a user's base class) without importing the
     # built-ins' modules, and so torch, when only the protocol is needed

@@ -29,7 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-from runner.spec.run import SpecError, TrackingSpec
+from runner.spec.run import SpecError
+from runner.spec.tracking import TrackingSpec
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from runner.spec import metric_names
 from runner.tracking import run_record
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views, store_views)
-from runner.spec.run import RunSpec, TrackingSpec
+from runner.spec.run import RunSpec
+from runner.spec.tracking import TrackingSpec
 
 log = logging.getLogger(__name__)
 

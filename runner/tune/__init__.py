@@ -17,7 +17,8 @@ from pathlib import Path
 from runner.engine import parallel
 from runner.engine.engine import Engine, RunResult
 from runner.engine.parallel import DistEnv
-from runner.spec.run import RunSpec, TuneSpec
+from runner.spec.run import RunSpec
+from runner.spec.tune import TuneSpec
 from runner.tracking.tracker import NullTracker, Tracker
 from runner.tune import batch_size, lr_find
 from runner.tune.probing import free_memory

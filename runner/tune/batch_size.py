@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from runner.engine import parallel
-from runner.spec.run import RunSpec, SpecError, TuneSpec
+from runner.spec.run import RunSpec, SpecError
+from runner.spec.tune import TuneSpec
 from runner.tune.probing import free_memory, probing, step_batches
 
 log = logging.getLogger(__name__)

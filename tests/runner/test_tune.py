@@ -16,7 +16,11 @@ from runner import tune
 from runner.engine.engine import Engine
 from runner.cli.launch import run_in_process
 from runner.engine.parallel import DistEnv
-from runner.spec.run import AccumulationSpec, DatasetSpec, ModelSpec, RunSpec, TuneSpec
+from runner.spec.accumulation import AccumulationSpec
+from runner.spec.dataset import DatasetSpec
+from runner.spec.model import ModelSpec
+from runner.spec.run import RunSpec
+from runner.spec.tune import TuneSpec
 from runner.tune import batch_size, lr_find
 from tests.conftest import compose_spec, run_cli
 

@@ -50,3 +50,10 @@ class FocalLoss(Classification):
     def loss_sum(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         log_p = F.log_softmax(output.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
         return -((1 - log_p.exp()) ** self.gamma * log_p).sum()
+
+
+class LowAccuracyFirst(Classification):
+    """Classification with accuracy declared better when lower: the tests' way to make a run's best validation
+    of val/acc an early one (accuracy rises as it trains), so that its best and last weights differ."""
+
+    metrics = {**Classification.metrics, "acc": "minimize"}

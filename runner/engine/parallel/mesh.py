@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from runner.engine.parallel.collectives import use_data_parallel_group
-from runner.spec.run import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, SpecError, check_degrees
+from runner.spec.parallelism import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, check_degrees
+from runner.spec.run import SpecError
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
 

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from runner.engine.parallel.mesh import DATA_PARALLEL, DistEnv
-from runner.spec.run import ParallelismSpec, SpecError
+from runner.spec.parallelism import ParallelismSpec
+from runner.spec.run import SpecError
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from runner.search.pbt import explore
 from runner.search.pbt.population import Population, Settings, mlflow_key, ranked
 from runner.cli.preflight import resolved
+from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     cfg = config_loader.load_sweep_config(config, list(fixed))
     container = resolved(cfg)
     container["run_dir"] = str(sweep_dir / "base")
-    base = RunSpec.from_config(container, tuple(fixed))
+    base = with_task_declarations(RunSpec.from_config(container, tuple(fixed)))  # its objective's direction ranks members
     pbt.check(base)
     parent = _open_parent(cfg, sweep_dir, base, pbt, space)
     status = "FAILED"

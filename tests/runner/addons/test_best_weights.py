@@ -20,7 +20,8 @@ from tests.runner.engine.test_engine import ctrl_c_during_step
 # val/acc minimized: the best validation is an early one (accuracy rises), never the last step's
 BEST = ["model.hidden=[16]", "dataset.batch_size=256", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
         "trainer.max_steps=6", "trainer.eval_every_n_steps=2", "trainer.checkpoint_every_n_steps=2",
-        "trainer.keep_checkpoints=1", "objective.direction=minimize", "model.dropout=0.2", "trainer.memory_estimate=false"]
+        "trainer.keep_checkpoints=1", "task._target_=tests.user_pkg.training.LowAccuracyFirst", "model.dropout=0.2",
+        "trainer.memory_estimate=false"]
 
 
 class RecordingTracker(NullTracker):

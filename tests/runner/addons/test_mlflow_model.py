@@ -24,7 +24,7 @@ from tests.conftest import compose_spec, run_cli
 
 # val/acc minimized: the best validation is step 2's (accuracy rises), the last step is 4
 TINY = ["model.hidden=[16]", "dataset.batch_size=256", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
-        "trainer.max_steps=4", "trainer.eval_every_n_steps=2", "objective.direction=minimize",
+        "trainer.max_steps=4", "trainer.eval_every_n_steps=2", "task._target_=tests.user_pkg.training.LowAccuracyFirst",
         "trainer.memory_estimate=false"]
 # pt2 programs and the eager model run the same ATen kernels on the CPU: equal to float rounding at most
 ATOL, RTOL = 1e-6, 1e-5

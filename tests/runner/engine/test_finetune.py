@@ -17,7 +17,8 @@ from runner.engine import checkpoint
 from runner.engine.monitor import learning_rates
 from runner.engine.finetune import LoadReport, Unfreezer, freeze, load_weights, lr_multiplier_groups
 from runner.engine.schedule import build_scheduler
-from runner.spec.run import SchedulerSpec, SpecError
+from runner.spec.run import SpecError
+from runner.spec.scheduler import SchedulerSpec
 
 
 class Net(nn.Module):

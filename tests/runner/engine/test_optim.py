@@ -14,7 +14,8 @@ from torch import nn
 from runner.cli import registry
 from runner.spec.components import load_target
 from runner.engine.optim import build_optimizer, kernel_kwargs, kernels
-from runner.spec.run import OptimizerSpec, SpecError
+from runner.spec.optimizer import OptimizerSpec
+from runner.spec.run import SpecError
 
 CPU = torch.device("cpu")
 NAMES = registry.options("optimizer")

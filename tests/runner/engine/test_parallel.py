@@ -220,7 +220,7 @@ def test_more_workers_than_gpus_is_refused(tmp_path: Path, monkeypatch: pytest.M
 
 def test_slurm_endpoint_resolves_to_the_jobs_first_node_and_this_nodes_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.cli import launch
-    from runner.spec.run import ParallelismSpec
+    from runner.spec.parallelism import ParallelismSpec
 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_NODEID", "1")

@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, ParallelDims, resolve_dims
-from runner.spec.run import ParallelismSpec, SpecError
+from runner.spec.parallelism import ParallelismSpec
+from runner.spec.run import SpecError
 from tests.conftest import compose_spec, run_cli
 from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, free_port, metric_history
 

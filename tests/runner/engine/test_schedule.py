@@ -14,7 +14,8 @@ from runner.cli import registry
 from runner.spec.components import load_target
 from runner.engine.monitor import learning_rates
 from runner.engine.schedule import NO_WARMUP, Schedule, build_scheduler
-from runner.spec.run import SchedulerSpec, SpecError
+from runner.spec.run import SpecError
+from runner.spec.scheduler import SchedulerSpec
 
 NAMES = registry.options("scheduler")
 

@@ -138,15 +138,41 @@ def test_two_parallel_slots_on_the_default_stores_lose_no_trial_and_no_metric(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direction", ["minimize", "maximize"])
-def test_a_study_without_a_direction_takes_the_objectives(tmp_path: Path, direction: str) -> None:
+@pytest.mark.parametrize("metric, direction", [("val/loss", "minimize"), ("val/acc", "maximize")])
+def test_a_study_without_a_direction_takes_the_objectives(tmp_path: Path, metric: str, direction: str) -> None:
+    """The objective's direction: the task's declaration for objective.metric (a typed one must agree with it)."""
     proc = run_cli(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", "optimizer.lr=interval(0.01, 0.1)",
-                    "objective.metric=val/loss", f"objective.direction={direction}", "trainer.max_epochs=1",
-                    "tracking=none"], cwd=tmp_path)
+                    f"objective.metric={metric}", "trainer.max_epochs=1", "tracking=none"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (journal,) = tmp_path.glob("outputs/multiruns/*/*/optuna.journal")
     (name,) = [s.study_name for s in optuna.get_all_study_summaries(open_storage(str(journal)))]
     assert load(journal, name).direction.name == direction.upper()
+
+
+@pytest.mark.slow
+def test_the_preset_study_minimizes_a_val_loss_objective(tmp_path: Path) -> None:
+    """hparams_search=digits_optuna sets the study's direction from the objective: with val/loss that is the
+    task's minimize (it was maximize, the preset's val/acc default), read back from the study's storage."""
+    proc = run_cli(["-m", "hparams_search=digits_optuna", "objective.metric=val/loss", "hydra.sweeper.n_trials=1",
+                    "trainer.max_epochs=1", "tracking=none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (journal,) = tmp_path.glob("outputs/multiruns/*/*/optuna.journal")
+    assert load(journal).direction.name == "MINIMIZE"
+
+
+@pytest.mark.slow
+def test_a_grid_marks_the_job_with_the_lowest_val_loss_best(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = run_cli(["-m", "optimizer.lr=0.0001,0.003,0.3", "objective.metric=val/loss", "trainer.max_steps=20",
+                    "trainer.eval_every_n_steps=10", "trainer.eval_every_epoch=false", f"tracking.uri={uri}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, (parent,), children = runs(uri)
+    objective = {r.info.run_id: r.data.metrics["objective"] for r in children}
+    assert objective == {r.info.run_id: r.data.metrics["best_val_loss"] for r in children}
+    assert len(set(objective.values())) == 3  # the three learning rates end apart
+    (best,) = [r.info.run_id for r in children if r.data.tags["runner.best"] == "true"]
+    assert objective[best] == min(objective.values())
+    assert parent.data.metrics["best_value"] == min(objective.values())
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 
 from runner.cli import registry
-from runner.spec.run import (OPTION_GROUPS, OptimizerSpec, RunSpec, SpecError, TrackingSpec, check_option,
-                         evaluation_metrics, produced_metrics)
+from runner.spec.metric_names import evaluation_metrics, produced_metrics, with_task_declarations
+from runner.spec.optimizer import OptimizerSpec
+from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option
+from runner.spec.tracking import TrackingSpec
 from tests.conftest import compose_spec
 
 
@@ -22,6 +24,7 @@ def test_yaml_defaults_equal_the_spec_defaults(tmp_path: Path) -> None:
     composed = compose_spec([], tmp_path / "run")
     defaults = RunSpec(run_dir=str(tmp_path / "run"), overrides=composed.overrides,
                        tracking=dataclasses.replace(TrackingSpec(), name="none"))  # compose_spec adds tracking=none
+    defaults = with_task_declarations(defaults)  # as every spec built from conf/: the objective's direction resolved
     # a component's own keys are its callable's (its signature's defaults: tests/models/test_model_confs.py)
     own = [k for k in composed.flat() if k.startswith(("model.", "dataset.", "task.", "optimizer.", "scheduler."))
            and k not in defaults.flat()]
@@ -129,7 +132,8 @@ def test_produced_metrics_follow_the_splits_the_precision_and_the_evaluation_sch
 def test_produced_metrics_does_not_import_torch(tmp_path: Path) -> None:
     import subprocess
 
-    code = ("import sys; from runner.spec.run import RunSpec, produced_metrics; produced_metrics(RunSpec()); "
+    code = ("import sys; from runner.spec.metric_names import produced_metrics; from runner.spec.run import RunSpec; "
+            "produced_metrics(RunSpec()); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mlflow', 'optuna')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

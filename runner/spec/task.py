@@ -1,0 +1,26 @@
+"""The task group (conf/task/<name>.yaml): what the loss and metrics are, a task class named by `_target_`
+(runner/tasks' or a user's) and its own arguments. The metric names and directions the class declares
+are read after the spec is built (runner/spec/metric_names.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.spec.fields import Component, component_dict
+
+
+@dataclass(frozen=True)
+class TaskSpec(Component):
+    """What the loss and metrics are: a task class named by `_target_` (runner/tasks.py's, or a user's) and
+    its own arguments, checked against its signature (conf/task/<name>.yaml)."""
+
+    target: str = "runner.tasks.Classification"
+    params: dict = field(default_factory=dict)
+
+    def __to_plain__(self) -> dict:
+        return {"_target_": self.target, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str = "task") -> "TaskSpec":
+        data = component_dict(data, key)
+        return cls(target=data.pop("_target_"), params=data)
