@@ -96,7 +96,8 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
 
 def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
     tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec))
-    if spec.tune.name and not spec.trainer.resume:  # a resumed run trains on with what its finder found
+    if spec.tune.name:  # a finder's answer, applied, turns the finder off: a resume finds it on only while it
+        # never finished (it runs again) or when tune.apply=false (the answer recorded in the run directory is reported)
         from runner import tune
 
         spec, tracker = tune.run_finder(spec, env, tracker)
