@@ -22,6 +22,7 @@ from runner.cli import process_state, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
+from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, shard_blocks
 from runner.spec.run import ParallelismSpec, RunSpec, SpecError
 from runner.tracking.tracker import build_tracker, check_tracking, end_left_running
@@ -78,9 +79,7 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
-        from runner.search import cross_validation  # K runs, each started here as this one would be
-
-        return cross_validation.run_folds(spec, run_dir)
+        return cross_validation.run_folds(spec, run_dir, run_one=run)  # K runs, each started as this one would be
     if spec.parallelism.name != "single" and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
