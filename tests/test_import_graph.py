@@ -113,24 +113,18 @@ def test_the_spec_is_in_no_import_cycle() -> None:
     assert [c for c in cycles(import_graph()) if any(m.startswith(("runner.spec", "runner.tasks")) for m in c)] == []
 
 
-@pytest.mark.xfail(strict=False, reason="launch <-> search.cross_validation (the k-fold slice) and results.modes <-> "
-                                        "results.predict (the weights slice) are their slices' to break")
 def test_runner_has_no_import_cycle() -> None:
     assert cycles(import_graph()) == []
 
 
-@pytest.mark.xfail(strict=False, reason="engine_checkpoints imports search.pbt, engine and monitor "
-                                        "search.trial: the add-ons slice's protocol removes them")
 def test_the_engine_imports_nothing_of_search_results_or_benchmarks() -> None:
     wrong = {name: sorted(m for m in imported if m.startswith(("runner.search", "runner.results", "benchmarks")))
              for name, imported in all_imports().items() if name.startswith("runner.engine")}
     assert {name: found for name, found in wrong.items() if found} == {}
 
 
-@pytest.mark.xfail(strict=False, reason="results/predict.py imports runner.data (text, tokenize): "
-                                        "prediction becomes the task's in another slice")
-def test_runner_never_imports_the_built_in_models_or_datasets() -> None:
+def test_runner_never_imports_the_built_in_models_or_datasets_or_the_benchmarks() -> None:
     wrong = {name: sorted(m for m in imported if m.split(".")[:2] in (["runner", "models"], ["runner", "data"])
-                          or m.split(".")[0] in ("models", "data"))
+                          or m.split(".")[0] in ("models", "data", "benchmarks"))
              for name, imported in all_imports().items()}
     assert {name: found for name, found in wrong.items() if found} == {}

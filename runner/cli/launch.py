@@ -22,6 +22,7 @@ from runner.cli import process_state, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
+from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.spec.parallelism import ParallelismSpec
 from runner.spec.run import RunSpec, SpecError
@@ -79,9 +80,7 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
-        from runner.search import cross_validation  # K runs, each started here as this one would be
-
-        return cross_validation.run_folds(spec, run_dir)
+        return cross_validation.run_folds(spec, run_dir, run_one=run)  # K runs, each started as this one would be
     if spec.parallelism.name != "single" and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
@@ -97,7 +96,8 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
 
 def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
     tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec))
-    if spec.tune.name and not spec.trainer.resume:  # a resumed run trains on with what its finder found
+    if spec.tune.name:  # a finder's answer, applied, turns the finder off: a resume finds it on only while it
+        # never finished (it runs again) or when tune.apply=false (the answer recorded in the run directory is reported)
         from runner import tune
 
         spec, tracker = tune.run_finder(spec, env, tracker)

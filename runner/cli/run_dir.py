@@ -91,14 +91,18 @@ RUNS = Path("outputs/runs")  # where hydra.run.dir puts runs by default (conf/co
 def latest_run(root: Path = RUNS) -> Path:
     """`trainer.resume=latest`: the run directory under `root` written to last, by the modification time of
     its newest checkpoint file, or of its spec.yaml before its first checkpoint. A directory holding
-    neither (Hydra's fresh one for this very command) is no run."""
+    neither (Hydra's fresh one for this very command) is no run. A k-fold run's folds (`<run>/fold-<k>`)
+    are parts of it, not runs of their own: what they wrote counts for the k-fold run, which resumes
+    at its first unfinished fold."""
     import datetime
     import logging
 
     newest: tuple[float, Path, Path] | None = None
     for spec_file in root.glob("**/spec.yaml") if root.is_dir() else []:
         run = spec_file.parent
-        written = [*(run / "checkpoints").glob("*.pt"), spec_file]
+        while re.fullmatch(r"fold-\d+", run.name) and (run.parent / "spec.yaml").is_file():
+            run = run.parent
+        written = [*(spec_file.parent / "checkpoints").glob("*.pt"), spec_file]
         when, path = max((p.stat().st_mtime, p) for p in written if p.is_file())
         if newest is None or when > newest[0]:
             newest = (when, run, path)

@@ -61,8 +61,11 @@ def plan(spec: RunSpec) -> RunSpec:
     merged["trainer"]["resume"] = str(target)
     resumed = RunSpec.from_yaml(yaml.safe_dump(merged))
     _check_global_batch(saved, resumed)
-    log.info("%s %s", "continuing the run in" if in_place else "starting a new run from", target)
-    if starts_over(target):  # the engine then loads no checkpoint
+    cv = saved.trainer.cross_validation
+    k_fold = cv.folds is not None and cv.fold is None  # its folds hold the checkpoints; it says what they do
+    log.info("%s %s", ("continuing the k-fold run in" if k_fold else "continuing the run in") if in_place
+             else "starting a new run from", target)
+    if starts_over(target) and not k_fold:  # the engine then loads no checkpoint
         log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
     return resumed
 

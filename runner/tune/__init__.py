@@ -5,6 +5,10 @@ the run's spec, prints what it found with the override to use, and records it in
 With tune.apply=true the run then trains a fresh engine built from the spec with the value applied and
 the finder turned off: spec.yaml and the MLflow params are what was trained (a re-run of spec.yaml trains
 the same), the tags say where the value came from. Without it the run ends after the report.
+
+The answer is recorded in the run directory (tune.yaml) as soon as the finder ends, before training starts.
+A run stopped before that point and resumed runs the finder again; one stopped after it (or a finished
+tune.apply=false run, resumed) reports and uses the recorded answer without searching again.
 """
 from __future__ import annotations
 
@@ -13,10 +17,14 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from runner.engine import parallel
 from runner.engine.engine import Engine, RunResult
 from runner.engine.parallel import DistEnv
+from runner.spec.fields import set_dotted
 from runner.spec.run import RunSpec
 from runner.spec.tune import TuneSpec
 from runner.tracking.tracker import NullTracker, Tracker
@@ -26,6 +34,7 @@ from runner.tune.probing import free_memory
 log = logging.getLogger(__name__)
 
 NOTHING_TRAINED = RunResult(math.nan, {}, {}, {}, 0, 0.0)
+FINDING_FILE = "tune.yaml"  # the finder's answer, in the run directory: what a resume uses
 
 
 @dataclass
@@ -38,20 +47,30 @@ class Finding:
     curve: list[dict[str, float]] = field(default_factory=list)  # metrics, one dict per point
     metrics: dict[str, float] = field(default_factory=dict)
     plot: Path | None = None
+    changes: dict[str, Any] = field(default_factory=dict)  # the found values by dotted key: what `applied` changed
 
 
 def run_finder(spec: RunSpec, env: DistEnv, tracker: Tracker) -> tuple[RunSpec | None, Tracker]:
     """Runs the spec's finder and reports; returns the spec to train (None: tune.apply=false, nothing to
     train) and the tracker, which records the finding as soon as its run starts."""
-    engine = Engine(spec, NullTracker(), env)
-    device = engine.device
-    finding = find(engine, spec.tune)
-    del engine  # its model and optimizer state, before the run's own engine is built
-    free_memory(device)
-    finding = parallel.broadcast_object(finding)  # one answer on every rank
+    # rank 0 decides whether the answer is recorded already: a late rank must not find the file rank 0 writes now
+    finding = parallel.broadcast_object(read_finding(spec) if env.is_main else None)
+    recorded = finding is not None
+    if finding is None:
+        engine = Engine(spec, NullTracker(), env)
+        device = engine.device
+        finding = find(engine, spec.tune)
+        del engine  # its model and optimizer state, before the run's own engine is built
+        free_memory(device)
+        finding = parallel.broadcast_object(finding)  # one answer on every rank
+        if env.is_main:
+            write_finding(spec, finding)
     recording = RecordingTracker(tracker, finding)
     if env.is_main:
         print("\n".join(finding.lines), file=sys.stdout, flush=True)
+        if recorded:
+            log.info("tune: the finding recorded in %s (the finder had finished before the run stopped); not searched "
+                     "again", Path(spec.run_dir) / FINDING_FILE)
     if not spec.tune.apply:
         recording.start(spec)
         recording.finish("FINISHED")
@@ -78,7 +97,7 @@ def find(engine: Engine, tune: TuneSpec) -> Finding:
         points = [{"tune/lr": lr, "tune/loss": loss, "tune/smoothed_loss": smooth}
                   for lr, loss, smooth in zip(curve.lrs, curve.losses, curve.smoothed)]
         return Finding(_off(applied), lines, _tags(tune, f"optimizer.lr={found.lr:g}", f"optimizer.lr={spec.optimizer.lr:g}"),
-                       points, {"tune/suggested_lr": found.lr}, plot)
+                       points, {"tune/suggested_lr": found.lr}, plot, {"optimizer.lr": found.lr})
     search = batch_size.find_batch_size(engine, tune)
     applied, answer = batch_size.answer(spec, search, tune, engine.env.dp_degree)
     lines = batch_size.describe(search, tune, engine.device, engine.env.dp_degree) + answer
@@ -89,7 +108,8 @@ def find(engine: Engine, tune: TuneSpec) -> Finding:
                "tune/largest_fit_batch_size": search.largest_fit}
     return Finding(_off(applied), lines, _tags(tune, suggestion, f"dataset.batch_size={spec.dataset.batch_size} "
                                                                   f"accumulation.steps={spec.accumulation.steps}"),
-                   points, metrics)
+                   points, metrics, changes={"dataset.batch_size": applied.dataset.batch_size,
+                                             "accumulation.steps": applied.accumulation.steps})
 
 
 class RecordingTracker:
@@ -116,6 +136,36 @@ class RecordingTracker:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def write_finding(spec: RunSpec, finding: Finding) -> None:
+    """The finding in the run directory, written whole or not at all (a kill mid-write leaves none)."""
+    path = Path(spec.run_dir) / FINDING_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump({
+        "tune": finding.tags["tune"], "suggestion": finding.tags["tune.suggestion"], "changes": finding.changes,
+        "lines": finding.lines, "tags": finding.tags, "metrics": finding.metrics, "curve": finding.curve,
+        "plot": str(finding.plot) if finding.plot is not None else None}, sort_keys=False))
+    tmp.replace(path)
+
+
+def read_finding(spec: RunSpec) -> Finding | None:
+    """The finding recorded in the spec's run directory by this finder, applied to `spec` (None: none recorded)."""
+    path = Path(spec.run_dir) / FINDING_FILE
+    saved = yaml.safe_load(path.read_text()) if path.is_file() else None
+    if not saved or saved.get("tune") != spec.tune.name:
+        return None
+    plot = Path(saved["plot"]) if saved.get("plot") and Path(saved["plot"]).is_file() else None
+    return Finding(applied(spec, saved["changes"]), list(saved["lines"]), dict(saved["tags"]), list(saved["curve"]),
+                   dict(saved["metrics"]), plot, dict(saved["changes"]))
+
+
+def applied(spec: RunSpec, changes: dict[str, Any]) -> RunSpec:
+    """`spec` with a finding's values, the finder off: what a run with tune.apply=true trains."""
+    tree = spec.to_dict()
+    for key, value in changes.items():
+        set_dotted(tree, key, value)
+    return _off(RunSpec.from_yaml(yaml.safe_dump(tree)))
 
 
 def _tags(tune: TuneSpec, suggestion: str, before: str) -> dict[str, str]:

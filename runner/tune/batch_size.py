@@ -144,12 +144,34 @@ def find_batch_size(engine, tune: TuneSpec, until_oom: bool | None = None) -> Ba
 
         def probe(batch: int) -> float | None:
             sampler.batch_size = batch
-            rate = _timed(engine, tune.steps_per_candidate)
+            with _as_configured(engine, batch):
+                rate = _timed(engine, tune.steps_per_candidate)
             saved.restore(engine)
             log.info("batch_size: %d -> %s", batch, "out of memory" if rate is None else f"{rate:,.0f} samples/s")
             return rate
 
         return search(probe, cap, tune.knee_tolerance, until_oom)
+
+
+@contextlib.contextmanager
+def _as_configured(engine, batch: int):
+    """The engine stepping as a run configured with micro-batch `batch` would: under trainer.compile its full
+    micro-batches run compiled (the engine runs a batch of another size than dataset.batch_size uncompiled),
+    each candidate with its own static-shape graph as that run would compile, not one made dynamic by the
+    candidates before it. Afterwards the compiled graphs of the candidates are dropped."""
+    spec = engine.spec
+    if not spec.trainer.compile:
+        yield
+        return
+    import torch._dynamo
+
+    engine.spec = spec.replace(dataset=_replace(spec.dataset, batch_size=batch))
+    try:
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):
+            yield
+    finally:
+        engine.spec = spec
+        torch._dynamo.reset()
 
 
 def _timed(engine, steps: int) -> float | None:

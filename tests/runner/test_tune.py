@@ -3,6 +3,8 @@ batch-size finder against a model that runs out of memory above a known batch, a
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import sqlite3
 import weakref
 from pathlib import Path
@@ -206,3 +208,62 @@ def test_ddp_ranks_agree_on_one_suggestion_and_train_with_it(tmp_path: Path) -> 
     lr = float(lines[0].split("optimizer.lr=")[1].split()[0])
     assert yaml.safe_load((tmp_path / "run" / "spec.yaml").read_text())["optimizer"]["lr"] == lr
     assert "trained 2 optimizer steps" in proc.stdout
+
+
+def test_under_compile_the_batch_finder_times_every_candidate_compiled(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each candidate is timed as training would run it at that micro-batch: through the compiled model (the
+    engine runs a batch other than dataset.batch_size uncompiled, which a candidate is not)."""
+    from runner.engine import compiling
+
+    monkeypatch.setattr(batch_size, "MIN_SECONDS", 0.0)
+    monkeypatch.setattr(compiling, "BACKEND", "eager")  # the same guards and recompiles, no code generation
+    spec = compose_spec([*FAST, "trainer.compile=true", "tune=batch_size", "tune.max_batch_size=16",
+                         "tune.steps_per_candidate=1"], tmp_path)
+    engine = Engine(spec)
+    seen: dict[int, set[bool]] = {}
+    for_batch = compiling.for_batch
+
+    def noted(model, inputs, spec_):
+        chosen = for_batch(model, inputs, spec_)
+        seen.setdefault(len(inputs), set()).add(chosen is model and hasattr(model, "_orig_mod"))
+        return chosen
+
+    monkeypatch.setattr(compiling, "for_batch", noted)
+    found = batch_size.find_batch_size(engine, spec.tune, until_oom=False)
+    assert spec.dataset.batch_size not in found.throughput and sorted(found.throughput) == sorted(seen)
+    assert seen == {b: {True} for b in found.throughput}  # every step of every candidate compiled
+    assert engine.spec.dataset.batch_size == spec.dataset.batch_size  # the run's own spec is back
+
+
+@pytest.mark.parametrize("apply", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: 3 processes, ~80 s
+def test_a_finder_killed_mid_sweep_then_resumed_finds_again_and_trains_with_what_it_found(tmp_path: Path,
+                                                                                           apply: bool) -> None:
+    """A real SIGKILL in the sweep's 5th step; the resume reruns the finder (its result was never recorded), reports
+    the suggestion, and with tune.apply=true trains with it (spec.yaml says so); with apply=false trains nothing."""
+    args = ["tracking=none", "trainer.max_steps=3", *FAST, "tune=lr_find", "tune.steps=20", f"tune.apply={apply}",
+            "hydra.run.dir=run"]
+    killed = subprocess.run([sys.executable, str(Path(__file__).parent / "kill_at.py"), "step", "5", *args],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    findings = list((tmp_path / "run").glob("tune*.yaml"))  # killed before the finder finished: none recorded
+    resumed = run_cli(["trainer.resume=run", "trainer.progress_bar=off"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (line,) = [line for line in resumed.stdout.splitlines() if "suggested: optimizer.lr=" in line]
+    assert findings == []
+    lr = float(line.split("optimizer.lr=")[1].split()[0])
+    written = RunSpec.from_yaml((tmp_path / "run" / "spec.yaml").read_text())
+    recorded = yaml.safe_load((tmp_path / "run" / tune.FINDING_FILE).read_text())
+    assert recorded["suggestion"] == f"optimizer.lr={lr:g}"
+    if apply:
+        assert written.optimizer.lr == lr and written.tune.name is None and "trained 3 optimizer steps" in resumed.stdout
+    else:
+        assert written.optimizer.lr == 0.001 and "trained" not in resumed.stdout
+        assert not (tmp_path / "run" / "checkpoints").exists()
+        # the finished finder run resumed again: its recorded answer, reported without a second sweep
+        written_at = (tmp_path / "run" / tune.FINDING_FILE).stat().st_mtime_ns
+        again = run_cli(["trainer.resume=run", "trainer.progress_bar=off"], cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert line in again.stdout and (tmp_path / "run" / tune.FINDING_FILE).stat().st_mtime_ns == written_at
+        assert "the finding recorded in" in again.stdout + again.stderr

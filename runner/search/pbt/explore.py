@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,3 +151,9 @@ def _fit_gp(x: np.ndarray, y: np.ndarray, noise: float = 1e-2):
         return ks @ alpha, np.sqrt(np.clip(1.0 - (v ** 2).sum(0), 1e-12, None))
 
     return predict
+
+
+def mlflow_key(key: str) -> str:
+    """A space key as an MLflow metric or param name: a glob's `*`, `?` and `[...]` are not allowed there, so
+    each becomes `_` (optimizer.lr_multipliers.backbone.* -> optimizer.lr_multipliers.backbone._)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)

@@ -32,8 +32,7 @@ def run_job(job_file: Path) -> dict[str, Any]:
 
     from runner.engine.engine import Engine
     from runner.engine.monitor import Diverged
-    from runner.engine.parallel import DistEnv
-    from runner.search.pbt.population import mlflow_key
+    from runner.search.pbt.explore import mlflow_key
     from runner.search.pbt.mutable import MidRunChanges
     from runner.tracking.tracker import build_tracker
 

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import random
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -227,12 +226,6 @@ def ranked(members: list[dict[str, Any]], maximize: bool) -> list[dict[str, Any]
         value = m["objectives"][-1][1]
         return -math.inf if math.isnan(value) else (value if maximize else -value)
     return sorted(members, key=key, reverse=True)
-
-
-def mlflow_key(key: str) -> str:
-    """A space key as an MLflow metric or param name: a glob's `*`, `?` and `[...]` are not allowed there, so
-    each becomes `_` (optimizer.lr_multipliers.backbone.* -> optimizer.lr_multipliers.backbone._)."""
-    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bool:

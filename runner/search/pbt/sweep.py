@@ -15,7 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.search.pbt import explore
-from runner.search.pbt.population import Population, Settings, mlflow_key, ranked
+from runner.search.pbt.explore import mlflow_key
+from runner.search.pbt.population import Population, Settings, ranked
 from runner.cli.preflight import resolved
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec

@@ -21,6 +21,7 @@ from runner.search import folds
 from runner.cli import launch
 from runner.search.cross_validation import RECORD, read_record
 from runner.engine.engine import Engine
+from runner.spec.run import RunSpec
 from tests.conftest import compose_spec, run_cli
 
 TINY = ["trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_estimate=false", "trainer.test_on=last"]
@@ -272,3 +273,106 @@ def test_ddp_folds_equal_single_process_folds(tmp_path: Path) -> None:
         assert two[k]["objective"] == pytest.approx(one[k]["objective"], abs=1e-6)
         assert two[k]["final"] == pytest.approx(one[k]["final"], rel=1e-4)
     assert ddp.objective == pytest.approx(single.objective, abs=1e-6)
+
+
+# --- k-fold owns its rules: the finders once before the folds, extension, `latest`
+
+def test_a_finder_runs_once_on_the_k_fold_run_and_every_fold_trains_with_its_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """tune=lr_find tune.apply=true: one sweep, before fold 0; both folds train with its lr (not one each)."""
+    from runner.tune import lr_find
+
+    sweeps = []
+    find_lr = lr_find.find_lr
+    monkeypatch.setattr(lr_find, "find_lr", lambda engine, tune: sweeps.append(engine.spec.run_dir) or find_lr(engine, tune))
+    run_dir = tmp_path / "cv"
+    result = launch.run(compose_spec([*TINY, "trainer.cross_validation.folds=2", "tune=lr_find", "tune.steps=20",
+                                      "tune.apply=true"], run_dir))
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "suggested: optimizer.lr=" in line]
+    lr = float(line.split("optimizer.lr=")[1].split()[0])
+    assert sweeps == [str(run_dir)]  # once, on the k-fold run
+    trained = [RunSpec.from_yaml((run_dir / f"fold-{k}" / "spec.yaml").read_text()) for k in (0, 1)]
+    assert [s.optimizer.lr for s in trained] == [lr, lr] and all(s.tune.name is None for s in trained)
+    parent = RunSpec.from_yaml((run_dir / "spec.yaml").read_text())
+    assert parent.optimizer.lr == lr and parent.tune.name is None  # the k-fold run's record: what its folds trained
+    record = read_record(run_dir)
+    assert sorted(record) == [0, 1] and result.objective == statistics.fmean(record[k]["objective"] for k in (0, 1))
+
+
+def test_a_finder_without_apply_on_a_k_fold_run_reports_and_trains_no_fold(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    from runner import tune
+
+    run_dir = tmp_path / "cv"
+    result = launch.run(compose_spec([*TINY, "trainer.cross_validation.folds=2", "tune=lr_find", "tune.steps=20"], run_dir))
+    assert result is tune.NOTHING_TRAINED
+    assert capsys.readouterr().out.count("suggested: optimizer.lr=") == 1
+    assert not list(run_dir.glob("fold-*")) and not (run_dir / RECORD).exists()
+
+
+def test_extending_a_finished_k_fold_run_extends_every_fold_and_recomputes_the_mean(
+        store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir, db = tmp_path / "cv", Path(store.removeprefix("sqlite:///"))
+    launch.run(compose_spec([*TINY, "trainer.cross_validation.folds=2"], run_dir, tracking_uri=store))
+    assert [read_record(run_dir)[k]["steps"] for k in (0, 1)] == [3, 3]
+    steps: list[tuple[str, int]] = []
+    train_step = Engine.train_step
+
+    def counted(self, micro_batches):
+        steps.append((Path(self.spec.run_dir).name, self.progress.step + 1))
+        return train_step(self, micro_batches)
+
+    monkeypatch.setattr(Engine, "train_step", counted)
+    caplog.set_level("INFO")
+    result = launch.run(compose_spec([f"trainer.resume={run_dir}", "trainer.max_steps=5"], tmp_path / "unused",
+                                     tracking_uri=store))
+    # each fold resumes its own step-3 checkpoint and trains on to step 5
+    assert steps == [("fold-0", 4), ("fold-0", 5), ("fold-1", 4), ("fold-1", 5)]
+    record = read_record(run_dir)
+    assert [record[k]["steps"] for k in (0, 1)] == [5, 5]
+    mean = statistics.fmean(record[k]["objective"] for k in (0, 1))
+    assert result.objective == mean
+    parent_id = (run_dir / "mlflow_run_id").read_text().strip()
+    parent = runs(db)[parent_id]
+    assert parent["status"] == "FINISHED" and parent["metrics"][f"cv/{METRIC}_mean"][-1][1] == pytest.approx(mean)
+    assert [fold["status"] for fold in children(db, parent_id)] == ["FINISHED", "FINISHED"]
+    assert RunSpec.from_yaml((run_dir / "spec.yaml").read_text()).trainer.max_steps == 5
+    messages = caplog.text
+    assert "holds no checkpoint yet" not in messages and "starts over" not in messages
+    assert "extending folds 0, 1 from their checkpoints to trainer.max_steps=5" in messages
+
+
+def test_latest_is_the_k_fold_run_not_its_newest_fold(tmp_path: Path) -> None:
+    from runner.cli.run_dir import latest_run
+
+    older, k_fold = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    (older / "checkpoints").mkdir(parents=True)
+    (older / "spec.yaml").write_text("x")
+    (older / "checkpoints" / "step-1.pt").write_text("x")
+    for path in (k_fold / "spec.yaml", k_fold / "fold-0" / "spec.yaml", k_fold / "fold-1" / "checkpoints" / "step-2.pt"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    (k_fold / "fold-1" / "spec.yaml").write_text("x")
+    assert latest_run(tmp_path / "runs") == k_fold.absolute()
+
+
+@pytest.mark.slow
+def test_resume_latest_after_a_killed_k_fold_run_goes_on_at_the_killed_fold(tmp_path: Path) -> None:
+    db, run_dir = tmp_path / "mlflow.db", tmp_path / "outputs" / "runs" / "cv"
+    args = ["trainer.cross_validation.folds=2", "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2",
+            "trainer.progress_bar=off", "trainer.memory_estimate=false", f"tracking.uri=sqlite:///{db}"]
+    killed = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "kill_at.py"), "step", "7", *args,
+                             f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL in fold 1's step 3
+    assert list(read_record(run_dir)) == [0]
+    resumed = run_cli(["trainer.resume=latest", "trainer.progress_bar=off", f"tracking.uri=sqlite:///{db}"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"trainer.resume=latest: {run_dir}, the newest run" in resumed.stdout + resumed.stderr
+    assert "folds 0 done already" in resumed.stdout + resumed.stderr
+    record = read_record(run_dir)
+    assert sorted(record) == [0, 1] and record[1]["steps"] == 4
+    parent_id = (run_dir / "mlflow_run_id").read_text().strip()
+    assert runs(db)[parent_id]["status"] == "FINISHED"
+    assert runs(db)[parent_id]["metrics"][f"cv/{METRIC}_mean"][-1][1] == pytest.approx(
+        statistics.fmean(record[k]["objective"] for k in (0, 1)))
