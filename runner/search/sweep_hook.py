@@ -289,7 +289,10 @@ def sweep_objective(config: DictConfig) -> Any:
     from runner.spec.objective import ObjectiveSpec
 
     node = OmegaConf.to_container(config.objective, resolve=True) if "objective" in config else {}
-    task = OmegaConf.select(config, "task._target_", default="runner.tasks.Classification")
+    if OmegaConf.select(config, "task._target_", default=None) is None:
+        # a Hydra app of its own (the sweep hook serves any app): no task declares a direction, its typed one stands
+        return build(ObjectiveSpec, {k: v for k, v in node.items() if k in ("metric", "direction")}, "objective.")
+    task = OmegaConf.select(config, "task._target_")
     try:
         return resolved_objective(build(ObjectiveSpec, node, "objective."), str(task))
     except SpecError:

@@ -27,10 +27,15 @@ TRAIN = ["trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_esti
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("modes")
-    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    return trained_run(tmp_path_factory, migrated_mlflow_store, "modes", TRAIN)
+
+
+def trained_run(factory: pytest.TempPathFactory, store: Path, name: str, overrides: list[str]) -> tuple[Path, str]:
+    """A run of `overrides` trained into its own copy of the session's MLflow store: its directory and store URI."""
+    root = factory.mktemp(name)
+    shutil.copy(store, root / "mlflow.db")
     uri = f"sqlite:///{root}/mlflow.db"
-    run(compose_spec(TRAIN, root / "src", uri))
+    run(compose_spec(overrides, root / "src", uri))
     return root / "src", uri
 
 
@@ -208,11 +213,7 @@ BEST_NOT_LAST = ["model.hidden=[16]", "dataset.batch_size=256", "optimizer.lr=0.
 
 @pytest.fixture(scope="module")
 def best_not_last(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("best_not_last")
-    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
-    uri = f"sqlite:///{root}/mlflow.db"
-    run(compose_spec(BEST_NOT_LAST, root / "src", uri))
-    return root / "src", uri
+    return trained_run(tmp_path_factory, migrated_mlflow_store, "best_not_last", BEST_NOT_LAST)
 
 
 def at_step(uri: str, run_id: str, step: int, prefix: str) -> dict[str, float]:
