@@ -236,7 +236,8 @@ def test_under_compile_the_batch_finder_times_every_candidate_compiled(tmp_path:
     assert engine.spec.dataset.batch_size == spec.dataset.batch_size  # the run's own spec is back
 
 
-@pytest.mark.parametrize("apply", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: 3 processes, ~80 s
+@pytest.mark.slow  # a real kill mid-sweep and a resume: ~15 s (True), ~80 s (False)
+@pytest.mark.parametrize("apply", [True, False])
 def test_a_finder_killed_mid_sweep_then_resumed_finds_again_and_trains_with_what_it_found(tmp_path: Path,
                                                                                            apply: bool) -> None:
     """A real SIGKILL in the sweep's 5th step; the resume reruns the finder (its result was never recorded), reports

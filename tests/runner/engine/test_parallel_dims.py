@@ -66,6 +66,7 @@ def test_the_data_parallel_rank_follows_the_mesh_layout() -> None:
         == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
+@pytest.mark.slow  # a CLI process for the refusal; resolve_dims's own refusals are the unit test above
 def test_a_mismatch_of_degrees_and_processes_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
     proc = run_cli(["parallelism=hsdp", "parallelism.nproc_per_node=2", "parallelism.dp_replicate=2",
                     "parallelism.dp_shard=2", "tracking=none"], cwd=tmp_path, timeout=120)
