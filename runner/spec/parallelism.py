@@ -2,9 +2,35 @@
 the model is wrapped (runner/engine/parallel/, runner/cli/launch.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
-from runner.spec.fields import SpecError, opt
+from runner.spec.fields import Component, SpecError, component_dict, opt
+
+
+@dataclass(frozen=True)
+class PlanSpec(Component):
+    """A user's own tensor- or pipeline-parallel plan: a function named by `_target_` and its own arguments.
+    tp_plan: fn(model, tp_mesh, **params) parallelizes the model in place (runner/engine/parallel/tensor.py);
+    pp_plan: fn(model, stage_index, num_stages, **params) -> the stage's module, parameter names kept as in
+    the whole model (runner/engine/parallel/pipeline.py)."""
+
+    target: str = ""
+    params: dict = field(default_factory=dict)
+
+    def __to_plain__(self) -> dict:
+        return {"_target_": self.target, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str) -> "PlanSpec":
+        data = component_dict(data, key)
+        return cls(target=data.pop("_target_"), params=data)
+
+
+# torch.distributed.pipelining's schedules by the name a user types; the multi-stage ones hold
+# pp_stages_per_rank > 1 stages on each rank
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -15,9 +41,21 @@ class ParallelismSpec:
     dp_replicate: int = opt(-1, "data-parallel replicas (DDP; with dp_shard > 1, HSDP's replicate dimension); "
                                "-1: the processes the other degrees leave", ge=-1)
     dp_shard: int = opt(1, "data-parallel shards (FSDP2 fully_shard); -1: the processes the other degrees leave", ge=-1)
-    tp: int = opt(1, "tensor-parallel degree (not available yet: 1)", ge=-1)
-    pp: int = opt(1, "pipeline-parallel degree (not available yet: 1)", ge=-1)
-    cp: int = opt(1, "context-parallel degree (not available yet: 1)", ge=-1)
+    tp: int = opt(1, "tensor-parallel degree: each layer's weights split across this many processes (within a node)", ge=-1)
+    pp: int = opt(1, "pipeline-parallel degree: the model cut into this many consecutive stages", ge=-1)
+    cp: int = opt(1, "context-parallel degree: each sequence split across this many processes (gpt attention, CUDA)", ge=-1)
+    # tensor parallelism (tp > 1)
+    tp_plan: Optional[PlanSpec] = opt(None, "a tensor-parallel plan {_target_: my_pkg.plan, ...}: fn(model, tp_mesh); "
+                                            "null: the model's own (gpt, vit, a HuggingFace model's tp_plan)")
+    sequence_parallel: bool = opt(True, "tp: norms and dropout run on sequence shards (less activation memory)")
+    loss_parallel: bool = opt(True, "tp: the vocabulary projection stays sharded into the loss (no full logits)")
+    # pipeline parallelism (pp > 1)
+    pp_plan: Optional[PlanSpec] = opt(None, "a pipeline plan {_target_: my_pkg.stage, ...}: fn(model, stage_index, "
+                                            "num_stages) -> the stage's module; null: the model's own (gpt, vit: by blocks)")
+    pp_schedule: Literal[PP_SCHEDULES] = opt("1f1b", "pipeline schedule: " + ", ".join(PP_SCHEDULES))
+    pp_microbatches: int = opt(-1, "micro-batches each batch is cut into for the pipeline; -1: the number of stages", ge=-1)
+    pp_stages_per_rank: int = opt(-1, "stages each pipeline rank holds; -1: 1, or 2 for the multi-stage schedules "
+                                      "(" + ", ".join(MULTI_STAGE_SCHEDULES) + ")", ge=-1)
     nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
     nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
     node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
@@ -34,7 +72,6 @@ class ParallelismSpec:
 # the parallel dimensions, outermost first (torchtitan's order: consecutive ranks differ in tp, so a
 # tensor-parallel group stays within a node); runner/engine/parallel/mesh.py lays the ranks out by it
 PARALLEL_DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-NOT_AVAILABLE_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context"}  # the next issue builds them
 
 
 def check_degrees(par: ParallelismSpec) -> None:
@@ -44,10 +81,6 @@ def check_degrees(par: ParallelismSpec) -> None:
         if degree == 0 or degree < -1:
             raise SpecError(f"parallelism.{name}: {degree} is not a degree; allowed: a positive number of processes, "
                             "or -1 for the processes the other degrees leave")
-    for name, kind in NOT_AVAILABLE_YET.items():
-        if getattr(par, name) != 1:
-            raise SpecError(f"parallelism.{name}: {getattr(par, name)}; tensor/pipeline/context parallelism is not "
-                            f"available yet ({kind} parallelism: keep {name}=1)")
     rest = [name for name in PARALLEL_DIMENSIONS if getattr(par, name) == -1]
     if len(rest) > 1:
         raise SpecError(f"parallelism.{rest[1]}: -1, but parallelism.{rest[0]} is -1 already; at most one degree "

@@ -28,7 +28,7 @@ from runner.spec.model import ModelSpec
 from runner.spec.modes import EvalSpec, PredictSpec, WeightsSpec, check_mode
 from runner.spec.objective import ObjectiveSpec
 from runner.spec.optimizer import OptimizerSpec
-from runner.spec.parallelism import ParallelismSpec, check_parallelism
+from runner.spec.parallelism import ParallelismSpec, PlanSpec, check_parallelism
 from runner.spec.precision import PrecisionSpec
 from runner.spec.scheduler import SchedulerSpec
 from runner.spec.task import TaskSpec
@@ -140,6 +140,10 @@ def _with_components(cfg: dict) -> dict:
     if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, tuple)):
         cfg["trainer"] = {**trainer, "callbacks": [CallbackSpec.parse(c, f"trainer.callbacks[{i}]")
                                                    for i, c in enumerate(trainer["callbacks"])]}
+    par = cfg.get("parallelism")
+    if isinstance(par, dict):
+        plans = {k: PlanSpec.parse(par[k], f"parallelism.{k}") for k in ("tp_plan", "pp_plan") if par.get(k) is not None}
+        cfg["parallelism"] = {**par, **plans}
     return cfg
 
 

@@ -45,8 +45,6 @@ def test_degrees_resolve_against_the_processes_with_minus_one_taking_the_rest(
                                              "but 4 process(es) do not divide by 3 (dp_replicate=3 x dp_shard=-1)"),
     ({"dp_replicate": -1, "dp_shard": -1}, 4, "parallelism.dp_shard: -1, but parallelism.dp_replicate is -1 already"),
     ({"dp_shard": 0}, 4, "parallelism.dp_shard: 0 is not a degree; allowed: a positive number of processes, or -1"),
-    ({"tp": 2, "dp_replicate": 2}, 4, "parallelism.tp: 2; tensor/pipeline/context parallelism is not available yet"),
-    ({"pp": -1}, 4, "parallelism.pp: -1; tensor/pipeline/context parallelism is not available yet"),
 ])
 def test_degrees_that_do_not_make_the_processes_are_refused_in_one_line(degrees: dict, world: int, message: str) -> None:
     with pytest.raises(SpecError) as e:
@@ -75,13 +73,6 @@ def test_a_mismatch_of_degrees_and_processes_is_refused_before_any_worker_starts
                                    "but the run has 2 (nproc_per_node=2 x nnodes=1); their product must equal the "
                                    "number of processes (or set one degree to -1 for the rest)")
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("checkpoints"))
-
-
-def test_tensor_parallelism_is_refused_in_one_line(tmp_path: Path) -> None:
-    proc = run_cli(["parallelism=ddp", "parallelism.tp=2", "tracking=none"], cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: parallelism.tp: 2; tensor/pipeline/context parallelism is not available "
-                                   "yet (tensor parallelism: keep tp=1)")
 
 
 def _wrapped(rank: int, port: int, cases: dict[str, list[str]], where: str, out: mp.Queue) -> None:
