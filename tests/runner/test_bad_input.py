@@ -248,6 +248,12 @@ CASES = [
          "optimizer.lr, optimizer.lr_multipliers.*, optimizer.weight_decay,", RUN),
     case("-m hparams_search=digits_pbt hydra.sweeper.quantile=0.9", "error: hydra.sweeper.quantile: 0.9; allowed: "
          "above 0 and at most 0.5", RUN),
+    case("-m hparams_search=digits_pbt hydra.sweeper.pb2_kappa=-1", "error: hydra.sweeper.pb2_kappa: -1.0; allowed: 0 or "
+         "more", RUN),
+    case("-m hparams_search=digits_pbt hydra.sweeper.perturb=[0.8,-1.2]", "error: hydra.sweeper.perturb: [0.8, -1.2]; "
+         "allowed: a list of positive factors", RUN),
+    case("-m hparams_search=digits_pbt hydra.sweeper.resample_probability=2", "error: "
+         "hydra.sweeper.resample_probability: 2.0; allowed: a probability from 0 to 1", RUN),
     # --- the Optuna sweeper's inputs (helper sweep): refused before the study or its MLflow parent run exists
     case("-m hparams_search=digits_optuna optimizer.lr=interval(0.1,0.001)", "error: optimizer.lr: interval(0.1,0.001): "
          "its low 0.1 is above its high 0.001; allowed: interval(low, high) with low <= high", RUN),
@@ -257,6 +263,10 @@ CASES = [
          "tag(logg,interval(0.001,0.1)): unknown tag 'logg'; allowed: log", RUN),
     case("-m hparams_search=digits_optuna trainer.max_epochs=range(5,1)", "error: trainer.max_epochs: range(5,1) has "
          "no values; allowed: range(start, stop) with start < stop", sub=True),
+    case("-m hparams_search=digits_optuna hydra.sweeper.heartbeat_interval=0", "error: "
+         "hydra.sweeper.heartbeat_interval: 0 is out of range; allowed: an integer >= 1 (seconds), or null: off", RUN),
+    case(["-m", "hparams_search=digits_optuna", "hydra.sweeper.study_name=''"], "error: hydra.sweeper.study_name: '' "
+         "is not a name; allowed: a non-empty name", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.direction=up", "error: hydra.sweeper.direction: 'up' is not a "
          "direction; allowed: minimize, maximize", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.custom_search_space=no_such_module.space",

@@ -59,6 +59,15 @@ class Settings:
         if self.ready < 1 or self.n_jobs < 1:
             key, value = ("ready", self.ready) if self.ready < 1 else ("n_jobs", self.n_jobs)
             raise SpecError(f"hydra.sweeper.{key}: {value}; allowed: 1 or more")
+        if not self.perturb or any(not (f > 0 and math.isfinite(f)) for f in self.perturb):
+            raise SpecError(f"hydra.sweeper.perturb: {list(self.perturb)}; allowed: a list of positive factors the "
+                            "values are multiplied by, e.g. [0.8, 1.2]")
+        if not 0 <= self.resample_probability <= 1:
+            raise SpecError(f"hydra.sweeper.resample_probability: {self.resample_probability}; allowed: a probability "
+                            "from 0 to 1")
+        if not self.pb2_kappa >= 0:
+            raise SpecError(f"hydra.sweeper.pb2_kappa: {self.pb2_kappa}; allowed: 0 or more (the weight of the GP's "
+                            "uncertainty in pb2's upper confidence bound)")
         if not base.trainer.max_steps:
             raise SpecError("trainer.max_steps: null; population-based training plans its rounds in optimizer steps: "
                             "set trainer.max_steps")

@@ -22,8 +22,11 @@ def check_settings(s: Any, directions: list[str]) -> None:
         if d not in DIRECTIONS:
             raise SweepConfigError(f"hydra.sweeper.direction: {d!r} is not a direction; allowed: minimize, maximize, or a "
                                    "list of them for several objectives")
-    if s.heartbeat_interval is not None:
-        _check_int("hydra.sweeper.heartbeat_interval", s.heartbeat_interval, 0, "an integer >= 0 (seconds; 0 or null: off)")
+    if s.heartbeat_interval is not None:  # 0 reads as "beat all the time", not "off": null says off
+        _check_int("hydra.sweeper.heartbeat_interval", s.heartbeat_interval, 1, "an integer >= 1 (seconds), or null: off")
+    if s.study_name is not None and (not isinstance(s.study_name, str) or not s.study_name.strip()):
+        raise SweepConfigError(f"hydra.sweeper.study_name: {s.study_name!r} is not a name; allowed: a non-empty name, "
+                               "or null for a new study named by Optuna")
     if s.grace_period is not None:
         _check_int("hydra.sweeper.grace_period", s.grace_period, 1, "an integer >= 1 (seconds), or null")
     _check_int("hydra.sweeper.max_retry", s.max_retry, 0, "an integer >= 0")

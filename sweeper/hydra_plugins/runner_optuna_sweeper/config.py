@@ -180,7 +180,7 @@ class OptunaSweeperConf:
     params: Optional[Dict[str, Any]] = None  # key -> override grammar: choice, range, interval, tag(log, ...), int(...)
     search_space: Optional[Dict[str, Any]] = None  # hydra-optuna-sweeper 1.1's form, deprecated: use params
     custom_search_space: Optional[str] = None  # dotpath to fn(cfg: DictConfig, trial: optuna.Trial) -> None
-    heartbeat_interval: Optional[int] = 30  # seconds between a running trial's heartbeats; null: off
+    heartbeat_interval: Optional[int] = 30  # seconds (>= 1) between a running trial's heartbeats; null: off
     grace_period: Optional[int] = None      # a trial silent this long was killed: FAIL (default 2 x interval)
     max_retry: int = 0                      # re-run a killed trial up to this many times (same params)
 
