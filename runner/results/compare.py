@@ -6,7 +6,6 @@ them. `--plot val/loss` saves a chart of that metric over steps for those runs.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -16,7 +15,7 @@ from typing import Any
 
 from runner.tracking.mlflow_store import DEFAULT_URI
 from runner.cli.preflight import fail
-from runner.results.reproduce import find_run, open_store, parse
+from runner.results.reproduce import OneLineParser, find_run, open_store, parse, refuse_deleted
 from runner.spec.run import SpecError
 
 # params that differ between any two runs without changing what was trained
@@ -40,6 +39,7 @@ def select_runs(client: Any, targets: list[str], uri: str) -> list[Any]:
             raise SpecError(f"compare: {target}: neither an experiment nor a run id in {uri}; name an experiment "
                             f"(tracking.experiment, default 'runner'), a sweep's parent run or run ids, or pass "
                             f"--uri with their store")
+        refuse_deleted(run, "compare")
         children = _search(client, [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
         runs.extend(children if len(targets) == 1 and children else [run])
     return runs
@@ -125,7 +125,7 @@ def plot(client: Any, runs: list[Any], metric: str, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="runner compare", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="runner compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="+", help="an experiment name, a sweep's parent run id, or run ids")
     parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_URI),
                         help=f"the MLflow store (default: {DEFAULT_URI}; tracking.uri=... works too)")

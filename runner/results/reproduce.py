@@ -37,6 +37,13 @@ def open_store(uri: str) -> Any:
     return open_client(uri, end_orphans=False)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose complaints are runner's one line (`error: ...`, exit 2), not its usage block."""
+
+    def error(self, message: str):
+        fail(f"{self.prog.removeprefix('runner ')}: {message}; usage: {' '.join(self.format_usage().split()[1:])}")
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The arguments; `tracking.uri=X`, the key a run is given its store with, is taken for `--uri X`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -63,12 +70,20 @@ def find_run(client: Any, run_id: str) -> Any | None:
     return found[0] if len(found) == 1 else None
 
 
+def refuse_deleted(run: Any, key: str) -> Any:
+    """The run, unless it was deleted (MLflow keeps a deleted run until `mlflow gc`): nothing is read from it."""
+    if run.info.lifecycle_stage == "deleted":
+        raise SpecError(f"{key}: {run.info.run_id}: the MLflow run was deleted; restore it first (mlflow runs restore "
+                        f"--run-id {run.info.run_id}) or name another run")
+    return run
+
+
 def get_run(client: Any, run_id: str, uri: str) -> Any:
     run = find_run(client, run_id)
     if run is None:
         raise SpecError(f"run id: {run_id}: no such MLflow run in {uri}; copy the id from the run's page or "
                         f"summary, or pass --uri with the store it was logged to")
-    return run
+    return refuse_deleted(run, "run id")
 
 
 def load_artifact(client: Any, run_id: str, name: str) -> str | None:
@@ -157,7 +172,7 @@ def _num(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="runner reproduce", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="runner reproduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_id", help="the MLflow run id (its run page, or the run summary, shows it)")
     parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_URI),
                         help=f"the MLflow store the run is in (default: {DEFAULT_URI}; tracking.uri=... works too)")

@@ -45,6 +45,10 @@ def check_mode(spec) -> None:
     if spec.mode != "train" and not spec.trainer.resume:
         raise SpecError(f"trainer.resume: mode={spec.mode} needs a trained run; give "
                         f"trainer.resume=<run dir | checkpoint file | MLflow run id>")
+    if spec.mode == "eval" and not spec.eval.splits:
+        raise SpecError("eval.splits: [] evaluates nothing; allowed: a list of val and test, e.g. [val, test] or [test]")
+    if len(set(spec.eval.splits)) != len(spec.eval.splits):
+        raise SpecError(f"eval.splits: {list(spec.eval.splits)} names a split twice; allowed: each of val and test once")
     average = spec.weights.average
     if spec.mode == "train" and spec.tracking.log_model != "none" and average in ("ema", "swa"):
         on = spec.trainer.ema.decay is not None if average == "ema" else spec.trainer.swa.start_epoch is not None

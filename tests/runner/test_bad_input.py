@@ -433,12 +433,18 @@ CASES = [
          "MLflow run in sqlite:///"),
     case("compare no-such-experiment", "error: compare: no-such-experiment: neither an experiment nor a run id in "
          "sqlite:///"),
+    case("reproduce", "error: reproduce: the following arguments are required: run_id; usage: runner reproduce"),
+    case("compare", "error: compare: the following arguments are required: targets; usage: runner compare"),
     case("reproduce abc tracking.uri=sqlite:///{tmp}/none.db", "error: --uri: sqlite:///{tmp}/none.db: no MLflow store at"),
     # --- issue 16 (helper evalpredict): mode=eval|predict on a trained run
     case("mode=eval", "error: trainer.resume: mode=eval needs a trained run; give trainer.resume=<run dir | "
          "checkpoint file | MLflow run id>"),
     case("mode=export trainer.resume={tmp}/nothing_here", "error: trainer.resume: '{tmp}/nothing_here' does not exist; "
          "give a checkpoint file or a run directory"),
+    case("mode=eval trainer.resume={tmp} eval.splits=[]", "error: eval.splits: [] evaluates nothing; allowed: a list "
+         "of val and test"),
+    case("mode=eval trainer.resume={tmp} eval.splits=[test,test]", "error: eval.splits: ['test', 'test'] names a split "
+         "twice"),
     case("mode=evaluate", "error: mode: 'evaluate' is not allowed; choose one of train, eval, predict, export"),
     case("mode=predict trainer.resume={tmp} predict.input={tmp}/no_such_images", "error: predict.input: "
          "'{tmp}/no_such_images' does not exist; give a folder of images or a text file with one input per line"),

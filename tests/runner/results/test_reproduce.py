@@ -214,3 +214,28 @@ def test_compare_ranks_runs_by_objective_with_the_differing_params_and_plots_a_m
     assert [line.split()[1] for line in lines[1:3]] == ["a", "b"]  # minimize: the lower objective first
     assert lines[3] == f"chart of val/loss: {chart}"
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
+
+
+def test_reproduce_and_compare_refuse_a_deleted_run_in_one_line(store: str, capsys: pytest.CaptureFixture) -> None:
+    client = MlflowClient(store)
+    experiment = client.create_experiment("deleted")
+    gone = _fake_run(client, experiment, "gone", "0.1", 0.9, [1.0, 0.5])
+    client.delete_run(gone)
+    for main, args in ((reproduce.main, [gone]), (compare.main, [gone]), (compare.main, [gone[:12]])):
+        with pytest.raises(SystemExit) as exited:
+            main([*args, "--uri", store])
+        assert exited.value.code == 2
+        key = "run id" if main is reproduce.main else "compare"
+        assert capsys.readouterr().err.strip() == (f"error: {key}: {gone}: the MLflow run was deleted; restore it first "
+                                                   f"(mlflow runs restore --run-id {gone}) or name another run")
+
+
+@pytest.mark.parametrize("main, missing", [(reproduce.main, "run_id"), (compare.main, "targets")])
+def test_reproduce_and_compare_without_arguments_say_what_is_missing_in_one_line(
+        main, missing: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {main.__module__.split('.')[-1]}: the following arguments "
+                                                   f"are required: {missing}; usage: runner ")
