@@ -10,13 +10,16 @@ text file by `predict.max_new_tokens` tokens (`Task.generate`): greedy at temper
 from __future__ import annotations
 
 import csv
+import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from runner.files import atomic_write
 from runner.results.source import load_engine, source_spec, tracked
 from runner.spec import components
 from runner.spec.fields import SpecError
@@ -66,8 +69,11 @@ def predicted(engine, loader, with_labels: bool) -> Iterator[dict]:
     index = 0
     for ids, raw in loader:  # ids: the inputs' names, or None for their index
         batch = batches.to_device(batches.split_batch(raw), engine.device)
-        with engine.precision.autocast():
-            logits = batches.logits_of(batches.call_model(engine.model, batch, engine.pass_labels))
+        try:
+            with engine.precision.autocast():
+                logits = batches.logits_of(batches.call_model(engine.model, batch, engine.pass_labels))
+        except UNREADABLE as e:
+            raise unreadable(engine, ids[0] if ids is not None else index, e) from None
         if logits is None:
             raise SpecError(f"mode: predict needs the model's outputs; {engine.spec.model.target} returns only its own "
                             "loss")
@@ -97,7 +103,7 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
     def read() -> Iterator[tuple[list[str], tuple]]:
         for start in range(0, len(files), size):
             chunk = files[start:start + size]
-            images = torch.stack([transform(decode(str(f))) for f in chunk])
+            images = torch.stack([transform(_decoded(decode, f, folder)) for f in chunk])
             yield [str(f.relative_to(folder)) for f in chunk], (images, torch.zeros(len(chunk), dtype=torch.long))
 
     return read()
@@ -112,9 +118,7 @@ def text_batches(spec, file: Path) -> Iterator[tuple[list[int], dict]]:
         raise SpecError(f"predict.input: {str(file)!r} is a file; a classifier of dataset {spec.dataset.target} reads "
                         "a folder of images (a text classifier reads a text file, one text a line), or predict.split "
                         "with predict.input=null")
-    numbered = [(n, line) for n, line in enumerate(file.read_text().splitlines()) if line.strip()]
-    if not numbered:
-        raise SpecError(f"predict.input: {str(file)!r} holds no text (one text a line)")
+    numbered = _lines(file)
     texts, size = encode_texts([line for _, line in numbered]), spec.dataset.batch_size
 
     def read() -> Iterator[tuple[list[int], dict]]:
@@ -131,9 +135,7 @@ def generated(engine, spec, file: Path) -> Iterator[dict]:
     generator = torch.Generator(engine.device).manual_seed(spec.seed)
     context = getattr(engine.module, "max_length", None) or data.max_length
     p = spec.predict
-    for number, line in enumerate(file.read_text().splitlines()):
-        if not line.strip():
-            continue
+    for number, line in _lines(file):
         if tokenizer is not None:
             prompt = tokenizer.encode(line).ids
         else:  # token ids without a tokenizer (synthetic data): the line is the ids
@@ -142,28 +144,67 @@ def generated(engine, spec, file: Path) -> Iterator[dict]:
             except ValueError:
                 raise SpecError(f"predict.input: line {number + 1} of {file} is {line[:40]!r}; this dataset has no "
                                 "tokenizer, so a prompt is token ids separated by spaces") from None
-        new = engine.task.generate(engine.model, prompt, p.max_new_tokens, p.temperature, p.top_k, generator, context)
+        try:
+            new = engine.task.generate(engine.model, prompt, p.max_new_tokens, p.temperature, p.top_k, generator, context)
+        except UNREADABLE as e:
+            raise unreadable(engine, f"line {number + 1}", e) from None
         text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
         yield {"id": number, "input": line, "generated": text, "tokens": new}
 
 
+UNREADABLE = (RuntimeError, ValueError, TypeError, IndexError)  # what a model raises on inputs of a shape or kind it cannot read
+
+
+def unreadable(engine, first, e: Exception) -> SpecError:
+    """The model's complaint about the inputs as one line naming predict.input and where it began."""
+    reason = str(e).splitlines()[0] if str(e) else ""
+    return SpecError(f"predict.input: the model {engine.spec.model.target} cannot read these inputs (at {first}): "
+                     f"{type(e).__name__}: {reason}")
+
+
+def _lines(file: Path) -> list[tuple[int, str]]:
+    """The file's non-blank lines with their index; a file that is not text, or holds none, is refused."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"predict.input: {str(file)!r} is not a UTF-8 text file (byte {e.object[e.start]:#04x} at offset "
+                        f"{e.start}); give a text file with one input a line") from None
+    numbered = [(n, line) for n, line in enumerate(text.splitlines()) if line.strip()]
+    if not numbered:
+        raise SpecError(f"predict.input: {str(file)!r} holds no text; give a text file with one input a line")
+    return numbered
+
+
+def _decoded(decode, file: Path, folder: Path):
+    """One image as the dataset decodes its own; a file it cannot decode (corrupt, truncated) is named."""
+    try:
+        return decode(str(file))
+    except (OSError, ValueError, RuntimeError, SyntaxError) as e:  # PIL's (an OSError) or torchvision's decoder's
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = re.sub(r"^\w+, \S+:\d+, ", "", reason)  # torchvision's "decode_image, <source file>:<line>, " prefix
+        raise SpecError(f"predict.input: {str(file.relative_to(folder))!r} in {str(folder)!r} is not an image that can "
+                        f"be read ({reason}); remove or replace it") from None
+
+
 def write(rows: list[dict], path: Path) -> Path:
+    """The predictions' file, whole or not at all (written beside and renamed: a kill leaves no truncated file)."""
     if path.suffix == ".jsonl":
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        atomic_write(path, "".join(json.dumps(row) + "\n" for row in rows))
         return path
-    with path.open("w", newline="") as f:
-        writer = None
-        for row in rows:
-            flat = {}
-            for key, value in row.items():
-                if key == "tokens":  # the generated text holds them
-                    continue
-                if isinstance(value, list):  # probabilities: p_0, p_1, ...; several outputs: predicted_0, ...
-                    flat.update({f"{'p' if key == 'probabilities' else key}_{i}": v for i, v in enumerate(value)})
-                else:
-                    flat[key] = value
-            if writer is None:
-                writer = csv.DictWriter(f, fieldnames=list(flat))
-                writer.writeheader()
-            writer.writerow(flat)
+    text = io.StringIO(newline="")
+    writer = None
+    for row in rows:
+        flat = {}
+        for key, value in row.items():
+            if key == "tokens":  # the generated text holds them
+                continue
+            if isinstance(value, list):  # probabilities: p_0, p_1, ...; several outputs: predicted_0, ...
+                flat.update({f"{'p' if key == 'probabilities' else key}_{i}": v for i, v in enumerate(value)})
+            else:
+                flat[key] = value
+        if writer is None:
+            writer = csv.DictWriter(text, fieldnames=list(flat))
+            writer.writeheader()
+        writer.writerow(flat)
+    atomic_write(path, text.getvalue())
     return path

@@ -18,6 +18,7 @@ from runner.spec import components
 from runner.cli.launch import run
 from runner.tasks.language_modeling import generate
 from runner.results.source import resolve_source
+from runner.spec.run import SpecError
 from runner.tracking.tracker import RUN_FILE
 from tests.conftest import compose_spec
 
@@ -386,3 +387,51 @@ def test_an_swa_objectives_best_file_holds_the_batchnorm_statistics_its_test_use
     result = run(compose_spec(["mode=eval", f"trainer.resume={src}", "eval.splits=[test]"], tmp_path / "eval"))
     assert result.final == {k: v for k, v in logged.data.metrics.items() if k.startswith("test/")}
     assert {"test/swa/acc", "test/acc"} <= result.final.keys()
+
+
+def test_predict_refuses_an_empty_or_binary_prompt_file_and_a_model_that_cannot_read_the_inputs_in_one_line(
+        tmp_path: Path) -> None:
+    run(compose_spec(GPT, tmp_path / "gpt"))
+    empty, binary, too_long = tmp_path / "empty.txt", tmp_path / "binary.txt", tmp_path / "long.txt"
+    empty.write_text("\n  \n")
+    binary.write_bytes(b"12 3\n\x89PNG\r\n\x1a\n\xff\xfe")
+    too_long.write_text("70 71\n")  # ids beyond the vocabulary of 64: the embedding cannot look them up
+    expected = {
+        empty: f"predict.input: '{empty}' holds no text; give a text file with one input a line",
+        binary: f"predict.input: '{binary}' is not a UTF-8 text file (byte 0x89 at offset 5); give a text file with one "
+                "input a line",
+        too_long: "predict.input: the model runner.models.gpt.GPT cannot read these inputs (at line 1): IndexError: index out "
+                  "of range in self",
+    }
+    for i, (file, message) in enumerate(expected.items()):
+        with pytest.raises(SpecError) as refused:
+            run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'gpt'}", f"predict.input={file}"],
+                             tmp_path / f"pred{i}"))
+        assert str(refused.value) == message
+        assert not (tmp_path / f"pred{i}" / "predictions.csv").exists()
+
+
+def test_predict_names_a_corrupt_or_truncated_image_and_writes_no_file(tmp_path: Path) -> None:
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            for i in range(2):
+                (tmp_path / "imgs" / split / c).mkdir(parents=True, exist_ok=True)
+                Image.fromarray(torch.randint(0, 256, (8, 8, 3), generator=gen, dtype=torch.uint8).numpy()).save(
+                    tmp_path / "imgs" / split / c / f"{i}.png")
+    run(compose_spec(["dataset=imagefolder", "dataset.batch_size=4", f"dataset.root={tmp_path / 'imgs'}", *TRAIN],
+                     tmp_path / "src"))
+    whole = (tmp_path / "imgs" / "val" / "cat" / "0.png").read_bytes()
+    for name, content in (("garbage", b"not an image at all"), ("truncated", whole[:len(whole) // 2])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "a.png").write_bytes(whole)
+        (folder / "b.png").write_bytes(content)
+        with pytest.raises(SpecError) as refused:
+            run(compose_spec(["mode=predict", f"trainer.resume={tmp_path / 'src'}", f"predict.input={folder}"],
+                             tmp_path / f"pred_{name}"))
+        assert str(refused.value).startswith(f"predict.input: 'b.png' in '{folder}' is not an image that can be read (")
+        assert str(refused.value).endswith("); remove or replace it") and "\n" not in str(refused.value)
+        assert not (tmp_path / f"pred_{name}" / "predictions.csv").exists()
