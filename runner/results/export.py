@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 import yaml
 
 from runner.engine import run_weights
+from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
 from runner.spec import components
@@ -61,8 +64,8 @@ def run(spec: RunSpec) -> Path:
                           "runner.exported_weights": source.weights.source,
                           **({"runner.exported_from_run": info["mlflow_run_id"]} if info.get("mlflow_run_id") else {})})
         tracker.log_artifact(out)  # a directory: its files land under the run's export/ artifacts
-    except BaseException:
-        tracker.finish("FAILED")
+    except BaseException as e:  # Ctrl-C, SIGTERM/SIGHUP (preemption.Stopped is a KeyboardInterrupt): KILLED
+        tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     tracker.finish("FINISHED")
     return out
@@ -78,7 +81,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = T
 
 def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program: bool = True) -> Path:
     """Export the model of a trained run's chosen weights into out_dir."""
-    path, state = weights.path, weights.state
+    path = weights.path
     if not weights.spec:
         raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
     spec = RunSpec.from_yaml(weights.spec)
@@ -87,9 +90,25 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
     weights.load_into(model)
     model.eval()
     inputs = example_inputs(spec, data, model)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(out_dir)
+    # written into a directory beside it and renamed into place once whole: a kill leaves the earlier export or
+    # none, never one without model.yaml or with a truncated model.pt2
+    out = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        _write_export(model, inputs, spec, data, weights, out, program)
+        _replace_directory(out, final)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    log.info("exported the %s weights of %s to %s (%s)", weights.source, path, final,
+             ", ".join(sorted(p.name for p in final.iterdir())))
+    return final
 
+
+def _write_export(model: torch.nn.Module, inputs: dict[str, torch.Tensor], spec: RunSpec, data: Any,
+                  weights: run_weights.RunWeights, out: Path, program: bool) -> None:
+    """The export's files into `out`: the weights, example inputs, the torch.export program, model.yaml last."""
     import safetensors.torch
 
     safetensors.torch.save_model(model, str(out / "model.safetensors"))
@@ -99,13 +118,23 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
         "model": {"_target_": spec.model.target, "_convert_": "all", **spec.model.params, **_data_decided(spec, data)},
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in inputs.items()},
         "torch_export": program,
-        "source": {"checkpoint": str(path), "step": weights.step, "weights": weights.source,
-                   "mlflow_run_id": state.get("mlflow_run_id") or None},
+        "source": {"checkpoint": str(weights.path), "step": weights.step, "weights": weights.source,
+                   "mlflow_run_id": weights.state.get("mlflow_run_id") or None},
     }
     (out / "model.yaml").write_text(HOW_TO_LOAD + yaml.safe_dump(record, sort_keys=False))
-    log.info("exported the %s weights of %s to %s (%s)", weights.source, path, out,
-             ", ".join(sorted(p.name for p in out.iterdir())))
-    return out
+    for written in out.iterdir():  # on disk before the rename makes them the export
+        with open(written, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _replace_directory(new: Path, final: Path) -> None:
+    """`new` renamed to `final`; an earlier export there is moved aside first and removed after."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    fsync_directory(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_exported(directory: str | Path) -> torch.nn.Module:

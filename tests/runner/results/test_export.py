@@ -179,3 +179,37 @@ def test_run_logs_the_export_as_artifacts_of_a_finished_run_tagged_with_its_sour
     inputs = safetensors.torch.load_file(str(copy / "example_inputs.safetensors"))
     with torch.no_grad():
         assert torch.equal(rebuilt(copy)(**inputs), mlp_run[1](**inputs))
+
+
+@pytest.mark.parametrize("signum", [9, 15])
+def test_an_export_killed_while_writing_leaves_no_partial_export_and_a_sigterm_ends_its_mlflow_run_killed(
+        tmp_path: Path, gpt_run: tuple, store: str, signum: int) -> None:
+    """A real kill of `python -m runner mode=export` once its first file is on disk: before, export/ held
+    model.safetensors without model.yaml (SIGKILL) and the MLflow run ended FAILED (SIGTERM)."""
+    import os
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _ = gpt_run
+    out_dir = tmp_path / "exp"
+    proc = subprocess.Popen([sys.executable, "-m", "runner", "mode=export", f"trainer.resume={run_dir}",
+                             f"hydra.run.dir={out_dir}", f"tracking.uri={store}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if any(f.name == "model.safetensors" for f in out_dir.rglob("*")) if out_dir.exists() else False:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the export ended before its first file could be seen"
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == (-9 if signum == 9 else 128 + 15), err[-2000:]
+    export_dir = out_dir / "export"
+    assert not export_dir.exists() or (export_dir / "model.yaml").exists()
+    if signum == 15:
+        assert err.strip().splitlines()[-1] == "runner: stopped by SIGTERM; the run was marked KILLED"
+        [exported] = MlflowClient(store).search_runs(MlflowClient(store).search_experiments()[0].experiment_id.split())
+        assert exported.info.status == "KILLED"
+        assert not list(out_dir.glob(".export.tmp-*"))  # the half-written files are removed too
