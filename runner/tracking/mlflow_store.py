@@ -72,7 +72,7 @@ def check_tracking(tracking: TrackingSpec) -> None:
     if scheme == "sqlite":
         path = sqlite_path(uri)
         if path is not None:
-            _check_sqlite_file(path)
+            _check_sqlite_file(path, default=uri == DEFAULT_URI)
     elif scheme in _DB_PORTS:
         _probe_database(uri)
     elif scheme in ("", "file"):
@@ -276,7 +276,7 @@ def _view_state(tag_value: str | None) -> str | None:
 # --- checks -----------------------------------------------------------------------------------
 
 
-def _check_sqlite_file(path: Path) -> None:
+def _check_sqlite_file(path: Path, default: bool = False) -> None:
     if path.is_dir():
         raise SpecError(f"tracking.uri: {path} is a directory, not a sqlite file; name a file such as {path}/mlflow.db")
     if path.exists():
@@ -287,8 +287,36 @@ def _check_sqlite_file(path: Path) -> None:
             raise SpecError(_store_message(path, e)) from None
         if head and head != b"SQLite format 3\x00":
             raise SpecError(f"tracking.uri: {path} is not a sqlite database; point tracking.uri at another file")
+        if head:
+            _check_mlflow_tables(path)
     _check_writable(path.parent, "tracking.uri", f"the MLflow store {path}",
                     "make it writable or point tracking.uri at another file")
+    if not path.parent.exists() and not default:
+        # Decided: only the default store's folder (outputs/) is made; a folder the user named must exist, as for
+        # the sweeper's storage, so a mistyped path is refused rather than becoming a new store the runs vanish into
+        raise SpecError(f"tracking.uri: the folder {path.parent} does not exist; create it (mkdir -p {path.parent}) or "
+                        "point tracking.uri at a file in an existing folder")
+
+
+# tables every MLflow sqlite store has, whatever its schema version
+_MLFLOW_TABLES = {"experiments", "runs", "alembic_version"}
+
+
+def _check_mlflow_tables(path: Path) -> None:
+    """A sqlite database with tables must be an MLflow store: opening another application's file would write
+    MLflow's tables into it (the migrations run on open). Read-only: nothing is written here."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise SpecError(f"tracking.uri: {path} cannot be read as a sqlite database ({_first_line(e)}); point "
+                        "tracking.uri at another file") from None
+    if tables and not _MLFLOW_TABLES <= tables:
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise SpecError(f"tracking.uri: {path} is a sqlite database of another application (its tables: {shown}), "
+                        "not an MLflow store; point tracking.uri at a new file or an MLflow store")
 
 
 def _check_writable(directory: Path, key: str, what: str, fix: str) -> None:

@@ -417,3 +417,36 @@ def test_run_names_leave_out_overrides_that_do_not_change_what_is_trained() -> N
                  "trial.number=3", "parallelism.rdzv_endpoint=h:1")
     assert run_name_from(overrides) == "adamw,accum=4,lr=0.01"
     assert run_name_from(("tracking.artifact_root=/tmp/a",)) == "default"
+
+
+def test_another_applications_sqlite_file_is_refused_before_mlflow_writes_its_tables_into_it(tmp_path: Path) -> None:
+    import sqlite3
+
+    other = tmp_path / "notes.db"
+    with contextlib.closing(sqlite3.connect(other)) as db:
+        db.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, text TEXT)")
+        db.execute("INSERT INTO notes (text) VALUES ('keep me')")
+        db.commit()
+    before = other.read_bytes()
+    proc = run_cli([f"tracking.uri=sqlite:///{other}", "trainer.max_steps=1"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: tracking.uri: {other} is a sqlite database of another application (its "
+                                   "tables: notes), not an MLflow store; point tracking.uri at a new file or an MLflow "
+                                   "store")
+    assert other.read_bytes() == before  # no table of MLflow's written into it
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_sqlite_store_in_a_folder_that_does_not_exist_is_refused_but_the_defaults_folder_is_made(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(SpecError) as refused:
+        check_tracking(TrackingSpec(uri=f"sqlite:///{missing}/mlflow.db"))
+    assert str(refused.value) == (f"tracking.uri: the folder {missing} does not exist; create it (mkdir -p {missing}) or "
+                                  "point tracking.uri at a file in an existing folder")
+    assert not missing.exists()
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:  # the default, sqlite:///outputs/mlflow.db, on a fresh clone: outputs/ is made when the store opens
+        check_tracking(TrackingSpec())
+    finally:
+        os.chdir(cwd)
