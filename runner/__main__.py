@@ -44,6 +44,15 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"runner: {e}")
         print(f"runner: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as e:  # the user's own component raised: their code's line, not runner's traceback
+        from runner.cli.user_code import user_failure
+
+        line = user_failure(e, spec)
+        if line is None:
+            raise
+        _to_job_log(f"error: {line}")
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def _to_job_log(line: str) -> None:

@@ -15,21 +15,34 @@ class Classification(Task):
 
     def __init__(self, label_smoothing: float = 0.0, num_classes: int | None = None):
         self.label_smoothing = label_smoothing
+        self.num_classes = num_classes  # the data's, where it says: a model's output must have as many
         if (num_classes or 0) <= 5:  # top-5 of 5 classes or fewer is always 1
             self.metrics = {k: v for k, v in self.metrics.items() if k != "top5"}
 
     def count(self, labels: torch.Tensor) -> int | torch.Tensor:
         return len(labels) if labels.is_floating_point() else units_kept(labels)
 
+    def check_outputs(self, logits: torch.Tensor) -> None:
+        """A model with another number of outputs than the data has classes is refused: fewer fail on the first
+        label beyond them, more train silently with classes that never occur."""
+        if self.num_classes and logits.shape[-1] != self.num_classes:
+            from runner.spec.fields import SpecError
+
+            raise SpecError(f"model: it outputs {logits.shape[-1]} scores per sample, but the data has "
+                            f"{self.num_classes} classes; allowed: a model with {self.num_classes} outputs (a model "
+                            "taking num_classes gets it from the data)")
+
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py
 
+        self.check_outputs(logits)
         return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE,
                                label_smoothing=self.label_smoothing)
 
     def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         import torch.nn.functional as F
 
+        self.check_outputs(logits)
         logits = logits.float()
         hard = labels.argmax(dim=-1) if labels.is_floating_point() else labels
         sums = {"loss": F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE),

@@ -690,3 +690,39 @@ def test_bad_input_is_one_line_exit_2_and_nothing_made(args: list[str], expected
 def test_the_matrix_is_wide() -> None:
     assert len(CASES) >= 85
     assert 15 <= sum(1 for c in CASES if c.values[3]) <= 25  # real processes, the rest in this one
+
+
+MLP_KEYS_OFF = ["~model.hidden", "~model.dropout", "~model.norm", "trainer.max_steps=2"]
+
+
+@pytest.mark.parametrize("model, outputs", [("three_scores", 3), ("thirty_scores", 30)])
+def test_a_model_whose_outputs_do_not_fit_the_datas_classes_is_refused_in_one_line(
+        model: str, outputs: int, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Before: 3 outputs for 10 classes failed with torch's traceback at the first label >= 3; 30 trained silently."""
+    args = [f"model._target_=tests.user_pkg.broken.{model}", *MLP_KEYS_OFF, f"tracking.uri=sqlite:///{store}"]
+    code, out, err = run_in_process(args, tmp_path, RUN, monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (f"error: model: it outputs {outputs} scores per sample, but the data has 10 "
+                                            "classes; allowed: a model with 10 outputs (a model taking num_classes "
+                                            "gets it from the data)")
+    assert "Traceback" not in err + out
+
+
+def test_a_user_model_whose_forward_raises_is_one_line_naming_its_code_with_the_traceback_kept(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The user's own program failed (exit 1, not a refused input): their line, the traceback in error.txt."""
+    import tests.user_pkg.broken as broken
+
+    run_dir = tmp_path / "run"
+    args = ["model._target_=tests.user_pkg.broken.raising_forward", *MLP_KEYS_OFF, f"tracking.uri=sqlite:///{store}",
+            f"hydra.run.dir={run_dir}"]
+    code, out, err = run_in_process(args, tmp_path, RUN, monkeypatch, capsys)
+    assert code == 1
+    line = next(n for n, text in enumerate(Path(broken.__file__).read_text().splitlines(), 1)
+                if "this model is not finished" in text)
+    assert err.strip().splitlines()[-1] == (f"error: model: tests.user_pkg.broken.raising_forward raised ValueError: this "
+                                            f"model is not finished (at {broken.__file__}:{line}, in forward); the "
+                                            f"traceback is in {run_dir / 'error.txt'}")
+    assert "Traceback" not in err + out
+    assert (run_dir / "error.txt").read_text().startswith("Traceback (most recent call last):")
