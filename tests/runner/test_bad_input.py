@@ -267,6 +267,11 @@ CASES = [
          "hydra.sweeper.heartbeat_interval: 0 is out of range; allowed: an integer >= 1 (seconds), or null: off", RUN),
     case(["-m", "hparams_search=digits_optuna", "hydra.sweeper.study_name=''"], "error: hydra.sweeper.study_name: '' "
          "is not a name; allowed: a non-empty name", RUN),
+    case("-m hparams_search=digits_optuna hydra/sweeper/pruner=median hydra.sweeper.pruner.n_warmup_steps=-1",
+         "error: hydra.sweeper.pruner: MedianPruner: Number of warmup steps cannot be negative, but got "
+         "n_warmup_steps=-1.", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.pruner._target_=nope", "error: hydra.sweeper.pruner._target_: "
+         "'nope' cannot be imported; allowed: a pruner class such as optuna.pruners.MedianPruner", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.direction=up", "error: hydra.sweeper.direction: 'up' is not a "
          "direction; allowed: minimize, maximize", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.custom_search_space=no_such_module.space",

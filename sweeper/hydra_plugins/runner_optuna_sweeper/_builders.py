@@ -54,4 +54,15 @@ def pruner_config(cfg: Optional[DictConfig], config: DictConfig) -> dict:
 
 
 def build_pruner(config: dict) -> Any:
-    return instantiate(config)
+    """The pruner; Optuna's complaint about an argument (Hydra wraps it in a wall of lines) as one line."""
+    try:
+        return instantiate(config)
+    except Exception as e:
+        target = str(config.get("_target_", "?"))
+        cause = e.__cause__ or e
+        if isinstance(cause, ImportError) or "Error locating target" in str(e):
+            raise SweepConfigError(f"hydra.sweeper.pruner._target_: {target!r} cannot be imported; allowed: a pruner "
+                                   "class such as optuna.pruners.MedianPruner, or hydra/sweeper/pruner=none, median, "
+                                   "percentile, successive_halving or hyperband") from None
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise SweepConfigError(f"hydra.sweeper.pruner: {target.split('.')[-1]}: {reason}") from None
