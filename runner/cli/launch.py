@@ -39,12 +39,28 @@ DIVERGED_FILE = "diverged"   # rank 0's one-line account of a loss that stopped 
 def run(spec: RunSpec) -> RunResult:
     """Run one spec: in this process, or, for ddp/fsdp outside torchrun, in workers started here.
     Whatever the job sets process-wide is undone when it ends (a multirun runs its jobs in one process)."""
-    with process_state.isolated() as start_state, preemption.handled():
-        if spec.mode != "train":  # eval, predict, export: a trained run's model, in this process
-            from runner.results import modes
+    # a new run's own directory, which a refusal removes: not a run continued in place, not a directory that held a
+    # spec before this command (a run killed before its first checkpoint), not a sweep's job (its log says why)
+    new = ((spec.mode != "train" or not spec.trainer.resume) and not (Path(spec.run_dir) / "spec.yaml").exists()
+           and not _in_multirun())
+    try:
+        with process_state.isolated() as start_state, preemption.handled():
+            if spec.mode != "train":  # eval, predict, export: a trained run's model, in this process
+                from runner.results import modes
 
-            return modes.run(spec)
-        return _run(spec, start_state)
+                return modes.run(spec)
+            return _run(spec, start_state)
+    except SpecError:
+        if new and os.environ.get("RANK", "0") == "0":  # refused: nothing of the run is left to get in the way
+            run_lock.remove_refused(Path(spec.run_dir))
+        raise
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _run(spec: RunSpec, start_state: dict) -> RunResult:

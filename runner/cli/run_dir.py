@@ -89,7 +89,8 @@ RUNS = Path("outputs/runs")  # where hydra.run.dir puts runs by default (conf/co
 
 
 def latest_run(root: Path = RUNS) -> Path:
-    """`trainer.resume=latest`: the run directory under `root` written to last, by the modification time of
+    """`trainer.resume=latest`: the training run directory under `root` written to last (mode=eval, predict and
+    export runs are not runs to continue), by the modification time of
     its newest checkpoint file, or of its spec.yaml before its first checkpoint. A directory holding
     neither (Hydra's fresh one for this very command) is no run. A k-fold run's folds (`<run>/fold-<k>`)
     are parts of it, not runs of their own: what they wrote counts for the k-fold run, which resumes
@@ -99,6 +100,8 @@ def latest_run(root: Path = RUNS) -> Path:
 
     newest: tuple[float, Path, Path] | None = None
     for spec_file in root.glob("**/spec.yaml") if root.is_dir() else []:
+        if not _is_training_run(spec_file):
+            continue  # an eval, predict or export run: nothing there to continue training
         run = spec_file.parent
         while re.fullmatch(r"fold-\d+", run.name) and (run.parent / "spec.yaml").is_file():
             run = run.parent
@@ -107,9 +110,20 @@ def latest_run(root: Path = RUNS) -> Path:
         if newest is None or when > newest[0]:
             newest = (when, run, path)
     if newest is None:
-        raise SpecError(f"trainer.resume: latest finds no run under {root.absolute()} (no directory there holds a "
-                        "spec.yaml); give a run directory or a checkpoint file")
+        raise SpecError(f"trainer.resume: latest finds no training run under {root.absolute()} (no directory there "
+                        "holds the spec.yaml of one); give a run directory or a checkpoint file")
     when, run, path = newest[0], newest[1].absolute(), newest[2].absolute()
     logging.getLogger(__name__).info("trainer.resume=latest: %s, the newest run (its %s, written %s)", run,
                                      path.relative_to(run), datetime.datetime.fromtimestamp(when).isoformat(" ", "seconds"))
     return run
+
+
+def _is_training_run(spec_file: Path) -> bool:
+    """Whether spec.yaml is a training run's (mode: train); an unreadable one counts, so resuming it says why."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load(spec_file.read_text())
+    except (OSError, yaml.YAMLError):
+        return True
+    return not isinstance(spec, dict) or spec.get("mode", "train") == "train"

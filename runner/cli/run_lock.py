@@ -85,6 +85,26 @@ def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES)
 
 
+# what a refused run leaves in its new directory: Hydra's record of the command and its log, the spec, the
+# process state, the lock and error.txt; a directory holding anything else is not removed
+REFUSED_RUN_LEFTOVERS = {".hydra", "spec.yaml", "process_state.yaml", LOCK_FILE, "error.txt"}
+
+
+def remove_refused(run_dir: Path) -> bool:
+    """A new run refused before anything of it existed (no MLflow run, no checkpoint): its directory is removed,
+    so the corrected command can use it and `trainer.resume=latest` never picks it. True if removed."""
+    import shutil
+
+    try:
+        names = {p.name for p in run_dir.iterdir()}
+    except OSError:
+        return False
+    if not names <= REFUSED_RUN_LEFTOVERS | {n for n in names if n.endswith(".log")}:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
 def requeued(run_dir: Path) -> bool:
     """A SLURM job requeued (preempted, or `scontrol requeue`) reruns its command unchanged: into its own run
     directory, which then holds the run it continues (stopped by SIGTERM at a step, with that step's

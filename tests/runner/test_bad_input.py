@@ -457,8 +457,8 @@ CASES = [
          "abcdef is no run directory, checkpoint file or MLflow run in sqlite:///", RUN),
     # --- issue 16 (helper besttest): trainer.test_on, trainer.resume=latest
     case("trainer.test_on=first", "error: trainer.test_on: 'first' is not allowed; choose one of best, last"),
-    case("trainer.resume=latest", "error: trainer.resume: latest finds no run under {tmp}/outputs/runs (no directory "
-         "there holds a spec.yaml); give a run directory or a checkpoint file"),
+    case("trainer.resume=latest", "error: trainer.resume: latest finds no training run under {tmp}/outputs/runs (no "
+         "directory there holds the spec.yaml of one); give a run directory or a checkpoint file"),
     # --- issue 16 (helper mlmodel): tracking.log_model
     case("tracking.log_model=best_val", "error: tracking.log_model: 'best_val' is not allowed; choose one of best, last, none"),
     # --- debug presets (conf/debug/, runner/spec/debug.py)
@@ -690,6 +690,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_made(args: list[str], expected
         for arg in args:
             if arg.startswith("hydra.run.dir="):
                 assert not Path(arg.split("=", 1)[1]).exists()
+    # a refused run leaves no run directory: the corrected command may use it, trainer.resume=latest never picks it
+    assert not list((tmp_path / "outputs").rglob("spec.yaml")) if (tmp_path / "outputs").exists() else True
 
 
 def test_the_matrix_is_wide() -> None:
@@ -731,3 +733,16 @@ def test_a_user_model_whose_forward_raises_is_one_line_naming_its_code_with_the_
                                             f"traceback is in {run_dir / 'error.txt'}")
     assert "Traceback" not in err + out
     assert (run_dir / "error.txt").read_text().startswith("Traceback (most recent call last):")
+
+
+def test_the_corrected_command_runs_in_the_directory_a_refused_run_named(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Before: the refused run left spec.yaml there, and the corrected command was refused ("already holds a run")."""
+    run_dir = tmp_path / "mine"
+    common = [f"hydra.run.dir={run_dir}", f"tracking.uri=sqlite:///{store}", "trainer.max_steps=1"]
+    code, _, err = run_in_process(["trainer.cross_validation.folds=5000", *common], tmp_path, RUN, monkeypatch, capsys)
+    assert code == 2 and "trainer.cross_validation.folds: 5000" in err
+    assert not run_dir.exists()
+    code, _, err = run_in_process(common, tmp_path, RUN, monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert (run_dir / "spec.yaml").exists() and list((run_dir / "checkpoints").glob("*.pt"))

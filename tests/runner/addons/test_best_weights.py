@@ -114,7 +114,7 @@ def test_no_validation_of_the_objective_tests_the_last_weights_and_says_so(tmp_p
 
 def test_resume_latest_picks_the_run_written_to_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SpecError, match="^trainer.resume: latest finds no run under "):
+    with pytest.raises(SpecError, match="^trainer.resume: latest finds no training run under "):
         latest_run()
     runs = tmp_path / "outputs" / "runs" / "2026-11-23"
     for name, when in (("older", 1000), ("newer", 2000), ("fresh", 3000)):
@@ -126,6 +126,14 @@ def test_resume_latest_picks_the_run_written_to_last(tmp_path: Path, monkeypatch
     (runs / "hydra_only" / ".hydra").mkdir(parents=True)  # this command's own new directory: no run
     (runs / "fresh" / "spec.yaml").unlink()
     assert latest_run() == runs / "older"
+    # a mode=predict (eval, export) run written after it is no training run to continue
+    (runs / "predicted").mkdir()
+    (runs / "predicted" / "spec.yaml").write_text("mode: predict\n")
+    os.utime(runs / "predicted" / "spec.yaml", (4000, 4000))
+    assert latest_run() == runs / "older"
+    (runs / "predicted" / "spec.yaml").write_text("mode: train\n")
+    os.utime(runs / "predicted" / "spec.yaml", (4000, 4000))
+    assert latest_run() == runs / "predicted"
 
 
 @pytest.mark.slow  # an MLflow store costs seconds to make; in CI the fast test above checks what the tracker is handed
