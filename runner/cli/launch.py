@@ -25,7 +25,7 @@ from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.spec.parallelism import ParallelismSpec, world_source
-from runner.engine.parallel.context import check_context_parallel
+from runner.engine.parallel.context import check_context_parallel, check_model
 from runner.spec.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
@@ -196,11 +196,14 @@ def check_parallel(spec: RunSpec) -> None:
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
     resolve_dims(par, nominal_world(par), world_source(par))
     check_context_parallel(spec, device)
-    if par.dp_shard != 1:  # fsdp, hsdp
+    if par.dp_shard != 1 or par.cp != 1:  # fsdp, hsdp; a builder's model for context parallelism
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
-        shard_blocks(model)  # raises when the model has nothing to shard
+        if par.dp_shard != 1:
+            shard_blocks(model)  # raises when the model has nothing to shard
+        if par.cp != 1:
+            check_model(model, spec.model.target)
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

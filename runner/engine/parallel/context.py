@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import typing
 from typing import Any, Iterator
 
 import torch
@@ -50,6 +51,11 @@ def takes_positions(fn: Any) -> bool | None:
     """Whether a model (a class, an instance, or a builder) takes `positions` in its forward; None when a
     builder's model is only known once built."""
     forward = getattr(fn, "forward", None)
+    if forward is None and callable(fn):  # a builder: the forward of the class it declares it returns
+        try:
+            forward = getattr(typing.get_type_hints(fn).get("return"), "forward", None)
+        except Exception:  # an annotation that does not resolve here says nothing
+            forward = None
     if forward is None:
         return None
     try:
