@@ -37,8 +37,8 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bub
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process, DDP replicas, FSDP2 "
-                              "shards, or HSDP (shards replicated)")
+    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process (or one model replica "
+                              "on tp x pp x cp processes), DDP replicas, FSDP2 shards, or HSDP (shards replicated)")
     # the parallel dimensions (runner/engine/parallel/mesh.py): their product is the number of processes
     dp_replicate: int = opt(-1, "data-parallel replicas (DDP; with dp_shard > 1, HSDP's replicate dimension); "
                                "-1: the processes the other degrees leave", ge=-1)
@@ -58,7 +58,7 @@ class ParallelismSpec:
     pp_microbatches: int = opt(-1, "micro-batches each batch is cut into for the pipeline; -1: the number of stages", ge=-1)
     pp_stages_per_rank: int = opt(-1, "stages each pipeline rank holds; -1: 1, or 2 for the multi-stage schedules "
                                       "(" + ", ".join(MULTI_STAGE_SCHEDULES) + ")", ge=-1)
-    nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
+    nproc_per_node: int = opt(1, "worker processes per node (one device each); under single: tp x pp x cp, this key 1", gt=0)
     nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
     node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
     rdzv_endpoint: str = opt("127.0.0.1:29400", "host:port of the c10d rendezvous (node 0's address) when nnodes > 1")
