@@ -191,7 +191,8 @@ def check_parallel(spec: RunSpec) -> None:
     device = pick_device(spec.trainer.device)
     nproc = nominal_world(par) // par.nnodes
     if device.type == "cuda" and nproc > torch.cuda.device_count():
-        key = "nproc_per_node" if par.name != "single" else "tp"  # single: tp x pp x cp processes
+        # single: tp x pp x cp processes
+        key = "nproc_per_node" if par.name != "single" else next(k for k in ("tp", "pp", "cp") if getattr(par, k) > 1)
         raise SpecError(f"parallelism.{key}: {nproc} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
     resolve_dims(par, nominal_world(par), world_source(par))
