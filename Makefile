@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory ui clean
+.PHONY: install run test test-all bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory bench-parallel ui clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,9 @@ bench-pbt: install      ## PBT and PB2 (4 members) vs random search, same total 
 
 bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
 	$(PY) -m benchmarks.bench_memory
+
+bench-parallel: install ## gpt: ddp, fsdp, tp=2, pp=2 (gpipe, 1f1b), fsdp x tp (ARGS="--nproc 4"): step time beside one process, same global batch; pp bubble vs (p-1)/(m+p-1)
+	$(PY) -m benchmarks.bench_parallel $(ARGS)
 
 ui: install             ## the MLflow UI over the local store, experiments opening on their runs table
 	$(PY) -m runner.tracking.mlflow_ui --backend-store-uri sqlite:///outputs/mlflow.db --host 127.0.0.1 --port 5000

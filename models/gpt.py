@@ -130,12 +130,14 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (B, T, vocab_size); position t sees tokens 0..t only.
 
         attention_mask is accepted so padded text batches can be passed as they come, but not applied:
         with padding on the right, causal attention already keeps every real token from seeing the pads
-        after it, and the pads' own outputs are dropped by their -100 labels.
+        after it, and the pads' own outputs are dropped by their -100 labels. positions (T,): the
+        sequence positions of the tokens given; context parallelism passes each rank's (sharded) share.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} is not (batch, length)")
@@ -143,7 +145,8 @@ class GPT(nn.Module):
         if length > self.max_length:
             raise ValueError(f"input_ids: sequence length {length} exceeds max_length={self.max_length}; "
                              f"allowed: at most {self.max_length} tokens (raise model max_length)")
-        positions = torch.arange(length, device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)

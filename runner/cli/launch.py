@@ -24,7 +24,8 @@ from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
-from runner.spec.parallelism import ParallelismSpec
+from runner.spec.parallelism import ParallelismSpec, world_source
+from runner.engine.parallel.context import check_context_parallel, check_model
 from runner.spec.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
@@ -97,12 +98,14 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
         return cross_validation.run_folds(spec, run_dir, run_one=run)  # K runs, each started as this one would be
-    if spec.parallelism.name != "single" and not in_torchrun():
+    par = spec.parallelism
+    # single with tp/pp/cp > 1 is one model replica on tp x pp x cp processes: started as ddp/fsdp's are
+    if (par.name != "single" or nominal_world(par) > 1) and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
-    if env.world > 1 and spec.parallelism.name == "single":
-        raise SpecError(f"parallelism: torchrun started {env.world} processes but parallelism=single; "
-                        "add parallelism=ddp or parallelism=fsdp")
+    if par.name == "single" and env.world != nominal_world(par):
+        raise SpecError(f"parallelism: torchrun started {env.world} processes but parallelism=single runs "
+                        f"{nominal_world(par)} (tp x pp x cp); add parallelism=ddp or parallelism=fsdp")
     if env.is_main:
         (run_dir / "spec.yaml").write_text(spec.to_yaml())
         # the process state the job started from: equal for every job, and recorded to reproduce it
@@ -151,8 +154,9 @@ def launch_workers(spec: RunSpec) -> RunResult:
     spec_path.write_text(spec.to_yaml())
     par = spec.parallelism
     multi_node = par.nnodes > 1
+    nproc = nominal_world(par) // par.nnodes  # nproc_per_node; under single, tp x pp x cp
     config = LaunchConfig(
-        min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=par.nproc_per_node,
+        min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=nproc,
         run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
         rdzv_configs={"join_timeout": par.rdzv_timeout, "read_timeout": max(1, int(par.rdzv_timeout)),
@@ -160,8 +164,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // par.nproc_per_node))
-    log.info("starting %d %s workers on this node (%d node%s)", par.nproc_per_node, par.name, par.nnodes,
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    log.info("starting %d %s workers on this node (%d node%s)", nproc, par.name, par.nnodes,
              "s" if multi_node else "")
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
@@ -201,15 +205,22 @@ def check_parallel(spec: RunSpec) -> None:
     if spec.trainer.resume:
         resume.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
-    if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
-        raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
+    nproc = nominal_world(par) // par.nnodes
+    if device.type == "cuda" and nproc > torch.cuda.device_count():
+        # single: tp x pp x cp processes
+        key = "nproc_per_node" if par.name != "single" else next(k for k in ("tp", "pp", "cp") if getattr(par, k) > 1)
+        raise SpecError(f"parallelism.{key}: {nproc} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    resolve_dims(par, nominal_world(par), f"nproc_per_node={par.nproc_per_node} x nnodes={par.nnodes}")
-    if par.dp_shard != 1:  # fsdp, hsdp
+    resolve_dims(par, nominal_world(par), world_source(par))
+    check_context_parallel(spec, device)
+    if par.dp_shard != 1 or par.cp != 1:  # fsdp, hsdp; a builder's model for context parallelism
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
-        shard_blocks(model)  # raises when the model has nothing to shard
+        if par.dp_shard != 1:
+            shard_blocks(model)  # raises when the model has nothing to shard
+        if par.cp != 1:
+            check_model(model, spec.model.target)
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

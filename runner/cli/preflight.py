@@ -115,6 +115,11 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     from runner.spec.resume import typed_keys
 
     components.resolved_spec(spec, typed_keys(spec.overrides))
+    if spec.parallelism.cp != 1:  # the device and torch at hand, and the model's attention (torch is imported by now)
+        from runner.engine.parallel import pick_device
+        from runner.engine.parallel.context import check_context_parallel
+
+        check_context_parallel(spec, pick_device(spec.trainer.device))
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not under_torchrun():
         check_writable(dir_key, run_dir)

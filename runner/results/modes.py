@@ -33,6 +33,10 @@ def run(spec):
         return RunResult(float("nan"), {}, {}, {}, 0, 0.0)  # nothing evaluated: no objective
     if spec.parallelism.name != "single":
         raise SpecError(f"parallelism: mode={spec.mode} runs in one process; drop parallelism={spec.parallelism.name}")
+    split = [(k, getattr(spec.parallelism, k)) for k in ("tp", "pp", "cp") if getattr(spec.parallelism, k) != 1]
+    if split:  # single with a model-parallel degree starts several processes; eval and predict read full weights
+        raise SpecError(f"parallelism.{split[0][0]}: mode={spec.mode} runs in one process; drop "
+                        f"parallelism.{split[0][0]}={split[0][1]}")
     from runner.results import predict
 
     return evaluate(spec) if spec.mode == "eval" else predict.run(spec)

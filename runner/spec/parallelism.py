@@ -2,6 +2,8 @@
 the model is wrapped (runner/engine/parallel/, runner/cli/launch.py)."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -35,8 +37,8 @@ MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bub
 
 @dataclass(frozen=True)
 class ParallelismSpec:
-    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process, DDP replicas, FSDP2 "
-                              "shards, or HSDP (shards replicated)")
+    name: str = opt("single", "parallelism option (conf/parallelism/<name>.yaml): single process (or one model replica "
+                              "on tp x pp x cp processes), DDP replicas, FSDP2 shards, or HSDP (shards replicated)")
     # the parallel dimensions (runner/engine/parallel/mesh.py): their product is the number of processes
     dp_replicate: int = opt(-1, "data-parallel replicas (DDP; with dp_shard > 1, HSDP's replicate dimension); "
                                "-1: the processes the other degrees leave", ge=-1)
@@ -56,7 +58,7 @@ class ParallelismSpec:
     pp_microbatches: int = opt(-1, "micro-batches each batch is cut into for the pipeline; -1: the number of stages", ge=-1)
     pp_stages_per_rank: int = opt(-1, "stages each pipeline rank holds; -1: 1, or 2 for the multi-stage schedules "
                                       "(" + ", ".join(MULTI_STAGE_SCHEDULES) + ")", ge=-1)
-    nproc_per_node: int = opt(1, "worker processes per node (one device each)", gt=0)
+    nproc_per_node: int = opt(1, "worker processes per node (one device each); under single: tp x pp x cp, this key 1", gt=0)
     nnodes: int = opt(1, "machines taking part; each runs the same command", gt=0)
     node_rank: int = opt(0, "this machine's index; node 0 hosts the rendezvous store", ge=0)
     rdzv_endpoint: str = opt("127.0.0.1:29400", "host:port of the c10d rendezvous (node 0's address) when nnodes > 1")
@@ -74,6 +76,11 @@ class ParallelismSpec:
 PARALLEL_DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+# schedules that hold exactly one stage on each pipeline rank
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MODEL_PARALLEL = ("pp", "cp", "tp")  # the dimensions whose ranks hold parts of one model replica
+
+
 def check_degrees(par: ParallelismSpec) -> None:
     """What can be said of the degrees before the number of processes is known."""
     for name in PARALLEL_DIMENSIONS:
@@ -81,23 +88,66 @@ def check_degrees(par: ParallelismSpec) -> None:
         if degree == 0 or degree < -1:
             raise SpecError(f"parallelism.{name}: {degree} is not a degree; allowed: a positive number of processes, "
                             "or -1 for the processes the other degrees leave")
+    if par.name == "single":
+        for name in MODEL_PARALLEL:
+            if getattr(par, name) == -1:
+                raise SpecError(f"parallelism.{name}: -1 takes the processes the other degrees leave, but "
+                                "parallelism=single starts tp x pp x cp processes; give a number of processes")
     rest = [name for name in PARALLEL_DIMENSIONS if getattr(par, name) == -1]
     if len(rest) > 1:
         raise SpecError(f"parallelism.{rest[1]}: -1, but parallelism.{rest[0]} is -1 already; at most one degree "
                         "takes the processes left")
 
 
-def check_parallelism(par: ParallelismSpec) -> None:
-    """RunSpec.validate's rules across the parallelism keys."""
+def nominal_world(par: ParallelismSpec) -> int:
+    """The processes the launcher starts for `par`: nproc_per_node x nnodes; under single, one process per
+    model-parallel rank (tp x pp x cp on this node, the data-parallel degree 1), so that
+    `parallelism.tp=2` alone runs one model on two processes."""
+    if par.name == "single":
+        return math.prod(max(1, getattr(par, name)) for name in MODEL_PARALLEL)
+    return par.nproc_per_node * par.nnodes
+
+
+def world_source(par: ParallelismSpec) -> str:
+    """Where nominal_world's number comes from, for a refusal."""
+    if par.name == "single":
+        return "parallelism=single starts tp x pp x cp"
+    return f"nproc_per_node={par.nproc_per_node} x nnodes={par.nnodes}"
+
+
+def resolve_degrees(par: ParallelismSpec, world: int, source: str = "") -> dict[str, int]:
+    """The degrees of `par` with -1 resolved against `world` processes; their product must be `world`.
+    `source` says where the number of processes came from, for the refusal."""
+    check_degrees(par)
+    given = {name: getattr(par, name) for name in PARALLEL_DIMENSIONS}
+    known = math.prod(d for d in given.values() if d != -1)
+    shown = " x ".join(f"{name}={d}" for name, d in given.items() if d != 1) or "every degree 1"
+    where = f" ({source})" if source else ""
+    rest = next((name for name, d in given.items() if d == -1), None)
+    if rest is not None:
+        if world % known:
+            raise SpecError(f"parallelism.{rest}: -1 takes the processes the other degrees leave, but {world} "
+                            f"process(es){where} do not divide by {known} ({shown}); make the degrees' product {world}")
+        given[rest] = world // known
+    elif known != world:
+        raise SpecError(f"parallelism: the degrees make {known} process(es) ({shown}) but the run has {world}{where}; "
+                        f"their product must equal the number of processes (or set one degree to -1 for the rest)")
+    return given
+
+
+def check_parallelism(par: ParallelismSpec, batch_size: Optional[int] = None, device: Optional[str] = None) -> None:
+    """RunSpec.validate's rules across the parallelism keys (with the per-rank batch size and the device
+    where the rule needs them). What needs torch or the model is runner/cli/launch.py's check_parallel."""
     check_degrees(par)
     if par.name == "single" and (par.nnodes > 1 or par.nproc_per_node > 1):
         key, value = ("nnodes", par.nnodes) if par.nnodes > 1 else ("nproc_per_node", par.nproc_per_node)
         raise SpecError(f"parallelism.{key}: {value} needs several processes but parallelism=single runs one; "
                         "add parallelism=ddp or parallelism=fsdp")
-    if par.sync_batchnorm and par.name == "single":
+    if par.sync_batchnorm and par.name == "single" and nominal_world(par) == 1:
         raise SpecError("parallelism.sync_batchnorm: true needs several processes but parallelism=single runs one "
                         "(its BatchNorm already sees the whole batch); add parallelism=ddp or parallelism=fsdp")
-    split = [(k, getattr(par, k)) for k in PARALLEL_DIMENSIONS if getattr(par, k) > 1]
+    # under single the processes are the model-parallel ones (nominal_world): a data-parallel degree needs a preset
+    split = [(k, getattr(par, k)) for k in ("dp_replicate", "dp_shard") if getattr(par, k) > 1]
     if par.name == "single" and split:
         raise SpecError(f"parallelism.{split[0][0]}: {split[0][1]} needs several processes but parallelism=single "
                         "runs one; add parallelism=ddp, fsdp or hsdp")
@@ -112,3 +162,52 @@ def check_parallelism(par: ParallelismSpec) -> None:
     host, _, port = par.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise SpecError(f"parallelism.rdzv_endpoint: {par.rdzv_endpoint!r} is not host:port; e.g. 10.0.0.1:29400")
+    # a torchrun the user started decides the processes itself: the process group is checked when it forms
+    # (runner/engine/parallel/mesh.py's place); otherwise the launcher starts nominal_world processes
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        resolve_degrees(par, nominal_world(par), world_source(par))
+    check_model_parallel_options(par, batch_size, device)
+
+
+def check_model_parallel_options(par: ParallelismSpec, batch_size: Optional[int], device: Optional[str]) -> None:
+    """The tensor-, pipeline- and context-parallel keys: each needs its degree, the schedule its stages per
+    rank, the micro-batches a batch to cut. A key set for a dimension that splits nothing is refused (a
+    user who sets tp_plan and leaves tp=1 most likely forgot tp)."""
+    tp_keys = [(k, v) for k, v, default in (("tp_plan", par.tp_plan, None),
+                                            ("sequence_parallel", par.sequence_parallel, True),
+                                            ("loss_parallel", par.loss_parallel, True)) if v != default]
+    if tp_keys and par.tp == 1:
+        key, value = tp_keys[0]
+        shown = "set" if key == "tp_plan" else str(value).lower()
+        raise SpecError(f"parallelism.{key}: {shown}, but parallelism.tp=1 splits no layer; set parallelism.tp "
+                        "(e.g. 2) or drop it")
+    pp_keys = [(k, v) for k, v, default in (("pp_plan", par.pp_plan, None), ("pp_schedule", par.pp_schedule, "1f1b"),
+                                            ("pp_microbatches", par.pp_microbatches, -1),
+                                            ("pp_stages_per_rank", par.pp_stages_per_rank, -1)) if v != default]
+    if pp_keys and par.pp == 1:
+        key, value = pp_keys[0]
+        shown = "set" if key == "pp_plan" else value
+        raise SpecError(f"parallelism.{key}: {shown}, but parallelism.pp=1 cuts no pipeline; set parallelism.pp "
+                        "(e.g. 2) or drop it")
+    stages = par.pp_stages_per_rank
+    if stages != -1:
+        if par.pp_schedule in SINGLE_STAGE_SCHEDULES and stages != 1:
+            raise SpecError(f"parallelism.pp_stages_per_rank: {stages}, but pp_schedule={par.pp_schedule} holds one "
+                            f"stage per rank; use 1 (or -1), or a multi-stage schedule: {', '.join(MULTI_STAGE_SCHEDULES)}")
+        if par.pp_schedule == "zbv_zero_bubble" and stages != 2:
+            raise SpecError(f"parallelism.pp_stages_per_rank: {stages}, but pp_schedule=zbv_zero_bubble holds exactly "
+                            "2 stages per rank (a V); use 2 (or -1)")
+        if par.pp_schedule in MULTI_STAGE_SCHEDULES and stages == 1:
+            raise SpecError(f"parallelism.pp_stages_per_rank: 1, but pp_schedule={par.pp_schedule} holds several "
+                            "stages per rank; use 2 or more (or -1 for 2), or pp_schedule=1f1b or gpipe")
+    if batch_size is not None and par.pp_microbatches > batch_size:
+        raise SpecError(f"parallelism.pp_microbatches: {par.pp_microbatches} micro-batches cannot be cut from a batch "
+                        f"of {batch_size} (dataset.batch_size, per data-parallel rank); allowed: 1 to {batch_size}")
+    if par.cp != 1 and device == "cpu":
+        raise SpecError(f"parallelism.cp: {par.cp}, but context parallelism needs CUDA (torch's context-parallel "
+                        "attention runs on GPUs) and trainer.device=cpu; use trainer.device=cuda or parallelism.cp=1")
+    if par.sync_batchnorm and (par.tp != 1 or par.pp != 1):
+        key = "tp" if par.tp != 1 else "pp"
+        raise SpecError(f"parallelism.sync_batchnorm: true with parallelism.{key}={getattr(par, key)} is not supported "
+                        "(SyncBatchNorm syncs over every process, and the ranks of one tensor or pipeline group hold "
+                        "the same samples); use it with ddp, fsdp or hsdp alone")

@@ -105,7 +105,7 @@ class RunSpec:
         for group in OPTION_GROUPS:
             check_option(group, getattr(self, group).name, f"{group}.name")
         check_trainer(self.trainer)
-        check_parallelism(self.parallelism)
+        check_parallelism(self.parallelism, self.dataset.batch_size, self.trainer.device)
         check_cross_validation(self)
         check_dataset(self.dataset)
         check_mode(self)

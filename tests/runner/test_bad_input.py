@@ -474,6 +474,44 @@ CASES = [
     case("trainer.cross_validation.fold=1", "error: trainer.cross_validation.fold: 1 needs trainer.cross_validation.folds"),
     case("trainer.cross_validation.folds=3 trainer.cross_validation.fold=3", "error: trainer.cross_validation.fold: 3 "
          "is out of range; allowed: 0 to 2 (trainer.cross_validation.folds=3)"),
+    # --- issue 23 (helper spec): model-parallel degrees, their keys, context parallelism
+    case("parallelism=hsdp parallelism.nproc_per_node=2 parallelism.dp_replicate=2 parallelism.dp_shard=2",
+         "error: parallelism: the degrees make 4 process(es) (dp_replicate=2 x dp_shard=2) but the run has 2 "
+         "(nproc_per_node=2 x nnodes=1); their product must equal the number of processes", sub=True),
+    case("parallelism=fsdp parallelism.nproc_per_node=8 parallelism.dp_shard=2 parallelism.tp=2", "error: parallelism: "
+         "the degrees make 4 process(es) (dp_shard=2 x tp=2) but the run has 8 (nproc_per_node=8 x nnodes=1)"),
+    case("parallelism=fsdp parallelism.tp=3", "error: parallelism.dp_shard: -1 takes the processes the other degrees "
+         "leave, but 2 process(es) (nproc_per_node=2 x nnodes=1) do not divide by 3 (dp_shard=-1 x tp=3)"),
+    case("parallelism=fsdp parallelism.pp=-1", "error: parallelism.dp_shard: -1, but parallelism.pp is -1 already; "
+         "at most one degree takes the processes left"),
+    case("parallelism.tp=-1", "error: parallelism.tp: -1 takes the processes the other degrees leave, but "
+         "parallelism=single starts tp x pp x cp processes; give a number of processes"),
+    case("parallelism=ddp parallelism.pp=0", "error: parallelism.pp: 0 is not a degree; allowed: a positive number"),
+    case("parallelism.cp=-2", "error: parallelism.cp: -2 is out of range; allowed: a value >= -1"),
+    case("parallelism.tp=2 parallelism.dp_shard=2", "error: parallelism.dp_shard: 2 needs several processes but "
+         "parallelism=single runs one; add parallelism=ddp, fsdp or hsdp"),
+    case("parallelism.pp=2 parallelism.pp_schedule=gpipe parallelism.pp_stages_per_rank=2", "error: "
+         "parallelism.pp_stages_per_rank: 2, but pp_schedule=gpipe holds one stage per rank"),
+    case("parallelism.pp=2 parallelism.pp_schedule=interleaved_1f1b parallelism.pp_stages_per_rank=1", "error: "
+         "parallelism.pp_stages_per_rank: 1, but pp_schedule=interleaved_1f1b holds several stages per rank"),
+    case("parallelism.pp=2 parallelism.pp_schedule=zbv_zero_bubble parallelism.pp_stages_per_rank=4", "error: "
+         "parallelism.pp_stages_per_rank: 4, but pp_schedule=zbv_zero_bubble holds exactly 2 stages per rank"),
+    case("parallelism.pp=2 parallelism.pp_microbatches=65", "error: parallelism.pp_microbatches: 65 micro-batches "
+         "cannot be cut from a batch of 64 (dataset.batch_size, per data-parallel rank); allowed: 1 to 64"),
+    case("parallelism.pp_schedule=gpipe", "error: parallelism.pp_schedule: gpipe, but parallelism.pp=1 cuts no "
+         "pipeline; set parallelism.pp (e.g. 2) or drop it"),
+    case("parallelism.pp_plan={_target_:my_pkg.stage}", "error: parallelism.pp_plan: set, but parallelism.pp=1 cuts "
+         "no pipeline"),
+    case("parallelism.tp_plan={_target_:my_pkg.plan}", "error: parallelism.tp_plan: set, but parallelism.tp=1 splits "
+         "no layer; set parallelism.tp (e.g. 2) or drop it"),
+    case("parallelism.sequence_parallel=false", "error: parallelism.sequence_parallel: false, but parallelism.tp=1 "
+         "splits no layer"),
+    case("parallelism.loss_parallel=false", "error: parallelism.loss_parallel: false, but parallelism.tp=1 splits no layer"),
+    case("parallelism=ddp parallelism.tp=2 parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm: true "
+         "with parallelism.tp=2 is not supported"),
+    case("model=gpt dataset=synthetic_tokens task=language_modeling parallelism.cp=2 trainer.device=cpu", "error: "
+         "parallelism.cp: 2, but context parallelism needs CUDA (torch's context-parallel attention runs on GPUs) and "
+         "trainer.device=cpu"),
 ]
 
 

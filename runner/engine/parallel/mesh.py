@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runner.engine.parallel.collectives import use_data_parallel_group
-from runner.spec.parallelism import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, check_degrees
+from runner.spec.parallelism import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, nominal_world, resolve_degrees
 from runner.spec.run import SpecError
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
@@ -69,26 +69,7 @@ class ParallelDims:
 def resolve_dims(par: ParallelismSpec, world: int, source: str = "") -> ParallelDims:
     """The degrees of `par` with -1 resolved against `world` processes; their product must be `world`.
     `source` says where the number of processes came from, for the refusal."""
-    check_degrees(par)
-    given = {name: getattr(par, name) for name in DIMENSIONS}
-    known = math.prod(d for d in given.values() if d != -1)
-    shown = " x ".join(f"{name}={d}" for name, d in given.items() if d != 1) or "every degree 1"
-    where = f" ({source})" if source else ""
-    rest = next((name for name, d in given.items() if d == -1), None)
-    if rest is not None:
-        if world % known:
-            raise SpecError(f"parallelism.{rest}: -1 takes the processes the other degrees leave, but {world} "
-                            f"process(es){where} do not divide by {known} ({shown}); make the degrees' product {world}")
-        given[rest] = world // known
-    elif known != world:
-        raise SpecError(f"parallelism: the degrees make {known} process(es) ({shown}) but the run has {world}{where}; "
-                        f"their product must equal the number of processes (or set one degree to -1 for the rest)")
-    return ParallelDims(**given)
-
-
-def nominal_world(par: ParallelismSpec) -> int:
-    """The processes the launcher starts for `par`: one for single, nproc_per_node x nnodes otherwise."""
-    return 1 if par.name == "single" else par.nproc_per_node * par.nnodes
+    return ParallelDims(**resolve_degrees(par, world, source))
 
 
 @dataclass(frozen=True)
@@ -119,6 +100,13 @@ class DistEnv:
     def dp_rank(self) -> int:
         return self.dims.dp_rank(self.rank)
 
+    def submesh(self, name: str) -> Any:
+        """The 1-D mesh of one dimension ("tp", "pp", "cp", ...) this rank belongs to; None when that
+        dimension splits nothing (degree 1) or the run is one process."""
+        if self.mesh is None or name not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh[name]
+
 
 def place(env: DistEnv, par: ParallelismSpec, device: torch.device) -> DistEnv:
     """`env` with the run's parallel dimensions resolved against its processes and, when distributed,
@@ -144,6 +132,9 @@ def data_parallel_group(env: DistEnv) -> Any:
     if env.mesh is None or env.dims.dp == env.world:
         return None
     names = tuple(n for n in DATA_PARALLEL if getattr(env.dims, n) > 1)
+    if not names:  # one replica on every process (tp/pp/cp only): each rank's sums are its replica's alone
+        group, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes every one-rank group
+        return group
     sub = env.mesh[names]
     return (sub._flatten("dp") if len(names) > 1 else sub).get_group()
 

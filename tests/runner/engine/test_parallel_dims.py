@@ -25,7 +25,7 @@ from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights,
     ("fsdp", {}, 4, {"dp_shard": 4}),
     ("hsdp", {}, 4, {"dp_replicate": 2, "dp_shard": 2}),
     ("hsdp", {}, 8, {"dp_replicate": 2, "dp_shard": 4}),
-    ("hsdp", {"dp_replicate": 3, "dp_shard": 2}, 6, {"dp_replicate": 3, "dp_shard": 2}),
+    ("hsdp", {"dp_replicate": 3, "dp_shard": 2, "nproc_per_node": 6}, 6, {"dp_replicate": 3, "dp_shard": 2}),
     ("ddp", {"dp_replicate": 1, "dp_shard": -1}, 2, {"dp_shard": 2}),  # the degrees decide, not the name
 ])
 def test_degrees_resolve_against_the_processes_with_minus_one_taking_the_rest(
@@ -139,3 +139,30 @@ def test_a_degree_above_one_under_single_is_refused_before_the_run_starts(tmp_pa
     assert str(e.value) == ("parallelism.dp_shard: 2 needs several processes but parallelism=single runs one; "
                             "add parallelism=ddp, fsdp or hsdp")
     assert not (tmp_path / "run").exists()
+
+
+def _one_replica(rank: int, port: int, out: mp.Queue) -> None:
+    from runner.engine.parallel import global_count, place
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo")
+    env = place(DistEnv(rank, 2, rank), ParallelismSpec(name="single", tp=2), torch.device("cpu"))
+    out.put((rank, env.dp_degree, env.dp_rank, int(global_count(3 + rank, torch.device("cpu"))),
+             env.submesh("tp").size(), env.submesh("dp_shard")))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_replica_on_every_process_counts_its_own_samples_alone(tmp_path: Path) -> None:
+    """tp=2 under single: both ranks hold one replica's batch, so the step's count is each rank's own,
+    not the sum over the two processes (the data-parallel group is the rank alone)."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_one_replica, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got == [(0, 1, 0, 3, 2, None), (1, 1, 0, 4, 2, None)]
