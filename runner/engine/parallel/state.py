@@ -53,3 +53,36 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def local_tensor_of(t: torch.Tensor) -> torch.Tensor:
     """This rank's own part of a DTensor (an FSDP2 shard), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The total norm of `grads` over every dimension of the mesh, a plain tensor: DTensor gradients (FSDP2
+    shards, tensor-parallel splits, replicated norms) and plain ones (a tensor-parallel model's unsplit layers)
+    may mix, which torch's get_total_norm refuses; each placement's group is normed by torch and made full."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    if len(groups) <= 1:
+        return full_tensor(torch.nn.utils.get_total_norm(grads, norm_type))
+    norms = [full_tensor(torch.nn.utils.get_total_norm(group, norm_type)) for group in groups.values()]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for gradients that may mix DTensors and plain tensors (see grad_norm): the total
+    norm before clipping; every gradient scaled in place, each rank its own part of a DTensor."""
+    grads = [p.grad for p in params]
+    total = grad_norm(grads)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_([local_tensor_of(g) for g in grads], scale.to(local_tensor_of(grads[0]).device))
+    return total
+
+
+def clip_grad_value(params: list[torch.Tensor], clip_value: float) -> None:
+    """torch's clip_grad_value_ for gradients that may mix DTensors and plain tensors: each rank clamps its part."""
+    for p in params:
+        local_tensor_of(p.grad).clamp_(-clip_value, clip_value)

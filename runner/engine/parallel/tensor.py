@@ -93,6 +93,19 @@ def loss_context(spec: ParallelismSpec, env: Any) -> ContextManager:
     return _NO_CONTEXT
 
 
+def fit_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter group mixing DTensors (split by a plan) with plain tensors (layers a plan leaves whole)
+    steps with the per-tensor loop: torch's foreach and fused kernels refuse such a list."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) > 1:
+            for kernel in ("foreach", "fused"):
+                if group.get(kernel):
+                    group[kernel] = False
+
+
 # --- what torch.distributed.tensor.parallel lacks -------------------------------------------------------
 
 
