@@ -24,6 +24,7 @@ from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
+from runner.engine.parallel import tensor as tensor_parallel
 from runner.spec.parallelism import ParallelismSpec
 from runner.spec.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
@@ -188,12 +189,14 @@ def check_parallel(spec: RunSpec) -> None:
     if device.type == "cuda" and par.nproc_per_node > torch.cuda.device_count():
         raise SpecError(f"parallelism.nproc_per_node: {par.nproc_per_node} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    resolve_dims(par, nominal_world(par), f"nproc_per_node={par.nproc_per_node} x nnodes={par.nnodes}")
-    if par.dp_shard != 1:  # fsdp, hsdp
+    dims = resolve_dims(par, nominal_world(par), f"nproc_per_node={par.nproc_per_node} x nnodes={par.nnodes}")
+    if par.dp_shard != 1 or dims.tp > 1:  # fsdp, hsdp; tensor parallel
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
-        shard_blocks(model)  # raises when the model has nothing to shard
+        if par.dp_shard != 1:
+            shard_blocks(model)  # raises when the model has nothing to shard
+        tensor_parallel.check(model, par, dims.tp)  # a plan, and tp dividing the heads
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

@@ -37,7 +37,7 @@ def plan_source(module: nn.Module, spec: ParallelismSpec) -> str:
         return "model"
     if huggingface_plan(module):
         return "huggingface"
-    raise SpecError(f"parallelism.tp: {spec.tp} needs a tensor-parallel plan, but {type(module).__name__} has none; "
+    raise SpecError(f"parallelism.tp: {spec.tp} needs a tensor-parallel plan, but the model ({type(module).__name__}) has none; "
                     "give parallelism.tp_plan={_target_: my_pkg.plan} (fn(model, tp_mesh)), or add a method "
                     "parallelize_tensor(self, tp_mesh, *, sequence_parallel, loss_parallel) to the model")
 

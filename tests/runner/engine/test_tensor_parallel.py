@@ -83,3 +83,28 @@ def test_gpt_tp2_trains_like_one_process(tmp_path: Path, single_gpt: tuple[dict,
     weights, metrics = train([*GPT, *TP2, "dataset.batch_size=8", "+accum=2"], tmp_path / "tp", world=2)
     assert_same(weights, single_gpt[0], rtol=1e-4)
     assert_same_metrics(single_gpt[1], metrics)
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line_before_any_worker_starts(tmp_path: Path) -> None:
+    proc = run_cli(["model=mlp", "model.hidden=[8]", *TP2, f"hydra.run.dir={tmp_path / 'run'}", "tracking=none"],
+                   cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: parallelism.tp: 2 needs a tensor-parallel plan, but the model (Sequential) has none; give "
+                     "parallelism.tp_plan={_target_: my_pkg.plan} (fn(model, tp_mesh)), or add a method "
+                     "parallelize_tensor(self, tp_mesh, *, sequence_parallel, loss_parallel) to the model"], proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("model, tp, heads", [(["model=gpt", "model.n_head=2", "model.n_embd=12"], 3, 2),
+                                              (["model=gpt", "model.n_head=3", "model.n_embd=12"], 2, 3),
+                                              (["model=vit", "model.heads=2", "model.dim=16"], 4, 2)])
+def test_tp_that_does_not_divide_the_heads_is_refused_before_anything_starts(tmp_path: Path, model: list[str], tp: int,
+                                                                            heads: int) -> None:
+    from runner.cli import launch
+
+    data = GPT[:6] if model[0] == "model=gpt" else VIT[:5]
+    spec = compose_spec([*data, *model, "parallelism=ddp", f"parallelism.nproc_per_node={tp}", f"parallelism.tp={tp}"],
+                        tmp_path / "run")
+    with pytest.raises(SpecError, match=rf"^parallelism.tp: {tp} does not divide the {heads} attention heads of "):
+        launch.check_parallel(spec)
