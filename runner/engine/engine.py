@@ -475,6 +475,7 @@ class Engine:
             parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
+        tensor_parallel.fit_optimizer(self.optimizer)  # the checkpoint's groups carry the kernel flags of its own mesh
         self.schedule.load_state_dict(state["schedule"])
         self.precision.load_state_dict(state["precision"])
         rng = state["rng"]

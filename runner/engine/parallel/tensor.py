@@ -150,6 +150,7 @@ def _huggingface_styles() -> dict[str, Any]:
         "rowwise": RowwiseParallel(),
         "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
         "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
         "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
         "local_colwise": ColwiseParallel(use_local_output=True),
         "local_rowwise": RowwiseParallel(use_local_output=True),

@@ -71,19 +71,73 @@ def assert_same_metrics(one: dict, other: dict, keys=("train/loss", "val/loss"))
             assert b == pytest.approx(a, rel=1e-5, abs=1e-7), key
 
 
+# checkpoints every 4 steps: the resharding resumes start from step 4 of these runs
+CHECKPOINTS = ["trainer.checkpoint_every_n_steps=4", "trainer.keep_checkpoints=5"]
+
+
 @pytest.fixture(scope="module")
-def single_gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def single_gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     """One process, the global batch of the tp runs (tp ranks are one replica: per-rank batch = global)."""
-    return train([*GPT, "dataset.batch_size=8", "+accum=2"], tmp_path_factory.mktemp("single") / "gpt")
+    where = tmp_path_factory.mktemp("single") / "gpt"
+    return (*train([*GPT, *CHECKPOINTS, "dataset.batch_size=8", "+accum=2"], where), where)
 
 
-def test_gpt_tp2_trains_like_one_process(tmp_path: Path, single_gpt: tuple[dict, dict]) -> None:
+@pytest.fixture(scope="module")
+def tp_gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    where = tmp_path_factory.mktemp("tp") / "gpt"
+    return (*train([*GPT, *TP2, *CHECKPOINTS, "dataset.batch_size=8", "+accum=2"], where, world=2), where)
+
+
+def test_gpt_tp2_trains_like_one_process(single_gpt: tuple, tp_gpt: tuple) -> None:
     """Sequence and loss parallel on (the defaults), accumulation 2, a ragged last step: weights, train/loss,
     val/loss as one process's."""
-    weights, metrics = train([*GPT, *TP2, "dataset.batch_size=8", "+accum=2"], tmp_path / "tp", world=2)
-    assert_same(weights, single_gpt[0], rtol=1e-4)
-    assert_same_metrics(single_gpt[1], metrics)
+    assert_same(tp_gpt[0], single_gpt[0], rtol=1e-4)
+    assert_same_metrics(single_gpt[1], tp_gpt[1])
 
+
+def test_a_tp2_checkpoint_resumes_in_one_process_as_if_never_stopped(tmp_path: Path, single_gpt: tuple,
+                                                                      tp_gpt: tuple) -> None:
+    """Checkpoints hold full tensors: tp=2's step 4 loads into one process, which ends as the uninterrupted run."""
+    start = tp_gpt[2] / "checkpoints" / "step-00000004.pt"
+    weights, metrics = train([*GPT, "dataset.batch_size=8", "+accum=2", f"trainer.resume={start}"], tmp_path / "one")
+    assert_same(weights, single_gpt[0], rtol=1e-4)
+    assert [s for s, _ in metrics["train/loss"]] == list(range(5, 13))
+    assert_same_metrics({k: v[4:] for k, v in single_gpt[1].items() if k == "train/loss"}, metrics, keys=("train/loss",))
+
+
+def test_a_single_process_checkpoint_resumes_at_tp2_as_if_never_stopped(tmp_path: Path, single_gpt: tuple) -> None:
+    start = single_gpt[2] / "checkpoints" / "step-00000004.pt"
+    weights, metrics = train([*GPT, *TP2, "dataset.batch_size=8", "+accum=2", f"trainer.resume={start}"],
+                             tmp_path / "tp", world=2)
+    assert_same(weights, single_gpt[0], rtol=1e-4)
+    assert_same_metrics({k: v[4:] for k, v in single_gpt[1].items() if k == "train/loss"}, metrics, keys=("train/loss",))
+
+
+@pytest.mark.slow  # CI keeps the defaults' case above
+def test_gpt_tp2_without_sequence_or_loss_parallel_trains_like_one_process(tmp_path: Path, single_gpt: tuple) -> None:
+    for name, keys in (("no_sp", ["parallelism.sequence_parallel=false"]), ("no_lp", ["parallelism.loss_parallel=false"])):
+        weights, metrics = train([*GPT, *TP2, *keys, "dataset.batch_size=8", "+accum=2"], tmp_path / name, world=2)
+        assert_same(weights, single_gpt[0], rtol=1e-4)
+        assert_same_metrics(single_gpt[1], metrics)
+
+
+@pytest.mark.slow  # CI keeps gpt's 2-process case
+def test_vit_tp2_trains_like_one_process(tmp_path: Path) -> None:
+    """The classifier head replicated, sequence parallel on 17 tokens (16 patches and the class token: uneven)."""
+    one = train([*VIT, "dataset.batch_size=8", "+accum=2"], tmp_path / "one")
+    two = train([*VIT, *TP2, "dataset.batch_size=8", "+accum=2"], tmp_path / "tp", world=2)
+    assert_same(two[0], one[0], rtol=1e-4)
+    assert_same_metrics(one[1], two[1], keys=("train/loss", "val/loss", "val/acc"))
+
+
+def test_a_users_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
+    """runner's mlp has no plan of its own: the user's (tests/user_pkg/plans.py) splits it."""
+    mlp = [*VIT[:5], "model=mlp", "model.hidden=[32]", *VIT[10:]]
+    one = train([*mlp, "dataset.batch_size=8"], tmp_path / "one")
+    two = train([*mlp, *TP2, "parallelism.tp_plan={_target_:tests.user_pkg.plans.column_then_row}",
+                 "dataset.batch_size=8"], tmp_path / "tp", world=2)
+    assert_same(two[0], one[0], rtol=1e-4)
+    assert_same_metrics(one[1], two[1], keys=("train/loss", "val/loss", "val/acc"))
 
 def test_a_model_without_a_plan_is_refused_in_one_line_before_any_worker_starts(tmp_path: Path) -> None:
     proc = run_cli(["model=mlp", "model.hidden=[8]", *TP2, f"hydra.run.dir={tmp_path / 'run'}", "tracking=none"],
@@ -108,3 +162,30 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_anything_starts(tmp
                         tmp_path / "run")
     with pytest.raises(SpecError, match=rf"^parallelism.tp: {tp} does not divide the {heads} attention heads of "):
         launch.check_parallel(spec)
+
+
+# a tiny llama: its declared plan (q/k/v, gate/up colwise; o, down rowwise; the embedding and lm head split)
+LLAMA = [GPT[0], *GPT[2:8], "model=hf", "model.task=causal_lm", "model.architecture=llama",
+         "model.config={hidden_size:16,intermediate_size:32,num_hidden_layers:2,num_attention_heads:2,"
+         "num_key_value_heads:2,tie_word_embeddings:false}", *GPT[12:]]
+
+
+@pytest.mark.slow  # CI keeps gpt's 2-process case
+def test_a_huggingface_models_declared_plan_trains_like_one_process(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    one = train([*LLAMA, "dataset.batch_size=8"], tmp_path / "one")
+    two = train([*LLAMA, *TP2, "dataset.batch_size=8"], tmp_path / "tp", world=2)
+    assert_same(two[0], one[0], rtol=1e-4)
+    assert_same_metrics(one[1], two[1])
+
+
+@pytest.mark.slow  # 4 processes
+@pytest.mark.parametrize("degrees", [["parallelism=fsdp", "parallelism.nproc_per_node=4", "parallelism.tp=2"],
+                                     ["parallelism=ddp", "parallelism.nproc_per_node=4", "parallelism.tp=2"]],
+                         ids=["fsdp_x_tp", "ddp_x_tp"])  # hsdp x tp takes 8
+def test_data_parallel_x_tp_on_4_processes_trains_like_one_process(tmp_path: Path, degrees: list[str]) -> None:
+    """2 data-parallel replicas of 8 samples x 2 tensor-parallel ranks = one process's batch of 16."""
+    one = train([*GPT, "dataset.batch_size=16"], tmp_path / "one")
+    two = train([*GPT, *degrees, "dataset.batch_size=8"], tmp_path / "mesh", world=4)
+    assert_same(two[0], one[0], rtol=1e-4)
+    assert_same_metrics(one[1], two[1])
