@@ -33,12 +33,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
+        batch, length, _ = x.shape
+        # thirds, not slices of the input's width: under tensor parallelism qkv gives this rank's [q | k | v] of
+        # its own n_head heads (parallelize_tensor)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (B, T, C) -> (B, heads, T, C / heads), the layout SDPA expects
-        q, k, v = (t.view(batch, length, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(batch, length, width)
+        y = y.transpose(1, 2).contiguous().view(batch, length, -1)
         return self.resid_dropout(self.proj(y))
 
 
@@ -119,6 +121,47 @@ class GPT(nn.Module):
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    def parallelize_tensor(self, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Tensor parallelism across tp_mesh (runner/engine/parallel/tensor.py), in place: each rank computes
+        n_head / tp heads (qkv by columns, its projection back by rows) and a 1 / tp slice of the MLP (fc by
+        columns, proj by rows); the vocabulary is split in the embedding and the lm head, which stay tied.
+        sequence_parallel: the norms, dropouts and the residual stream hold 1 / tp of the sequence (gathered
+        before attention and the MLP). loss_parallel: the logits stay split by vocabulary (a DTensor) into
+        the loss; otherwise every rank gets them whole."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+
+        from runner.engine.parallel.tensor import fused_colwise
+
+        tp = tp_mesh.size()
+        stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the blocks
+        # the residual stream stays a DTensor under sequence parallelism: its global length is kept even when
+        # the sequence does not divide by tp
+        local = not sequence_parallel
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        plan = {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel),
+        }
+        if sequence_parallel:  # the position embedding is added whole; the stream is split from the dropout on
+            plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+            plan["ln_f"] = SequenceParallel()
+        parallelize_module(self, tp_mesh, plan)
+        self.lm_head.weight = self.wte.weight  # both split the vocabulary alike: tied again, one parameter
+        for block in self.blocks:
+            block.attn.n_head = self.n_head // tp  # the heads this rank computes
+            layer = {
+                "attn.qkv": fused_colwise(3),
+                "attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+            }
+            if sequence_parallel:
+                layer.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": gather, "mlp": gather})
+            parallelize_module(block, tp_mesh, layer)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -22,11 +22,12 @@ class Attention(nn.Module):
         self.proj_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        # (B, N, 3C) -> three (B, heads, N, C / heads) tensors, the layout SDPA expects
-        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        batch, length, _ = x.shape
+        # (B, N, 3C) -> three (B, heads, N, C / heads) tensors, the layout SDPA expects; under tensor parallelism
+        # qkv gives this rank's [q | k | v] of its own `heads` heads (parallelize_tensor)
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+        return self.proj_dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class EncoderBlock(nn.Module):
@@ -95,6 +96,39 @@ class ViT(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.trunc_normal_(module.weight, std=0.02)
                 nn.init.zeros_(module.bias)
+
+    def parallelize_tensor(self, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+        """Tensor parallelism across tp_mesh (runner/engine/parallel/tensor.py), in place: each rank computes
+        heads / tp heads (qkv by columns, its projection back by rows) and a 1 / tp slice of the MLP; the
+        patch embedding, the final norm and the classifier head are replicated. sequence_parallel: the norms,
+        dropouts and the residual stream hold 1 / tp of the patches (any count: the stream stays a DTensor).
+        loss_parallel has nothing to split here (the head's classes are few) and changes nothing."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+
+        from runner.engine.parallel.tensor import fused_colwise
+
+        tp = tp_mesh.size()
+        stream = Shard(1) if sequence_parallel else Replicate()
+        local = not sequence_parallel
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        if sequence_parallel:  # split after the class token and positions are added; whole again for the head
+            parallelize_module(self, tp_mesh, {
+                "drop": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+                "norm": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True)})
+        for block in self.blocks:
+            block.attn.heads = block.attn.heads // tp  # the heads this rank computes
+            layer = {
+                "attn.qkv": fused_colwise(3),
+                "attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
+                "mlp.0": ColwiseParallel(),
+                "mlp.3": RowwiseParallel(output_layouts=stream, use_local_output=local),
+            }
+            if sequence_parallel:
+                layer.update({"norm_1": SequenceParallel(), "norm_2": SequenceParallel(), "attn": gather, "mlp": gather})
+            parallelize_module(block, tp_mesh, layer)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, patches, dim)

@@ -271,16 +271,18 @@ def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()).full_tensor()
+    from runner.engine.parallel.state import gathered  # fsdp over a strided tensor-parallel split included
+
+    return gathered(DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()))
 
 
 def _shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a full tensor laid out as `like` (every rank holds the full tensor)."""
     if not hasattr(like, "to_local"):
         return full
-    from torch.distributed.tensor import distribute_tensor
+    from runner.engine.parallel.state import placed_like  # fsdp over a strided tensor-parallel split included
 
-    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+    return placed_like(full.to(like.device), like).to_local()
 
 
 def _has_batchnorm(module: torch.nn.Module) -> bool:

@@ -24,6 +24,7 @@ from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
+from runner.engine.parallel import tensor as tensor_parallel
 from runner.spec.parallelism import ParallelismSpec, world_source
 from runner.engine.parallel.context import check_context_parallel, check_model
 from runner.spec.run import RunSpec, SpecError
@@ -211,9 +212,9 @@ def check_parallel(spec: RunSpec) -> None:
         key = "nproc_per_node" if par.name != "single" else next(k for k in ("tp", "pp", "cp") if getattr(par, k) > 1)
         raise SpecError(f"parallelism.{key}: {nproc} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    resolve_dims(par, nominal_world(par), world_source(par))
+    dims = resolve_dims(par, nominal_world(par), world_source(par))
     check_context_parallel(spec, device)
-    if par.dp_shard != 1 or par.cp != 1:  # fsdp, hsdp; a builder's model for context parallelism
+    if par.dp_shard != 1 or par.cp != 1 or dims.tp > 1:  # fsdp, hsdp; context parallel's model; tensor parallel
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
@@ -221,6 +222,7 @@ def check_parallel(spec: RunSpec) -> None:
             shard_blocks(model)  # raises when the model has nothing to shard
         if par.cp != 1:
             check_model(model, spec.model.target)
+        tensor_parallel.check(model, par, dims.tp)  # a plan, and tp dividing the heads
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

@@ -37,6 +37,7 @@ from runner.engine.loader import make_loader, on_device, optimizer_steps
 from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
+from runner.engine.parallel import tensor as tensor_parallel
 from runner.engine.precision import Precision
 from runner.engine.schedule import build_scheduler
 from runner.spec.resume import starts_over, typed_keys
@@ -112,6 +113,7 @@ class Engine:
         # before the wrap (FSDP shards in place): the FLOPs of every micro-batch are counted on a meta twin of the model
         self.flop_count, flop_rate = flops.measure(self.module, stand_in, spec, self.device, self.pass_labels,
                                                    self.env.world)
+        tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: before checkpointing and the data-parallel wrap
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
         self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
@@ -120,6 +122,7 @@ class Engine:
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
+        tensor_parallel.fit_optimizer(self.optimizer)
         self.progress = Progress()
         schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         # handed over to SWALR at SWA's first epoch when trainer.swa.lr is set
@@ -310,9 +313,9 @@ class Engine:
                     batch = self._prepare(batch, train=True)
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
                     step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-                with phase.forward:
+                with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
                     loss = self._loss_sum(batch, count)
-                with phase.backward:
+                with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
                     self.precision.backward(loss * scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
@@ -371,10 +374,10 @@ class Engine:
         self.precision.unscale(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
         if trainer.clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(params, trainer.clip_grad_value)
+            parallel.clip_grad_value(params, trainer.clip_grad_value)
         if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
-            return parallel.full_tensor(torch.nn.utils.clip_grad_norm_(params, trainer.clip_grad_norm))
-        return parallel.full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return parallel.clip_grad_norm(params, trainer.clip_grad_norm)
+        return parallel.grad_norm([p.grad for p in params])
 
     # --- evaluation -----------------------------------------------------------------------------
 
@@ -472,6 +475,7 @@ class Engine:
             parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
+        tensor_parallel.fit_optimizer(self.optimizer)  # the checkpoint's groups carry the kernel flags of its own mesh
         self.schedule.load_state_dict(state["schedule"])
         self.precision.load_state_dict(state["precision"])
         rng = state["rng"]

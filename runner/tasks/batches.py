@@ -59,7 +59,8 @@ def loss_sum(output: Any, batch: Batch, count: int, task: Task, model: str) -> t
     (its mean over the units) only where the output has no logits. A stand-in's is multiplied by 0."""
     logits = logits_of(output)
     if logits is not None:
-        loss = task.loss_sum(logits, batch.labels)
+        # vocabulary-sharded logits (tensor parallelism's loss_parallel) give a replicated DTensor: its value
+        loss = local_value(task.loss_sum(logits, batch.labels))
         return loss * 0 if batch.empty else loss
     return own_loss(output, task, model).float() * count  # count is 0 for a stand-in
 
@@ -67,8 +68,15 @@ def loss_sum(output: Any, batch: Batch, count: int, task: Task, model: str) -> t
 def eval_sums(output: Any, batch: Batch, count: int, task: Task, model: str) -> dict[str, torch.Tensor]:
     """The task's evaluation sums (all 0 for a stand-in); a model with only its own loss reports only that."""
     logits = logits_of(output)
+    if logits is not None and hasattr(logits, "full_tensor"):  # sharded by tensor parallelism: every metric sees them whole
+        logits = logits.full_tensor()
     sums = task.eval_sums(logits, batch.labels) if logits is not None else {"loss": own_loss(output, task, model) * count}
     return {name: torch.zeros_like(value) if batch.empty else value for name, value in sums.items()}
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (differentiable), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def own_loss(output: Any, task: Task, model: str) -> torch.Tensor:

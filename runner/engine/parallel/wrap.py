@@ -1,8 +1,8 @@
 """The model's wrap, chosen by the parallel dimensions that split anything: a table of parallelize
 functions, not a branch per strategy name. dp_replicate alone replicates (DDP); dp_shard shards (FSDP2
 fully_shard per block, then the root); both shard on the 2-D mesh (HSDP: sharded within a dp_shard
-group, replicated across the dp_replicate groups). A model-parallel dimension adds its plan here, applied
-before the data-parallel wrap, and nothing outside this package changes.
+group, replicated across the dp_replicate groups). A model-parallel dimension's plan is applied before
+(tensor.py: the tensor-parallel plan, then activation checkpointing), and its dimension picks the row here.
 """
 from __future__ import annotations
 
@@ -64,16 +64,37 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     return module
 
 
-# the data-parallel dimensions of degree > 1 -> how the model is wrapped for them
+def replicate_split(module: nn.Module, how: Wrapping) -> nn.Module:
+    """DDP over a tensor-parallel model: FSDP2's replicate on dp_replicate (torchtitan's choice), which
+    all-reduces DTensor gradients as DDP's buckets cannot; fp32 reduction as in `shard`."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_with_fsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = how.param_dtype
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    return replicate_with_fsdp(module, mesh=how.env.mesh["dp_replicate"], mp_policy=policy)
+
+
+# the data-parallel dimensions of degree > 1, and tp when the model is split by a tensor-parallel plan (applied
+# before: runner/engine/parallel/tensor.py) -> how the model is wrapped for them; FSDP2 shards a tensor-parallel
+# DTensor on the data-parallel sub-mesh (FSDP x TP: a 2-D mesh; HSDP x TP: 3-D)
 DATA_PARALLEL_WRAPS: dict[tuple[str, ...], Callable[[nn.Module, Wrapping], nn.Module]] = {
-    ("dp_replicate",): replicate,           # ddp
-    ("dp_shard",): shard,                   # fsdp
-    ("dp_replicate", "dp_shard"): shard,    # hsdp
+    ("dp_replicate",): replicate,                     # ddp
+    ("dp_shard",): shard,                             # fsdp
+    ("dp_replicate", "dp_shard"): shard,              # hsdp
+    ("dp_replicate", "tp"): replicate_split,          # ddp x tp
+    ("dp_shard", "tp"): shard,                        # fsdp x tp
+    ("dp_replicate", "dp_shard", "tp"): shard,        # hsdp x tp
 }
 
 
 def data_parallel_dims(env: DistEnv) -> tuple[str, ...]:
     return tuple(n for n in DATA_PARALLEL if getattr(env.dims, n) > 1)
+
+
+def wrap_key(env: DistEnv) -> tuple[str, ...]:
+    """The row of DATA_PARALLEL_WRAPS for `env`."""
+    return data_parallel_dims(env) + (("tp",) if env.dims.tp > 1 else ())
 
 
 def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.device,
@@ -86,7 +107,7 @@ def wrap(module: nn.Module, spec: ParallelismSpec, env: DistEnv, device: torch.d
         from runner.engine import sync_batchnorm
 
         sync_batchnorm.convert(module, device)
-    return DATA_PARALLEL_WRAPS[dims](module, Wrapping(spec, env, device, param_dtype, find_unused))
+    return DATA_PARALLEL_WRAPS[wrap_key(env)](module, Wrapping(spec, env, device, param_dtype, find_unused))
 
 
 def parameter_device(spec: ParallelismSpec, env: DistEnv, device: torch.device) -> torch.device:
