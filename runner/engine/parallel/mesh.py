@@ -144,6 +144,8 @@ def data_parallel_group(env: DistEnv) -> Any:
     if env.mesh is None or env.dims.dp == env.world:
         return None
     names = tuple(n for n in DATA_PARALLEL if getattr(env.dims, n) > 1)
+    if not names:  # one replica (pp, tp, cp only): a group of this rank alone (a collective: every rank builds its own)
+        return dist.new_subgroups(group_size=1)[0]
     sub = env.mesh[names]
     return (sub._flatten("dp") if len(names) > 1 else sub).get_group()
 
