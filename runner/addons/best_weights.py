@@ -90,9 +90,7 @@ class BestWeights(AddOn):
             return _test(view)
         saved = _snapshot(view.module, self.averages)
         try:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(view.module, state["model"], options=StateDictOptions(full_state_dict=True))
+            parallel.load_model_state(view.module, state["model"])
             self.averages.load_state_dict(state["averages"])
             self.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
             metrics = _test(view)

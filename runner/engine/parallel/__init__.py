@@ -5,10 +5,10 @@ from runner.engine.parallel.collectives import (all_reduce_max, all_reduce_sum, 
                                                 gather_objects, global_count)
 from runner.engine.parallel.mesh import (DistEnv, ParallelDims, in_torchrun, init_process_group, nominal_world,
                                          pick_device, place, resolve_dims)
-from runner.engine.parallel.state import full_model_state, full_state, load_full_state, full_tensor, local_tensor_of
+from runner.engine.parallel.state import full_model_state, full_state, load_full_state, load_model_state, full_tensor, local_tensor_of
 from runner.engine.parallel.wrap import parameter_device, shard_blocks, sync_gradients, wrap
 
 __all__ = ["DistEnv", "ParallelDims", "all_reduce_max", "all_reduce_sum", "barrier", "broadcast_object",
            "full_model_state", "full_state", "gather_objects", "global_count", "in_torchrun", "init_process_group",
-           "load_full_state", "full_tensor", "local_tensor_of", "nominal_world", "parameter_device", "pick_device",
+           "load_full_state", "load_model_state", "full_tensor", "local_tensor_of", "nominal_world", "parameter_device", "pick_device",
            "place", "resolve_dims", "shard_blocks", "sync_gradients", "wrap"]

@@ -149,6 +149,7 @@ class Pipeline:
         cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages).to(device) for i in self.indices]
         self.stage_modules = cut
         self.module = _rank_part(model, cut)
+        self.module._runner_pipeline = self  # full_model_state/load_model_state (state.py) merge every stage's part
         self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group)
                        for m, i in zip(cut, self.indices)]
         self.schedule = self._schedule(par.pp_schedule)
@@ -320,17 +321,10 @@ class Pipeline:
         own = get_state_dict(self.module, optimizer, options=StateDictOptions(full_state_dict=True))
         parts = gather_objects(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, own))
         canonical = {n: names[0] for names in self.tied for n in names}
-        model: dict = {}
-        for part, _ in parts:
-            model.update(part)
-        for names in self.tied:  # every name of a shared parameter, as the whole model's state dict has them
-            value = next((model[n] for n in names if n in model), None)
-            if value is not None:
-                model.update({n: value for n in names})
-        model = {k: model[k] for k in self.full_keys if k in model}
+        model = self._merged_model([part for part, _ in parts])
         state: dict = {}
         groups: list[dict] = []
-        for _, part in parts:
+        for _, part in parts:  # every name of a shared parameter, as the whole model's state dict has them
             for name, value in part["state"].items():
                 state.setdefault(canonical.get(name, name), value)
             for g, group in enumerate(part["param_groups"]):
@@ -341,6 +335,28 @@ class Pipeline:
         for group in groups:
             group["params"] = sorted(set(group["params"]), key=order.__getitem__)
         return model, {"state": {n: state[n] for n in self.param_order if n in state}, "param_groups": groups}
+
+    def _merged_model(self, parts: list[dict]) -> dict:
+        model: dict = {}
+        for part in parts:
+            model.update(part)
+        for names in self.tied:  # every name of a shared parameter, as the whole model's state dict has them
+            value = next((model[n] for n in names if n in model), None)
+            if value is not None:
+                model.update({n: value for n in names})
+        return {k: model[k] for k in self.full_keys if k in model}
+
+    def full_model_state(self) -> dict:
+        """The whole model's state as full CPU tensors, merged from every stage (a collective)."""
+        from runner.engine.parallel.collectives import gather_objects
+
+        own = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return self._merged_model(gather_objects(own))
+
+    def load_model_state(self, model_state: dict) -> None:
+        """The whole model's weights into this rank's stages (their keys only)."""
+        keys = set(self.module.state_dict().keys())
+        self.module.load_state_dict({k: v for k, v in model_state.items() if k in keys})
 
     def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
         """The whole model's state (from any mesh) into this rank's stages: their keys only."""

@@ -20,10 +20,24 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
 
 def full_model_state(module: nn.Module) -> dict:
     """The model's state as full tensors on the CPU (a collective under fsdp: every rank calls it)."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    if pipeline is not None:  # this rank's stages: every stage's part merged (parallel/pipeline.py)
+        return pipeline.full_model_state()
     # imported here: torch.distributed.checkpoint costs 0.7 s of start-up before the first training line
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_model_state(module: nn.Module, model_state: dict) -> None:
+    """The whole model's full state into `module`, wrapped or one rank's pipeline stages."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    if pipeline is not None:
+        pipeline.load_model_state(model_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, model_state, options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
