@@ -4,7 +4,10 @@ for each schedule family, with ragged micro-batches; checkpoints reshard both wa
 
 Tolerance: rtol 1e-5 (as test_parallel.py's). The pipeline sums each micro-batch's loss and the stages'
 gradients in another order than one process summing the whole batch (fp32 reduction order), and the
-tied embedding's gradient arrives as the sum of two stages' parts; nothing else differs.
+tied embedding's gradient arrives as the sum of two stages' parts; nothing else differs. SGD (with
+momentum) rather than Adam: a gradient that is 0 in exact arithmetic (the key projection's bias, which
+softmax ignores) is rounding noise in both runs, and Adam's normalisation blows that noise up to lr-sized
+steps.
 """
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ from tests.runner.engine.test_parallel import assert_same, metric_history
 
 # 90 blocks of 16 tokens: 82 to train (a ragged last step of 2 samples at batch 8 x accum 2), 4 to validate, 4 to test
 GPT = ["dataset=synthetic_tokens", "dataset.vocab_size=64", "dataset.block_size=16", "dataset.size=90",
-       "model=gpt", "model.n_embd=32", "model.n_head=2", "task=language_modeling", "optimizer=adamw",
+       "model=gpt", "model.n_embd=32", "model.n_head=2", "task=language_modeling", "optimizer=sgd",
        "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=3", "trainer.log_every_n_steps=1"]
 VIT = ["dataset=synthetic", "dataset.shape=[3,8,8]", "dataset.size=100", "dataset.val_fraction=0.1",
        "dataset.test_fraction=0.1", "model=vit", "model.patch_size=4", "model.dim=16", "model.depth=2", "model.heads=2",
-       "optimizer=adamw", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=3",
+       "optimizer=sgd", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=3",
        "trainer.log_every_n_steps=1"]
 PP2 = ["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.pp=2"]
 COMPARED = ("train/loss", "val/loss", "test/loss", "lr")
@@ -58,8 +61,10 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
                 if n in ("wte.weight", "lm_head.weight")}
         every = [None] * world
         torch.distributed.all_gather_object(every, tied)
-        if rank == 0:
-            out.put({"final": result.final, "tied": every})
+        if rank == 0:  # plain values: a tensor in the queue would outlive the process sharing its memory
+            copies = [t for part in every for t in part.values()]
+            diff = max((float((t - copies[0]).abs().max()) for t in copies), default=float("nan"))
+            out.put({"final": result.final, "tied": [sorted(part) for part in every], "tied_diff": diff})
     except SpecError as e:
         if rank == 0:
             out.put({"error": str(e)})
@@ -102,9 +107,8 @@ def test_pp2_1f1b_trains_gpt_like_one_process_with_accumulation_ragged_batches_a
     tied embedding and lm head, held by the first and last stage, stay equal."""
     common = [*GPT, "dataset.batch_size=8", "+accum=2"]
     two = assert_like_one_process(tmp_path, common, ["parallelism.pp_schedule=1f1b", "parallelism.pp_microbatches=3"])
-    first, last = two["tied"]
-    assert set(first) == {"wte.weight"} and set(last) == {"lm_head.weight"}  # each stage holds its own copy
-    torch.testing.assert_close(first["wte.weight"], last["lm_head.weight"], rtol=0, atol=0)
+    assert two["tied"] == [["wte.weight"], ["lm_head.weight"]]  # each stage holds its own copy
+    assert two["tied_diff"] == 0.0
 
 
 @pytest.mark.slow  # 2 processes each; 1f1b stays in CI
@@ -113,11 +117,7 @@ def test_pp2_1f1b_trains_gpt_like_one_process_with_accumulation_ragged_batches_a
 def test_every_schedule_trains_gpt_like_one_process(tmp_path: Path, schedule: str, layers: int) -> None:
     common = [*GPT, f"model.n_layer={layers}", "dataset.batch_size=8", "+accum=2"]
     two = assert_like_one_process(tmp_path, common, [f"parallelism.pp_schedule={schedule}"])
-    first, last = two["tied"]
-    tied = [t for part in (first, last) for t in part.values()]
-    assert len(tied) >= 2
-    for t in tied[1:]:
-        torch.testing.assert_close(t, tied[0], rtol=0, atol=0)
+    assert sum(map(len, two["tied"])) >= 2 and two["tied_diff"] == 0.0
 
 
 @pytest.mark.slow
@@ -129,9 +129,9 @@ def test_pp2_gpipe_trains_vit_like_one_process(tmp_path: Path) -> None:
 def test_a_users_pp_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
     """parallelism.pp_plan={_target_: tests.user_pkg.stages.mlp_stage}: the mlp, which has no plan of its own."""
     common = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=100", "model=mlp", "model.hidden=[16,16]",
-              "optimizer=adamw", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
+              "optimizer=sgd", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
               "dataset.batch_size=8", "trainer.log_every_n_steps=1"]
-    assert_like_one_process(tmp_path, common, ["parallelism.pp_plan._target_=tests.user_pkg.stages.mlp_stage"])
+    assert_like_one_process(tmp_path, common, ["parallelism.pp_plan={_target_:tests.user_pkg.stages.mlp_stage}"])
 
 
 @pytest.mark.slow
