@@ -65,6 +65,7 @@ class RunResult:
     compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
     test_from: str = ""  # the weights the test metrics came from: "best@step 40", "last@step 60"
     pruned: str = ""     # why an Optuna pruner stopped the run (its caller raises optuna.TrialPruned); "" if not
+    pp_bubble: float | None = None  # parallelism.pp: this rank's measured pipeline bubble (parallel/pipeline.py step_bubble)
 
 
 class Engine:
@@ -227,6 +228,8 @@ class Engine:
                 self.monitor.close()
             else:
                 self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
+            if self.pipeline is not None and self.pipeline.bubble() is not None:  # rank 0's: the first stage's
+                self.tracker.set_tags({"pp_bubble": f"{self.pipeline.bubble():.4f}"})
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -242,7 +245,7 @@ class Engine:
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
                          rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.test_from,
-                         stop.reason if stop.pruned else "")
+                         stop.reason if stop.pruned else "", self.pipeline.bubble() if self.pipeline else None)
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:

@@ -164,7 +164,29 @@ class Pipeline:
         self.tied_owner = [min(r for r in range(self.pp) if every[r][g]) if any(e[g] for e in every) else -1
                            for g in range(len(self.tied))]
         self.is_last = any(s.is_last for s in self.stages)
-        self.busy_seconds = 0.0  # this rank's time inside the schedule (compute and waits): see step_bubble
+        # the bubble (step_bubble): this rank's seconds computing its stages' chunks (forward, backward,
+        # weight gradients) against its seconds inside the training schedule's steps
+        self.busy_seconds = self.schedule_seconds = 0.0
+        for stage in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+        self._timing = False
+
+    def _timed(self, compute: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if not self._timing:
+                return compute(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+        return timed
+
+    def bubble(self) -> float | None:
+        """This rank's measured bubble over the training steps so far (see step_bubble); None before any."""
+        return step_bubble(self.busy_seconds, self.schedule_seconds) if self.schedule_seconds else None
 
     def _schedule(self, name: str):
         from torch.distributed import pipelining as pl
@@ -233,9 +255,12 @@ class Pipeline:
         self._step = {"labels": labels, "scale": scale, "sums": {}}
         arg_mbs, kwarg_mbs, targets = self._split(inputs, labels, rows, empty)
         self._reinit_on_new_shapes(arg_mbs, kwarg_mbs)
-        started = time.perf_counter()
-        self.schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets, return_outputs=False)
-        self.busy_seconds += time.perf_counter() - started
+        started, self._timing = time.perf_counter(), True
+        try:
+            self.schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets, return_outputs=False)
+        finally:
+            self._timing = False
+        self.schedule_seconds += time.perf_counter() - started
         sums = self._step["sums"]
         return torch.stack([sums[i] for i in range(self.microbatches)]).sum() if self.is_last and sums \
             else torch.zeros((), device=labels.device)
@@ -418,7 +443,10 @@ def _keep_only(module: nn.Module, prefix: str, keep: dict[str, Any]) -> None:
 
 
 def step_bubble(busy_seconds: float, step_seconds: float) -> float:
-    """The measured bubble of one rank: the share of the step it spent outside its own compute. A
-    benchmark times the schedule with every stage's compute known; the theory for GPipe/1F1B with p stages
-    and m micro-batches is (p - 1) / (m + p - 1)."""
+    """The measured bubble of one rank: the share of its schedule time spent outside its own stages'
+    compute (waiting for a neighbour, or sending and receiving), 1 - busy / step. With p equal stages and m
+    micro-batches the theory for GPipe and 1F1B is (p - 1) / (m + p - 1) (each rank idles p - 1 of the
+    m + p - 1 slots of forward and of backward); the interleaved schedules with v stages per rank divide the
+    idle slots by v: (p - 1) / (v m + p - 1). The measured figure also holds the communication time, which
+    the theory leaves out."""
     return max(0.0, 1.0 - busy_seconds / step_seconds) if step_seconds > 0 else 0.0

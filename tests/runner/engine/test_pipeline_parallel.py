@@ -64,7 +64,8 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
         if rank == 0:  # plain values: a tensor in the queue would outlive the process sharing its memory
             copies = [t for part in every for t in part.values()]
             diff = max((float((t - copies[0]).abs().max()) for t in copies), default=float("nan"))
-            out.put({"final": result.final, "tied": [sorted(part) for part in every], "tied_diff": diff})
+            out.put({"final": result.final, "tied": [sorted(part) for part in every], "tied_diff": diff,
+                     "bubble": result.pp_bubble})
     except SpecError as e:
         if rank == 0:
             out.put({"error": str(e)})
@@ -109,6 +110,7 @@ def test_pp2_1f1b_trains_gpt_like_one_process_with_accumulation_ragged_batches_a
     two = assert_like_one_process(tmp_path, common, ["parallelism.pp_schedule=1f1b", "parallelism.pp_microbatches=3"])
     assert two["tied"] == [["wte.weight"], ["lm_head.weight"]]  # each stage holds its own copy
     assert two["tied_diff"] == 0.0
+    assert 0.0 < two["bubble"] < 1.0  # the first stage's share of its schedule time not computing (a benchmark's figure)
 
 
 @pytest.mark.slow  # 2 processes each; 1f1b stays in CI
