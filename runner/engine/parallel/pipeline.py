@@ -152,6 +152,7 @@ class Pipeline:
         self.module._runner_pipeline = self  # full_model_state/load_model_state (state.py) merge every stage's part
         self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group)
                        for m, i in zip(cut, self.indices)]
+        self.schedule_name = par.pp_schedule
         self.schedule = self._schedule(par.pp_schedule)
         self._signature: tuple | None = None
         self._step: dict[str, Any] = {}
@@ -271,8 +272,17 @@ class Pipeline:
         self._step = {"labels": labels, "scale": 1.0, "sums": {}}
         arg_mbs, kwarg_mbs, targets = self._split(inputs, labels, rows, empty=False)
         self._reinit_on_new_shapes(arg_mbs, kwarg_mbs)
-        output = self.schedule.eval(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets)
-        return output[:rows] if self.is_last else None
+        if self.schedule_name != "zbv_zero_bubble":
+            output = self.schedule.eval(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets)
+        else:
+            # torch 2.14's ZBV runs its backward actions in eval() too ("can't steal_bwd_input if this stage
+            # doesn't have backward"): a training step with a zero loss instead, its (zero) gradients dropped
+            self._step["scale"] = 0.0
+            with torch.enable_grad():
+                output = self.schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets)
+            for p in self.module.parameters():
+                p.grad = None
+        return output[:rows].detach() if self.is_last else None
 
     def train_mode(self, training: bool) -> None:
         for m in self.stage_modules:

@@ -128,6 +128,24 @@ def test_pp2_gpipe_trains_vit_like_one_process(tmp_path: Path) -> None:
                             ["parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=3"])
 
 
+@pytest.mark.slow
+def test_early_stopping_and_the_test_on_best_weights_run_through_the_pipeline_like_one_process(tmp_path: Path) -> None:
+    """Early stopping decides alike on both stages (the metric sums reach every rank) and stops where one
+    process stops; the best weights' test loads them into each stage."""
+    import sqlite3
+
+    common = [*GPT, "dataset.batch_size=8", "optimizer.lr=3.0", "trainer.eval_every_n_steps=2", "trainer.test_on=best",
+              "trainer.early_stopping.monitor=val/loss", "trainer.early_stopping.patience=1",
+              "trainer.early_stopping.min_delta=10"]
+    assert_like_one_process(tmp_path, common, [])
+    tags = []
+    for db in ("one.db", "two.db"):
+        with sqlite3.connect(tmp_path / db) as con:
+            tags.append(dict(con.execute("select key, value from tags where key = 'test_from'")))
+    assert tags[0] == tags[1] and tags[0]["test_from"].startswith("best@step")
+    assert max(s for s, _ in metric_history(tmp_path / "two.db")["train/loss"]) == 4  # stopped at the 2nd evaluation
+
+
 def test_a_users_pp_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
     """parallelism.pp_plan={_target_: tests.user_pkg.stages.mlp_stage}: the mlp, which has no plan of its own."""
     common = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=100", "model=mlp", "model.hidden=[16,16]",
