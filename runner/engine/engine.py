@@ -120,9 +120,11 @@ class Engine:
             self.module = self.pipeline.module
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
-        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
-                                   # parameters unfrozen mid-run must still be reduced across ranks
-                                   find_unused=spec.model.unfreeze_after_epochs is not None)
+        # under pp the schedule calls the stages, not a wrapper: the pipeline averages over dp_replicate itself
+        self.model = self.module if self.pipeline is not None else parallel.wrap(
+            self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
+            # parameters unfrozen mid-run must still be reduced across ranks
+            find_unused=spec.model.unfreeze_after_epochs is not None)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
@@ -360,6 +362,7 @@ class Engine:
                 losses.append(self.pipeline.train(batch.inputs, batch.labels, _rows(batch), batch.empty, scale))
         loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
         self.pipeline.sync_tied_gradients()
+        self.pipeline.average_over_replicas()
         trainer = self.spec.trainer
         grad_norm = None
         if trainer.clip_grad_norm is not None or trainer.clip_grad_value is not None or \

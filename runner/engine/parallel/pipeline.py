@@ -64,8 +64,8 @@ def check_composition(spec: Any, dims: Any) -> None:
     refused = [
         (par.tp > 1, f"parallelism.tp: {par.tp} with parallelism.pp={par.pp}: pp x tp is not built yet; use one of them"),
         (par.cp > 1, f"parallelism.cp: {par.cp} with parallelism.pp={par.pp}: pp x cp is not built yet; use one of them"),
-        (dims.dp > 1, f"parallelism: pp={par.pp} with data parallelism (dp_replicate={dims.dp_replicate}, dp_shard="
-                      f"{dims.dp_shard}) is not built yet; make pp the only degree above 1"),
+        (dims.dp_shard > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp}: pp x fsdp is not built "
+                            "yet; use pp with dp_replicate (ddp) or pp alone"),
         (trainer.ema.decay is not None, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet "
                                         f"(parallelism.pp={par.pp}); drop trainer.ema or use pp=1"),
         (trainer.swa.start_epoch is not None, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet "
@@ -130,6 +130,8 @@ class Pipeline:
 
         check_pipeline(par, per_rank_batch)
         self.group = env.mesh["pp"].get_group()
+        self.dp = env.dims.dp_replicate
+        self.dp_group = env.mesh["dp_replicate"].get_group() if self.dp > 1 else None
         self.pp, self.pp_rank = par.pp, dist.get_rank(self.group)
         self.num_stages = par.pp * stages_per_rank(par)
         self.microbatches = microbatches(par)
@@ -301,6 +303,16 @@ class Pipeline:
         every = [None] * self.pp
         dist.all_gather_object(every, value, group=self.group)
         return next(v for v in every if v is not None)
+
+    def average_over_replicas(self) -> None:
+        """pp x ddp: each stage's gradients averaged over the data-parallel replicas of that stage (the loss
+        scale holds dp degree / units of every replica, as under DDP)."""
+        if self.dp_group is None:
+            return
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(self.dp)
 
     def sync_tied_gradients(self) -> None:
         """A parameter the whole model shares between stages gets the sum of its copies' gradients."""
