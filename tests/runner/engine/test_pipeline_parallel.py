@@ -73,9 +73,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
         torch.distributed.destroy_process_group()
 
 
-def run_two(overrides: list[str], run_dir: Path, db: Path | None = None) -> dict:
+def run_two(overrides: list[str], run_dir: Path, db: Path | None = None, world: int = 2) -> dict:
     out = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(2, _free_port(), overrides, str(run_dir), str(db) if db else None, out), nprocs=2)
+    mp.spawn(_worker, args=(world, _free_port(), overrides, str(run_dir), str(db) if db else None, out), nprocs=world)
     return out.get(timeout=10)
 
 
@@ -90,9 +90,11 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
-def assert_like_one_process(tmp_path: Path, common: list[str], pp: list[str]) -> dict:
-    run_one(common, tmp_path / "one", tmp_path / "one.db")
-    two = run_two([*common, *PP2, *pp], tmp_path / "two", tmp_path / "two.db")
+def assert_like_one_process(tmp_path: Path, common: list[str], pp: list[str], one: list[str] = (),
+                            world: int = 2) -> dict:
+    run_one([*common, *one], tmp_path / "one", tmp_path / "one.db")
+    launch = PP2 if world == 2 else ["parallelism=ddp", f"parallelism.nproc_per_node={world}", "parallelism.pp=2"]
+    two = run_two([*common, *launch, *pp], tmp_path / "two", tmp_path / "two.db", world)
     assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
     one_log, two_log = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
     for key in COMPARED:
@@ -126,6 +128,13 @@ def test_every_schedule_trains_gpt_like_one_process(tmp_path: Path, schedule: st
 def test_pp2_gpipe_trains_vit_like_one_process(tmp_path: Path) -> None:
     assert_like_one_process(tmp_path, [*VIT, "dataset.batch_size=8", "+accum=2"],
                             ["parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=3"])
+
+
+@pytest.mark.slow  # 4 processes
+def test_pp2_times_ddp2_trains_like_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    """pp=2 x dp_replicate=2 at a per-rank batch of 4 equals one process at 8 (accumulation 2, a ragged last step)."""
+    assert_like_one_process(tmp_path, [*GPT, "+accum=2"], ["dataset.batch_size=4"], one=["dataset.batch_size=8"],
+                            world=4)
 
 
 @pytest.mark.slow
