@@ -138,6 +138,20 @@ def test_pp2_times_ddp2_trains_like_one_process_on_the_global_batch(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_pp2_under_bf16_autocast_trains_like_one_process(tmp_path: Path) -> None:
+    """precision=bf16 (autocast): the stages exchange bf16 activations. Tolerance 1e-2: bf16 keeps 8 bits of
+    mantissa (relative rounding 4e-3), and the micro-batches' matmuls may round differently from the whole batch's."""
+    common = [*GPT, "dataset.batch_size=8", "precision=bf16", "trainer.max_steps=6"]
+    run_one(common, tmp_path / "one", tmp_path / "one.db")
+    run_two([*common, *PP2], tmp_path / "two", tmp_path / "two.db")
+    assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"), rtol=1e-2)
+    one_log, two_log = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
+    for key in ("train/loss", "val/loss"):
+        for (_, a), (_, b) in zip(one_log[key], two_log[key], strict=True):
+            assert b == pytest.approx(a, rel=1e-2), key
+
+
+@pytest.mark.slow
 def test_early_stopping_and_the_test_on_best_weights_run_through_the_pipeline_like_one_process(tmp_path: Path) -> None:
     """Early stopping decides alike on both stages (the metric sums reach every rank) and stops where one
     process stops; the best weights' test loads them into each stage."""
