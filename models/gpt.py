@@ -182,6 +182,17 @@ class GPT(nn.Module):
         after it, and the pads' own outputs are dropped by their -100 labels. positions (T,): the
         sequence positions of the tokens given; context parallelism passes each rank's (sharded) share.
         """
+        if self.wte is None:  # a later pipeline stage (pipeline_stage): the input is the hidden state
+            x = input_ids
+        else:
+            x = self._embed(input_ids, positions)
+        for block in self.blocks:
+            x = block(x)
+        if self.lm_head is None:  # an earlier pipeline stage: the hidden state goes on to the next
+            return x
+        return self.lm_head(self.ln_f(x))
+
+    def _embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} is not (batch, length)")
         length = input_ids.shape[1]
@@ -190,7 +201,37 @@ class GPT(nn.Module):
                              f"allowed: at most {self.max_length} tokens (raise model max_length)")
         if positions is None:
             positions = torch.arange(length, device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+    def pipeline_stage(self, stage_index: int, num_stages: int) -> nn.Module:
+        """Stage `stage_index` of `num_stages` for pipeline parallelism: consecutive blocks (earlier stages
+        take one more where they do not divide), the embeddings in the first stage, the final norm and
+        the lm head in the last. Parameter names stay the whole model's (blocks outside are nn.Identity,
+        other parts None), and the parameters are this model's own (shared, not copied). The tied lm head
+        is the embedding's weight: a pipeline keeps the two stages' copies equal."""
+        start, stop = stage_blocks(len(self.blocks), stage_index, num_stages)
+        stage = _shallow_copy(self)
+        stage.blocks = nn.ModuleList(b if start <= i < stop else nn.Identity() for i, b in enumerate(self.blocks))
+        if stage_index > 0:
+            stage.wte = stage.wpe = None
+        if stage_index < num_stages - 1:
+            stage.ln_f = stage.lm_head = None
+        return stage
+
+
+def stage_blocks(blocks: int, stage_index: int, num_stages: int) -> tuple[int, int]:
+    """The blocks [start, stop) of one pipeline stage: as even as they divide, earlier stages one more."""
+    if not 0 < num_stages <= blocks:
+        raise ValueError(f"num_stages: {num_stages} stages cannot be cut from {blocks} blocks; allowed: 1 to {blocks}")
+    size, extra = divmod(blocks, num_stages)
+    start = stage_index * size + min(stage_index, extra)
+    return start, start + size + (stage_index < extra)
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object of the same class sharing every submodule and parameter, whose own
+    submodules can be replaced without touching `module`."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = {**module.__dict__, "_modules": dict(module._modules),
+                     "_parameters": dict(module._parameters), "_buffers": dict(module._buffers)}
+    return copy

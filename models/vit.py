@@ -131,9 +131,36 @@ class ViT(nn.Module):
             parallelize_module(block, tp_mesh, layer)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.drop(x + self.pos_embed)
+        if self.patch_embed is None:  # a later pipeline stage (pipeline_stage): the input is the hidden state
+            x = images
+        else:
+            x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+            x = self.drop(x + self.pos_embed)
         for block in self.blocks:
             x = block(x)
+        if self.head is None:  # an earlier pipeline stage: the hidden state goes on to the next
+            return x
         return self.head(self.norm(x[:, 0]))
+
+    def pipeline_stage(self, stage_index: int, num_stages: int) -> nn.Module:
+        """Stage `stage_index` of `num_stages` for pipeline parallelism: consecutive blocks (earlier stages
+        take one more where they do not divide), the patch embedding, class token and positions in the
+        first stage, the norm and head in the last. Parameter names stay the whole model's (blocks outside
+        are nn.Identity, other parts None); the parameters are this model's own (shared, not copied)."""
+        blocks = len(self.blocks)
+        if not 0 < num_stages <= blocks:
+            raise ValueError(f"num_stages: {num_stages} stages cannot be cut from {blocks} blocks; "
+                             f"allowed: 1 to {blocks}")
+        size, extra = divmod(blocks, num_stages)
+        start = stage_index * size + min(stage_index, extra)
+        stop = start + size + (stage_index < extra)
+        stage = object.__new__(type(self))  # shares every part; its own parts can be replaced
+        stage.__dict__ = {**self.__dict__, "_modules": dict(self._modules), "_parameters": dict(self._parameters),
+                          "_buffers": dict(self._buffers)}
+        stage.blocks = nn.ModuleList(b if start <= i < stop else nn.Identity() for i, b in enumerate(self.blocks))
+        if stage_index > 0:
+            stage.patch_embed = stage.cls_token = stage.pos_embed = None
+        if stage_index < num_stages - 1:
+            stage.norm = stage.head = None
+        return stage

@@ -90,9 +90,7 @@ class BestWeights(AddOn):
             return _test(view)
         saved = _snapshot(view.module, self.averages)
         try:
-            from runner.engine.parallel.state import load_full_model_state
-
-            load_full_model_state(view.module, state["model"])
+            parallel.load_model_state(view.module, state["model"])
             self.averages.load_state_dict(state["averages"])
             self.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
             metrics = _test(view)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, memory_estimate, parallel, preemption
+from runner.engine.parallel import pipeline
 
 from runner.addons import averaging, profiling
 
@@ -65,6 +66,7 @@ class RunResult:
     compile_seconds: float = 0.0  # wall time of the steps that compiled (not in the throughput)
     test_from: str = ""  # the weights the test metrics came from: "best@step 40", "last@step 60"
     pruned: str = ""     # why an Optuna pruner stopped the run (its caller raises optuna.TrialPruned); "" if not
+    pp_bubble: float | None = None  # parallelism.pp: this rank's measured pipeline bubble (parallel/pipeline.py step_bubble)
 
 
 class Engine:
@@ -113,14 +115,22 @@ class Engine:
         # before the wrap (FSDP shards in place): the FLOPs of every micro-batch are counted on a meta twin of the model
         self.flop_count, flop_rate = flops.measure(self.module, stand_in, spec, self.device, self.pass_labels,
                                                    self.env.world)
-        tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: before checkpointing and the data-parallel wrap
+        # parallelism.pp: this rank's stages; self.module is then this rank's part of the model (whole-model names)
+        self.pipeline = self._pipeline(spec) if self.env.dims.pp > 1 else None
+        if self.pipeline is not None:
+            self.module = self.pipeline.module
+        tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: after the pipeline's cut, before checkpointing and the data-parallel wrap
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
-        self.model = parallel.wrap(self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
-                                   # parameters unfrozen mid-run must still be reduced across ranks
-                                   find_unused=spec.model.unfreeze_after_epochs is not None)
+        # under pp the schedule calls the stages, not a wrapper: the pipeline averages over dp_replicate itself
+        self.model = self.module if self.pipeline is not None else parallel.wrap(
+            self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
+            # parameters unfrozen mid-run must still be reduced across ranks
+            find_unused=spec.model.unfreeze_after_epochs is not None)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
+        if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
+            self.model = torch.nn.ModuleList(self.pipeline.stage_modules)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
         tensor_parallel.fit_optimizer(self.optimizer)
         self.progress = Progress()
@@ -134,6 +144,7 @@ class Engine:
         self.view = self._view()
         self.addons = AddOns([*self._addons(spec, data), *components.build_callbacks(spec), *addons], self.view)
         self.finished, self.final, self.test_from = False, {}, ""
+        self._eval_names: list[str] | None = None  # under pp: the metric sums' names, for the stages without the head
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
@@ -208,7 +219,7 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                if self.spec.trainer.memory_estimate:
+                if self.spec.trainer.memory_estimate and self.pipeline is None:  # its micro-step calls the whole model
                     memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
                                            self.train_loader, self._micro_loss)
                 with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
@@ -222,6 +233,8 @@ class Engine:
                 self.monitor.close()
             else:
                 self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
+            if self.pipeline is not None and self.pipeline.bubble() is not None:  # rank 0's: the first stage's
+                self.tracker.set_tags({"pp_bubble": f"{self.pipeline.bubble():.4f}"})
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()
@@ -237,7 +250,7 @@ class Engine:
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
                          rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.test_from,
-                         stop.reason if stop.pruned else "")
+                         stop.reason if stop.pruned else "", self.pipeline.bubble() if self.pipeline else None)
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
@@ -302,6 +315,8 @@ class Engine:
         # data-parallel replicas, so each one's sum is scaled by dp degree / (units on all replicas),
         # whatever each holds.
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
+        if self.pipeline is not None:
+            return self._pipeline_step(step_batches, counts)
         losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
             total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
@@ -324,6 +339,41 @@ class Engine:
             if self.precision.step(self.optimizer):
                 self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.last_step_flops = step_flops
+        return loss_sum, sum(counts), grad_norm
+
+    def _pipeline(self, spec: RunSpec) -> "pipeline.Pipeline":
+        pipeline.check_composition(spec, self.env.dims)
+
+        def loss_sum(output, labels: torch.Tensor) -> torch.Tensor:
+            return batches.loss_sum(output, tasks.Batch(None, labels), 0, self.task, spec.model.target)
+
+        return pipeline.Pipeline(self.module, spec.parallelism, self.env, self.device, spec.dataset.batch_size,
+                                 spec.model.target, loss_sum)
+
+    def _pipeline_step(self, step_batches: list, counts: list[int]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """train_step under pp: the schedule runs each accumulation micro-batch (its own micro-batches
+        inside), the loss scaled by the units of the whole step; the loss sum reaches every stage."""
+        total = parallel.global_count(sum(counts), self.device)
+        scale = self.env.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+        losses, step_flops = [], 0.0
+        for batch in step_batches:
+            batch = self._prepare(batch, train=True)
+            if not batch.empty:
+                step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
+            with self.precision.autocast():
+                losses.append(self.pipeline.train(batch.inputs, batch.labels, _rows(batch), batch.empty, scale))
+        loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
+        self.pipeline.sync_tied_gradients()
+        self.pipeline.average_over_replicas()
+        trainer = self.spec.trainer
+        grad_norm = None
+        if trainer.clip_grad_norm is not None or trainer.clip_grad_value is not None or \
+                self.monitor.is_log_step(self.progress.step + 1):
+            grad_norm = self.pipeline.clip_gradients(trainer.clip_grad_norm, trainer.clip_grad_value)
+        if self.precision.step(self.optimizer):
+            self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.last_step_flops = step_flops
         return loss_sum, sum(counts), grad_norm
 
@@ -393,13 +443,29 @@ class Engine:
         for raw in self.eval_loaders[split]:
             batch = self._prepare(batches.split_batch(raw), train=False)
             n = 0 if batch.empty else self.task.count(batch.labels)
-            for name, value in batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target).items():
+            if self.pipeline is not None:  # the metric sums of the last stage (0 elsewhere) reach every stage
+                sums = self._pipeline_eval_sums(batch, n)
+            else:
+                sums = batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target)
+            for name, value in sums.items():
                 totals[name] = totals.get(name, 0) + value.double()
             count += n
         names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
+        if self.pipeline is not None:
+            totals = dict(zip(names, self.pipeline.sum_over_stages([totals[n] for n in names])))
         values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])
         *sums, n = [v.item() for v in values]
         return tasks.metric_values(self.task, dict(zip(names, sums)), n, split)
+
+    def _pipeline_eval_sums(self, batch: tasks.Batch, count: int) -> dict[str, torch.Tensor]:
+        """The task's evaluation sums of one batch through the pipeline: the last stage's, zeros of the same
+        names elsewhere."""
+        with self.precision.autocast():
+            output = self.pipeline.forward(batch.inputs, batch.labels, _rows(batch))
+        sums = None if output is None else batches.eval_sums(output, batch, count, self.task, self.spec.model.target)
+        if self._eval_names is None:  # once: the last stage tells the others
+            self._eval_names = self.pipeline.agree(sorted(sums) if sums is not None else None)
+        return sums if sums is not None else {name: torch.zeros((), device=self.device) for name in self._eval_names}
 
     def _evaluate_and_watch(self) -> Stop | None:
         """Validates once per step, whatever asks; returns why training stops here (pruned, early stopping)."""
@@ -424,7 +490,10 @@ class Engine:
         if not self.spec.trainer.save_checkpoints:  # debug=fast: nothing to resume from is wanted
             return None
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
-        model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
+        if self.pipeline is not None:  # every stage's part merged: the whole model's state at any mesh
+            model_state, optim_state = self.pipeline.full_state(self.optimizer)
+        else:
+            model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
         log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
         addons = self.addons.state_dict()  # every rank: the averages' full tensors are a collective under fsdp
@@ -472,7 +541,10 @@ class Engine:
 
     def _load_state(self, state: dict) -> None:
         try:
-            parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+            if self.pipeline is not None:  # this rank's stages' keys of the whole model's state
+                self.pipeline.load_full_state(self.optimizer, state["model"], state["optimizer"])
+            else:
+                parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
         tensor_parallel.fit_optimizer(self.optimizer)  # the checkpoint's groups carry the kernel flags of its own mesh
@@ -497,6 +569,13 @@ class Engine:
                 self.resumed_from["runner.resumed_from_run"] = source_run
         log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
                  self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _rows(batch: tasks.Batch) -> int:
+    """The batch's number of samples (its first tensor's first dimension)."""
+    inputs = batch.inputs
+    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor)) if isinstance(inputs, dict) else inputs
+    return first.shape[0]
 
 
 def _inside(path: Path, directory: Path) -> bool:

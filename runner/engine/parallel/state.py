@@ -32,6 +32,9 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
 
 def full_model_state(module: nn.Module) -> dict:
     """The model's state as full tensors on the CPU (a collective under fsdp: every rank calls it)."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    if pipeline is not None:  # this rank's stages: every stage's part merged (parallel/pipeline.py)
+        return pipeline.full_model_state()
     # imported here: torch.distributed.checkpoint costs 0.7 s of start-up before the first training line
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -42,6 +45,15 @@ def full_model_state(module: nn.Module) -> dict:
             if name in state:
                 state[name] = value
     return state
+
+
+def load_model_state(module: nn.Module, model_state: dict) -> None:
+    """The whole model's full state into `module`, wrapped or one rank's pipeline stages."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    if pipeline is not None:
+        pipeline.load_model_state(model_state)
+        return
+    load_full_model_state(module, model_state)
 
 
 def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:

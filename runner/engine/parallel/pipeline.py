@@ -1,0 +1,474 @@
+"""Pipeline parallelism: the model cut into consecutive stages on mesh["pp"], run by a schedule of
+torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B, looped BFS, the zero-bubble ones).
+
+Stages come from the run's plan (`parallelism.pp_plan`: fn(model, stage_index, num_stages, **params) ->
+module) or the model's own `pipeline_stage(stage_index, num_stages)`. A stage keeps the whole model's
+parameter names (parts outside it are nn.Identity or None), so this rank's part of the model, `module`,
+has the whole model's names too: its state dict is the whole model's restricted to this rank, and one
+checkpoint layout loads at any mesh (full_state merges the ranks' parts on rank 0).
+
+Exactness: every pp rank gets the same batch. Each batch is cut into `pp_microbatches` micro-batches of
+one size (ceil(per-rank batch / micro-batches) rows; the schedule's receive buffers have fixed shapes), the
+rows past the batch's end repeating its last row and counting nothing in the loss. The loss is the task's,
+summed over each micro-batch's real rows in the last stage and multiplied by the step's scale (the engine's:
+dp degree / units of the whole step), so micro-batches of unequal counts change nothing; the schedule
+does not scale gradients (scale_grads=False). A parameter the whole model shares between stages (gpt's
+lm head tied to the token embedding) has a copy in each stage holding it: its gradient is summed over
+those stages before the optimizer step (as Megatron does), so the copies stay equal, and the gradient
+norm counts it once.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runner.engine.parallel.mesh import DistEnv
+from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec
+from runner.spec.run import SpecError
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def stages_per_rank(par: ParallelismSpec) -> int:
+    """pp_stages_per_rank with -1 resolved: 1 for gpipe/1f1b, 2 for the multi-stage schedules."""
+    if par.pp_stages_per_rank != -1:
+        return par.pp_stages_per_rank
+    return 2 if par.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def check_pipeline(par: ParallelismSpec, per_rank_batch: int) -> None:
+    """What can be refused from the keys alone (before any process group)."""
+    per_rank = stages_per_rank(par)
+    if par.pp_schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule={par.pp_schedule}, which runs one "
+                        f"stage per rank; use 1 (or -1), or a multi-stage schedule ({', '.join(MULTI_STAGE_SCHEDULES)})")
+    if par.pp_schedule in MULTI_STAGE_SCHEDULES and per_rank < 2:
+        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule={par.pp_schedule}, which "
+                        "interleaves several stages per rank; use 2 or more (or -1), or pp_schedule=gpipe or 1f1b")
+    if par.pp_schedule == "zbv_zero_bubble" and per_rank != 2:
+        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule=zbv_zero_bubble, whose V shape "
+                        "holds exactly 2 stages per rank; use 2 (or -1)")
+    micro = microbatches(par)
+    if micro > per_rank_batch:
+        raise SpecError(f"parallelism.pp_microbatches: {micro} micro-batches cannot be cut from a per-rank batch of "
+                        f"{per_rank_batch} (dataset.batch_size); use at most {per_rank_batch}, or a larger batch")
+
+
+def check_composition(spec: Any, dims: Any) -> None:
+    """What pipeline parallelism does not combine with (yet), refused in one line before anything starts."""
+    par, trainer = spec.parallelism, spec.trainer
+    refused = [
+        (par.tp > 1, f"parallelism.tp: {par.tp} with parallelism.pp={par.pp}: pp x tp is not built yet; use one of them"),
+        (par.cp > 1, f"parallelism.cp: {par.cp} with parallelism.pp={par.pp}: pp x cp is not built yet; use one of them"),
+        (dims.dp_shard > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp}: pp x fsdp is not built "
+                            "yet; use pp with dp_replicate (ddp) or pp alone"),
+        (trainer.ema.decay is not None, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet "
+                                        f"(parallelism.pp={par.pp}); drop trainer.ema or use pp=1"),
+        (trainer.swa.start_epoch is not None, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet "
+                                              f"(parallelism.pp={par.pp}); drop trainer.swa or use pp=1"),
+        (spec.precision.name == "fp16", f"precision: fp16's loss scaling is not built into the pipeline schedules "
+                                        f"(parallelism.pp={par.pp}); use precision=bf16 or fp32"),
+        (bool(trainer.compile), f"trainer.compile: {trainer.compile} with parallelism.pp={par.pp}: compiling the "
+                                "stages is not built yet; use trainer.compile=false"),
+        (spec.tracking.log_model != "none", f"tracking.log_model: {spec.tracking.log_model} with parallelism.pp="
+                                            f"{par.pp} is not built yet; log the checkpoint's model after the run "
+                                            "(python -m runner.results ... or runner export) or use none"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise SpecError(message)
+
+
+def microbatches(par: ParallelismSpec) -> int:
+    """pp_microbatches with -1 resolved: the number of stages."""
+    return par.pp_microbatches if par.pp_microbatches != -1 else par.pp * stages_per_rank(par)
+
+
+def stage_indices(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stages a rank holds, as torch's schedules expect them: rank r holds r, r + pp, ... (looped and
+    interleaved), or r and 2pp - 1 - r (the V of zbv)."""
+    if schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + j * pp for j in range(per_rank)]
+
+
+def cut_stage(module: nn.Module, plan: Any, model_name: str, stage_index: int, num_stages: int) -> nn.Module:
+    """One stage by the user's plan or the model's own pipeline_stage; refused in one line otherwise."""
+    if plan is not None:
+        from runner.spec.components import load_target
+
+        fn = load_target("parallelism.pp_plan", plan.target)
+        call, key = (lambda: fn(module, stage_index, num_stages, **plan.params)), "parallelism.pp_plan"
+    elif hasattr(module, "pipeline_stage"):
+        call, key = (lambda: module.pipeline_stage(stage_index, num_stages)), "parallelism.pp"
+    else:
+        raise SpecError(f"parallelism.pp: {model_name} has no pipeline plan (no pipeline_stage method); set "
+                        "parallelism.pp_plan={_target_: my_pkg.stage} (fn(model, stage_index, num_stages) -> the "
+                        "stage's module), or use parallelism.pp=1")
+    try:
+        stage = call()
+    except ValueError as e:
+        raise SpecError(f"{key}: stage {stage_index} of {num_stages} cannot be cut from {model_name}: "
+                        f"{str(e).splitlines()[0]}") from None
+    if not isinstance(stage, nn.Module):
+        raise SpecError(f"parallelism.pp_plan: {plan.target if plan else model_name} returned "
+                        f"{type(stage).__name__}, not the stage's nn.Module")
+    return stage
+
+
+class Pipeline:
+    """This rank's stages, their schedule, and `module`: this rank's part of the model under the whole
+    model's parameter names (what the optimizer, checkpoints and the averages see)."""
+
+    def __init__(self, model: nn.Module, par: ParallelismSpec, env: DistEnv, device: torch.device,
+                 per_rank_batch: int, model_name: str, loss_sum: Callable[[Any, torch.Tensor], torch.Tensor]):
+        from torch.distributed.pipelining import PipelineStage
+
+        check_pipeline(par, per_rank_batch)
+        self.group = env.mesh["pp"].get_group()
+        self.dp = env.dims.dp_replicate
+        self.dp_group = env.mesh["dp_replicate"].get_group() if self.dp > 1 else None
+        self.pp, self.pp_rank = par.pp, dist.get_rank(self.group)
+        self.num_stages = par.pp * stages_per_rank(par)
+        self.microbatches = microbatches(par)
+        self.rows = -(-per_rank_batch // self.microbatches)  # rows of every micro-batch
+        self.loss_sum = loss_sum  # (output, labels) -> the task's loss summed over the labels' units
+        # the whole model's layout, before any cut: one checkpoint layout at every mesh
+        self.full_keys = list(model.state_dict().keys())
+        self.param_order = [n for n, _ in model.named_parameters()]
+        shared: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(p), []).append(name)
+        self.tied = [names for names in shared.values() if len(names) > 1]
+        shapes = dict(model.named_parameters(remove_duplicate=False))
+        self.tied_shapes = [shapes[names[0]].shape for names in self.tied]
+
+        self.indices = stage_indices(par.pp_schedule, self.pp_rank, self.pp, stages_per_rank(par))
+        cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages).to(device) for i in self.indices]
+        self.stage_modules = cut
+        self.module = _rank_part(model, cut)
+        self.module._runner_pipeline = self  # full_model_state/load_model_state (state.py) merge every stage's part
+        self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group)
+                       for m, i in zip(cut, self.indices)]
+        self.schedule_name = par.pp_schedule
+        self.schedule = self._schedule(par.pp_schedule)
+        self._signature: tuple | None = None
+        self._step: dict[str, Any] = {}
+        # which pp ranks hold a copy of each tied parameter: its gradient is summed over them, its norm
+        # counted on the first of them only
+        local = {n for m in cut for n, _ in m.named_parameters(remove_duplicate=False)}
+        held = [[n in local for n in names] for names in self.tied]
+        every = [None] * self.pp
+        dist.all_gather_object(every, [any(h) for h in held], group=self.group)
+        self.tied_owner = [min(r for r in range(self.pp) if every[r][g]) if any(e[g] for e in every) else -1
+                           for g in range(len(self.tied))]
+        self.is_last = any(s.is_last for s in self.stages)
+        # the bubble (step_bubble): this rank's seconds computing its stages' chunks (forward, backward,
+        # weight gradients) against its seconds inside the training schedule's steps
+        self.busy_seconds = self.schedule_seconds = 0.0
+        for stage in self.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+        self._timing = False
+
+    def _timed(self, compute: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if not self._timing:
+                return compute(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+        return timed
+
+    def bubble(self) -> float | None:
+        """This rank's measured bubble over the training steps so far (see step_bubble); None before any."""
+        return step_bubble(self.busy_seconds, self.schedule_seconds) if self.schedule_seconds else None
+
+    def _schedule(self, name: str):
+        from torch.distributed import pipelining as pl
+
+        classes = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+                   "looped_bfs": pl.ScheduleLoopedBFS, "interleaved_zero_bubble": pl.ScheduleInterleavedZeroBubble,
+                   "zbv_zero_bubble": pl.ScheduleZBVZeroBubble}
+        stages = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
+        try:
+            return classes[name](stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+        except ValueError as e:
+            raise SpecError(f"parallelism.pp_microbatches: {self.microbatches} with pp_schedule={name} and pp={self.pp}: "
+                            f"{str(e).splitlines()[0]}") from None
+
+    # --- one batch through the pipeline ---------------------------------------------------------------
+
+    def _loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of micro-batch `index`: the task's sum over its real rows, times the
+        step's scale. The schedule's metadata inference calls it too (on micro-batch 0), harmlessly."""
+        i = int(index)
+        real = self._step["real"][i]
+        if real == 0:  # rows past the batch's end only: they count nothing, but the backward still runs
+            loss = output.sum() * 0.0
+        else:
+            start = i * self.rows
+            loss = self.loss_sum(output[:real], self._step["labels"][start:start + real])
+        self._step["sums"][i] = loss.detach()
+        return loss * self._step["scale"]
+
+    def _split(self, inputs: Any, labels: torch.Tensor, rows: int, empty: bool) -> tuple[list, list, list]:
+        """Micro-batches of `self.rows` rows each, padded past the batch's end by repeating its last row."""
+        total = self.rows * self.microbatches
+        index = torch.arange(total, device=labels.device).clamp_(max=rows - 1)
+
+        def pad(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            return t.index_select(0, index.to(t.device)).split(self.rows)
+
+        self._step["real"] = [0 if empty else max(0, min(self.rows, rows - i * self.rows))
+                              for i in range(self.microbatches)]
+        if isinstance(inputs, dict):
+            parts = {k: pad(v) for k, v in inputs.items()}
+            kwarg_mbs = [{k: (v[i] if isinstance(v, tuple) else v) for k, v in parts.items()}
+                         for i in range(self.microbatches)]
+            arg_mbs = [()] * self.microbatches
+        else:
+            arg_mbs, kwarg_mbs = [(t,) for t in pad(inputs)], [{}] * self.microbatches
+        targets = [torch.tensor(i) for i in range(self.microbatches)]
+        return arg_mbs, kwarg_mbs, targets
+
+    def _reinit_on_new_shapes(self, arg_mbs: list, kwarg_mbs: list) -> None:
+        """The schedule infers its activation shapes once: a batch of other shapes (another sequence
+        length) makes it infer them again."""
+        signature = tuple(tuple(t.shape) for t in (*arg_mbs[0], *kwarg_mbs[0].values()) if isinstance(t, torch.Tensor))
+        if self._signature is not None and signature != self._signature:
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized", "_stages_forward_initialized",
+                         "_stages_backward_initialized"):
+                if hasattr(self.schedule, flag):
+                    setattr(self.schedule, flag, False)
+        self._signature = signature
+
+    def train(self, inputs: Any, labels: torch.Tensor, rows: int, empty: bool, scale: Any) -> torch.Tensor:
+        """Forward and backward of one batch (gradients accumulate); this rank's loss sum (0 unless it
+        holds the last stage)."""
+        self._step = {"labels": labels, "scale": scale, "sums": {}}
+        arg_mbs, kwarg_mbs, targets = self._split(inputs, labels, rows, empty)
+        self._reinit_on_new_shapes(arg_mbs, kwarg_mbs)
+        started, self._timing = time.perf_counter(), True
+        try:
+            self.schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets, return_outputs=False)
+        finally:
+            self._timing = False
+        self.schedule_seconds += time.perf_counter() - started
+        sums = self._step["sums"]
+        return torch.stack([sums[i] for i in range(self.microbatches)]).sum() if self.is_last and sums \
+            else torch.zeros((), device=labels.device)
+
+    @torch.no_grad()
+    def forward(self, inputs: Any, labels: torch.Tensor, rows: int) -> Any:
+        """The model's output for the batch's real rows on the rank holding the last stage; None elsewhere."""
+        self._step = {"labels": labels, "scale": 1.0, "sums": {}}
+        arg_mbs, kwarg_mbs, targets = self._split(inputs, labels, rows, empty=False)
+        self._reinit_on_new_shapes(arg_mbs, kwarg_mbs)
+        if self.schedule_name != "zbv_zero_bubble":
+            output = self.schedule.eval(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets)
+        else:
+            # torch 2.14's ZBV runs its backward actions in eval() too ("can't steal_bwd_input if this stage
+            # doesn't have backward"): a training step with a zero loss instead, its (zero) gradients dropped
+            self._step["scale"] = 0.0
+            with torch.enable_grad():
+                output = self.schedule.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=targets)
+            for p in self.module.parameters():
+                p.grad = None
+        return output[:rows].detach() if self.is_last else None
+
+    def train_mode(self, training: bool) -> None:
+        for m in self.stage_modules:
+            m.train(training)
+
+    # --- the optimizer step -------------------------------------------------------------------------
+
+    def sum_over_stages(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sums over the pp group (the last stage's loss and metric sums reach every rank)."""
+        flat = torch.stack([v.double() for v in values])
+        dist.all_reduce(flat, group=self.group)
+        return list(flat.unbind())
+
+    def agree(self, value: Any) -> Any:
+        """The value the rank holding the last stage has (None on the others)."""
+        every = [None] * self.pp
+        dist.all_gather_object(every, value, group=self.group)
+        return next(v for v in every if v is not None)
+
+    def average_over_replicas(self) -> None:
+        """pp x ddp: each stage's gradients averaged over the data-parallel replicas of that stage (the loss
+        scale holds dp degree / units of every replica, as under DDP)."""
+        if self.dp_group is None:
+            return
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(self.dp)
+
+    def sync_tied_gradients(self) -> None:
+        """A parameter the whole model shares between stages gets the sum of its copies' gradients."""
+        for names, shape in zip(self.tied, self.tied_shapes):
+            copies = {id(p): p for m in self.stage_modules for n, p in m.named_parameters(remove_duplicate=False)
+                      if n in names}
+            params = list(copies.values())
+            grad = torch.zeros(shape, device=self.stages[0].device)
+            for p in params:
+                if p.grad is not None:
+                    grad += p.grad
+            dist.all_reduce(grad, group=self.group)
+            for p in params:
+                p.grad = grad.clone() if len(params) > 1 else grad
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters whose gradient counts in the global norm: a tied parameter's on its first
+        holder only."""
+        skip: set[int] = set()
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        for g, names in enumerate(self.tied):
+            if self.tied_owner[g] != self.pp_rank:
+                skip.update(id(named[n]) for n in names if n in named)
+        return [p for p in self.module.parameters() if id(p) not in skip]
+
+    def clip_gradients(self, max_norm: float | None, max_value: float | None) -> torch.Tensor:
+        """Clipping with the norm over every stage (sum of squares across the pp group); the norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, max_value)
+        counted = [p.grad for p in self.norm_parameters() if p.grad is not None]
+        square = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in counted]).sum() if counted \
+            else torch.zeros((), device=self.stages[0].device)
+        dist.all_reduce(square, group=self.group)
+        norm = square.sqrt()
+        if max_norm is not None:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    # --- checkpoints: the whole model on rank 0 -------------------------------------------------------
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The whole model's and optimizer's full state, merged from every stage (complete on rank 0,
+        which writes it; a collective: every rank calls it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.utils._pytree import tree_map
+
+        from runner.engine.parallel.collectives import gather_objects
+
+        # not cpu_offload: with it torch hands a full state to rank 0 only, and every stage's is needed here
+        own = get_state_dict(self.module, optimizer, options=StateDictOptions(full_state_dict=True))
+        parts = gather_objects(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, own))
+        canonical = {n: names[0] for names in self.tied for n in names}
+        model = self._merged_model([part for part, _ in parts])
+        state: dict = {}
+        groups: list[dict] = []
+        for _, part in parts:  # every name of a shared parameter, as the whole model's state dict has them
+            for name, value in part["state"].items():
+                state.setdefault(canonical.get(name, name), value)
+            for g, group in enumerate(part["param_groups"]):
+                if g == len(groups):
+                    groups.append({**group, "params": []})
+                groups[g]["params"] += [canonical.get(n, n) for n in group["params"]]
+        order = {n: i for i, n in enumerate(self.param_order)}
+        for group in groups:
+            group["params"] = sorted(set(group["params"]), key=order.__getitem__)
+        return model, {"state": {n: state[n] for n in self.param_order if n in state}, "param_groups": groups}
+
+    def _merged_model(self, parts: list[dict]) -> dict:
+        model: dict = {}
+        for part in parts:
+            model.update(part)
+        for names in self.tied:  # every name of a shared parameter, as the whole model's state dict has them
+            value = next((model[n] for n in names if n in model), None)
+            if value is not None:
+                model.update({n: value for n in names})
+        return {k: model[k] for k in self.full_keys if k in model}
+
+    def full_model_state(self) -> dict:
+        """The whole model's state as full CPU tensors, merged from every stage (a collective)."""
+        from runner.engine.parallel.collectives import gather_objects
+
+        own = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return self._merged_model(gather_objects(own))
+
+    def load_model_state(self, model_state: dict) -> None:
+        """The whole model's weights into this rank's stages (their keys only)."""
+        keys = set(self.module.state_dict().keys())
+        self.module.load_state_dict({k: v for k, v in model_state.items() if k in keys})
+
+    def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+        """The whole model's state (from any mesh) into this rank's stages: their keys only."""
+        from runner.engine.parallel.state import load_full_state
+
+        local_names = [n for n, _ in self.module.named_parameters()]
+        local = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        # a shared parameter is keyed by its first name in the whole model; here by its first name on this rank
+        rename = {}
+        for names in self.tied:
+            here = [n for n in local_names if n in names]
+            if here:
+                rename[names[0]] = here[0]
+        keys = set(self.module.state_dict().keys())
+        missing = keys - model_state.keys()
+        if missing:
+            raise KeyError(f"the checkpoint has no {sorted(missing)[0]}")
+        model = {k: v for k, v in model_state.items() if k in keys}
+        state = {rename.get(n, n): v for n, v in optim_state.get("state", {}).items() if rename.get(n, n) in local}
+        groups = []
+        for group in optim_state["param_groups"]:
+            params = [rename.get(n, n) for n in group["params"] if rename.get(n, n) in local]
+            if params:
+                groups.append({**group, "params": params})
+        load_full_state(self.module, optimizer, model, {"state": state, "param_groups": groups})
+
+
+def _rank_part(model: nn.Module, stages: list[nn.Module]) -> nn.Module:
+    """`model` holding only what this rank's stages hold, under the same names: each of their parameters
+    and buffers (the stage's own object where a plan copied it), every other part None."""
+    keep: dict[str, Any] = {}
+    for stage in stages:
+        for name, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
+            keep.setdefault(name, t)
+    _keep_only(model, "", keep)
+    return model
+
+
+def _keep_only(module: nn.Module, prefix: str, keep: dict[str, Any]) -> None:
+    for name in list(module._parameters):
+        full = prefix + name
+        if module._parameters[name] is not None:
+            module._parameters[name] = keep.get(full)
+    for name in list(module._buffers):
+        full = prefix + name
+        if module._buffers[name] is not None:
+            if full in keep:
+                module._buffers[name] = keep[full]
+            else:
+                del module._buffers[name]
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        inner = prefix + name + "."
+        if any(k.startswith(inner) for k in keep):
+            _keep_only(child, inner, keep)
+        elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+            module._modules[name] = None  # a stateless part (dropout, an activation) stays: it holds nothing
+
+
+def step_bubble(busy_seconds: float, step_seconds: float) -> float:
+    """The measured bubble of one rank: the share of its schedule time spent outside its own stages'
+    compute (waiting for a neighbour, or sending and receiving), 1 - busy / step. With p equal stages and m
+    micro-batches the theory for GPipe and 1F1B is (p - 1) / (m + p - 1) (each rank idles p - 1 of the
+    m + p - 1 slots of forward and of backward); the interleaved schedules with v stages per rank divide the
+    idle slots by v: (p - 1) / (v m + p - 1). The measured figure also holds the communication time, which
+    the theory leaves out."""
+    return max(0.0, 1.0 - busy_seconds / step_seconds) if step_seconds > 0 else 0.0
