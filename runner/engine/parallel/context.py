@@ -97,10 +97,11 @@ def check_model(model: torch.nn.Module, target: str) -> None:
 
 @contextlib.contextmanager
 def for_step(cp_mesh: Any, batch: Any) -> Iterator[Any]:
-    """The micro-batch this rank computes on. Without CP (cp_mesh None) the batch itself. Under CP: its
-    token ids, labels and positions sharded in place along the sequence on `cp_mesh` (the token ids and
-    labels restored when the context closes), the inputs given as {"input_ids", "positions"}, and SDPA
-    dispatched to ring attention while the context is open."""
+    """The micro-batch this rank computes on. Without CP (cp_mesh None) the batch itself. Under CP: copies
+    of its token ids and labels, and their positions, sharded along the sequence on `cp_mesh` (torch's
+    load balancing: with 2 ranks, rank 0 holds the first and last quarter), the inputs given as
+    {"input_ids", "positions"}, and SDPA dispatched to ring attention while the context is open. The
+    batch given is left as it was."""
     if cp_mesh is None or getattr(batch, "empty", False):
         yield batch
         return
@@ -112,12 +113,14 @@ def for_step(cp_mesh: Any, batch: Any) -> Iterator[Any]:
     if length % (2 * cp):  # the causal load balancer cuts each sequence into 2 x cp chunks
         raise SpecError(f"parallelism.cp: {cp} splits each sequence into {2 * cp} chunks, but a batch holds "
                         f"sequences of {length} tokens; use a sequence length divisible by {2 * cp}")
-    input_ids, labels = input_ids.contiguous(), batch.labels.contiguous()
+    # copies: the sharding resizes its buffers in place, and a batch may be a view of the dataset's tensor
+    input_ids, labels = input_ids.clone(memory_format=torch.contiguous_format), batch.labels.clone(
+        memory_format=torch.contiguous_format)
     positions = torch.arange(length, device=input_ids.device)
     extra = {k: v for k, v in inputs.items() if k != "input_ids"} if isinstance(inputs, dict) else {}
     extra.pop("attention_mask", None)  # causal attention ignores right padding (see models/gpt.py)
     with context_parallel(cp_mesh, buffers=[input_ids, labels, positions], buffer_seq_dims=[1, 1, 0],
-                          no_restore_buffers={positions}):
+                          no_restore_buffers={input_ids, labels, positions}):
         yield dataclasses.replace(batch, inputs={**extra, "input_ids": input_ids, POSITIONS: positions},
                                   labels=labels)
 
