@@ -169,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
           f"median of {args.steps - args.warmup} steps from the logged throughput", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         runs = Runs(Path(tmp), base, args.threads)
-        one = Row("one process", 1, step_seconds(runs.throughputs("one", [f"dataset.batch_size={args.batch}"]),
-                                                 units, args.warmup))
+        try:
+            one = Row("one process", 1, step_seconds(runs.throughputs("one", [f"dataset.batch_size={args.batch}"]),
+                                                     units, args.warmup))
+        except RuntimeError as e:  # nothing to compare against
+            sys.exit(f"the one-process run failed: {e}")
         print(HEADER)
         print(line(one, one), flush=True)
         for case in (c for c in cases(args.nproc, args.microbatches) if args.only in c.name):

@@ -8,18 +8,22 @@ given, models/gpt.py). Under CP a rank holds a load-balanced, not contiguous, sh
 so the positions are sharded with the tokens and the labels, never recomputed from the local length.
 
 The loss stays normalised by the step's global unit count: the engine counts the units of the whole
-batch before the batch is sharded (every cp rank of a data-parallel replica counts the same tokens),
-and each cp rank's loss sum covers its share of them. Gradients are then summed over the cp ranks as
-over the data-parallel ones (the data-parallel wrap reduces over dp x cp, as torchtitan's dp_shard_cp).
+batch before the batch is sharded (every cp rank of a data-parallel replica counts the same tokens, and
+the count is reduced over the data-parallel group only), and each cp rank's loss sum covers its share
+of them. The gradient of the replica's loss is then the sum of its cp ranks' gradients: `sum_gradients`
+adds them up over the cp group once the step's last backward is done (the data-parallel wrap, over
+dp_replicate/dp_shard only, averages across replicas as without CP; every cp rank of one dp_shard index
+holds the same shard, so summing the local shards is exact).
 
-The engine's train step enters `for_step` around the forward AND the backward of each micro-batch
-(ring attention's backward runs under the same patch):
+The engine's train step needs, where its micro-batches run (ring attention's backward runs under the
+same patch as its forward, so `for_step` wraps both):
 
     self.cp_mesh = self.env.submesh("cp")                   # Engine.__init__; None without CP
-    check_model(self.model, self.spec.model.target)         # Engine.__init__, when self.cp_mesh is set
-    with context.for_step(self.cp_mesh, batch) as batch:    # train_step, around forward and backward
-        ...forward, loss sum, backward as today...
-    loss = context.whole_sequence(loss.detach(), self.cp_mesh)  # the logged loss: every cp rank's share
+    context.check_model(self.model, spec.model.target)      # Engine.__init__, when self.cp_mesh is set
+    with context.for_step(self.cp_mesh, batch) as batch:    # train_step: around forward, loss sum, backward
+    context.sum_gradients(self.model, self.cp_mesh)         # train_step: after the loop, before clipping
+    loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)  # train_step: the logged loss, every share
+Evaluation may run without it (each cp rank then computes the whole sequence: correct, no memory saved).
 
 This cannot run on a CPU (torch's CP attention is CUDA-only): the CPU refusal is `check_context_parallel`.
 """
@@ -97,10 +101,11 @@ def check_model(model: torch.nn.Module, target: str) -> None:
 
 @contextlib.contextmanager
 def for_step(cp_mesh: Any, batch: Any) -> Iterator[Any]:
-    """The micro-batch this rank computes on. Without CP (cp_mesh None) the batch itself. Under CP: its
-    token ids, labels and positions sharded in place along the sequence on `cp_mesh` (the token ids and
-    labels restored when the context closes), the inputs given as {"input_ids", "positions"}, and SDPA
-    dispatched to ring attention while the context is open."""
+    """The micro-batch this rank computes on. Without CP (cp_mesh None) the batch itself. Under CP: copies
+    of its token ids and labels, and their positions, sharded along the sequence on `cp_mesh` (torch's
+    load balancing: with 2 ranks, rank 0 holds the first and last quarter), the inputs given as
+    {"input_ids", "positions"}, and SDPA dispatched to ring attention while the context is open. The
+    batch given is left as it was."""
     if cp_mesh is None or getattr(batch, "empty", False):
         yield batch
         return
@@ -112,12 +117,14 @@ def for_step(cp_mesh: Any, batch: Any) -> Iterator[Any]:
     if length % (2 * cp):  # the causal load balancer cuts each sequence into 2 x cp chunks
         raise SpecError(f"parallelism.cp: {cp} splits each sequence into {2 * cp} chunks, but a batch holds "
                         f"sequences of {length} tokens; use a sequence length divisible by {2 * cp}")
-    input_ids, labels = input_ids.contiguous(), batch.labels.contiguous()
+    # copies: the sharding resizes its buffers in place, and a batch may be a view of the dataset's tensor
+    input_ids, labels = input_ids.clone(memory_format=torch.contiguous_format), batch.labels.clone(
+        memory_format=torch.contiguous_format)
     positions = torch.arange(length, device=input_ids.device)
     extra = {k: v for k, v in inputs.items() if k != "input_ids"} if isinstance(inputs, dict) else {}
     extra.pop("attention_mask", None)  # causal attention ignores right padding (see models/gpt.py)
     with context_parallel(cp_mesh, buffers=[input_ids, labels, positions], buffer_seq_dims=[1, 1, 0],
-                          no_restore_buffers={positions}):
+                          no_restore_buffers={input_ids, labels, positions}):
         yield dataclasses.replace(batch, inputs={**extra, "input_ids": input_ids, POSITIONS: positions},
                                   labels=labels)
 
@@ -132,3 +139,17 @@ def whole_sequence(loss_sum: torch.Tensor, cp_mesh: Any) -> torch.Tensor:
     total = loss_sum.clone()
     dist.all_reduce(total, group=cp_mesh.get_group())
     return total
+
+
+def sum_gradients(model: torch.nn.Module, cp_mesh: Any) -> None:
+    """Each parameter's gradient summed over the cp ranks (each computed it from its share of the
+    sequences); a sharded (DTensor) gradient by its local shard, which the cp ranks hold alike."""
+    if cp_mesh is None:
+        return
+    import torch.distributed as dist
+
+    group = cp_mesh.get_group()
+    for param in model.parameters():
+        if param.grad is not None:
+            grad = param.grad
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
