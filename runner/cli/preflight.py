@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.cli import registry
 from runner.cli.run_dir import check_writable, under_torchrun
 from runner.spec.fields import did_you_mean
+from runner.spec.peer_names import peer_hint, peer_option_hint
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option
 
@@ -254,7 +255,8 @@ def _composition_error(error: Exception, config_name: str, overrides: list[str])
         available = [ln for ln in lines if ln.startswith("Available options")]
         choices = lines[lines.index(available[0]) + 1:] if available else []
         choices = choices[:next((i for i, ln in enumerate(choices) if ln.startswith("Config search path")), len(choices))]
-        return f"{group}: unknown option {option!r}; {did_you_mean(option, choices)}choose one of {', '.join(choices)}"
+        hint = peer_option_hint(group, option) or did_you_mean(option, choices)
+        return f"{group}: unknown option {option!r}; {hint}choose one of {', '.join(choices)}"
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return f"{cause.full_key}: {_first_line(cause)}"
     keys = [_key_of(line) for line in overrides]
@@ -284,11 +286,11 @@ def unknown_key_message(key: str, cfg: DictConfig) -> str:
         meta = _spec_field(parent, leaf)
         if meta is not None:  # a spec key that the chosen option does not take
             return f"{key}: {parent}={plain[parent].get('name')} has no {leaf} ({meta['help']})"
-    hint = did_you_mean(key, list(_dotted(plain)))
+    hint = peer_hint(key) or did_you_mean(key, list(_dotted(plain)))
     node = OmegaConf.select(cfg, parent) if parent else None
     if isinstance(node, DictConfig):
         return f"{key}: unknown key; {hint}keys under {parent}: {', '.join(sorted(str(k) for k in node))}"
-    return f"{key}: unknown key; {hint.strip() or 'python -m runner --cfg job shows every key'}"
+    return f"{key}: unknown key; {hint.strip().rstrip(';') or 'python -m runner --cfg job shows every key'}"
 
 
 def _spec_field(group: str, name: str) -> Any:

@@ -15,6 +15,8 @@ import typing
 from dataclasses import field, fields
 from typing import Any, Literal
 
+from runner.spec.peer_names import peer_hint
+
 
 class SpecError(ValueError):
     """Bad user input: one line naming the key, the bad value and what is allowed."""
@@ -38,7 +40,7 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         key = f"{prefix}{unknown[0]}"
         close = difflib.get_close_matches(unknown[0], list(known), n=1, cutoff=0.6)
-        hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        hint = peer_hint(key) or (f"did you mean {prefix}{close[0]}? " if close else "")
         raise SpecError(f"{key}: unknown key; {hint}allowed keys under {prefix[:-1] or 'the root'}: {', '.join(sorted(known))}")
     values = {}
     for name, value in data.items():

@@ -28,6 +28,7 @@ from runner.spec.model import ModelSpec
 from runner.spec.modes import EvalSpec, PredictSpec, WeightsSpec, check_mode
 from runner.spec.objective import ObjectiveSpec
 from runner.spec.optimizer import OptimizerSpec
+from runner.spec.peer_names import peer_option_hint
 from runner.spec.parallelism import ParallelismSpec, PlanSpec, check_parallelism
 from runner.spec.precision import PrecisionSpec
 from runner.spec.scheduler import SchedulerSpec
@@ -126,7 +127,8 @@ def check_option(group: str, value: Any, key: str | None = None, searchpath: tup
 
     allowed = registry.options(group, searchpath)
     if value not in allowed:
-        raise SpecError(f"{key or group}: unknown option {value!r}; {did_you_mean(str(value), allowed)}"
+        hint = peer_option_hint(group, str(value)) or did_you_mean(str(value), allowed)
+        raise SpecError(f"{key or group}: unknown option {value!r}; {hint}"
                         f"choose one of {', '.join(allowed)}")
 
 

@@ -42,9 +42,12 @@ class LrCurve:
         """The points with a finite loss, and their loss smoothed without lag (centred)."""
         points = [(lr, loss) for lr, loss in zip(self.lrs, self.losses) if math.isfinite(loss)]
         # the divergence's losses capped where the sweep's rule stops: a blow-up's thousands would
-        # otherwise lift the points half a window before it
+        # otherwise lift the points half a window before it. Only past the lowest loss: the losses before it,
+        # at the low learning rates, are drawn as measured (capped, a start at 2.3 showed as a flat 1.33)
         cap = self.diverge_factor * min((s for s in self.smoothed if math.isfinite(s)), default=math.inf)
-        return [lr for lr, _ in points], centred([min(loss, cap) for _, loss in points], self.smoothing)
+        lowest = min(range(len(points)), key=lambda i: points[i][1], default=0)
+        return [lr for lr, _ in points], centred([min(loss, cap) if i > lowest else loss
+                                                  for i, (_, loss) in enumerate(points)], self.smoothing)
 
 
 @dataclass

@@ -52,6 +52,21 @@ CASES = [
     case("~trainer.nope", "error: trainer.nope: Could not delete from config."),
     case("hydra.job.chdir=maybe", "error: hydra.job.chdir: Value 'maybe' is not a valid bool"),
     # --- unknown keys: the closest existing key
+    # what Lightning's and HF Trainer's users type: runner's key for it, not the nearest spelling (issue 26, 4)
+    case("trainer.accumulate_grad_batches=4", "error: trainer.accumulate_grad_batches: unknown key; Lightning's "
+         "accumulate_grad_batches is runner's +accum=N (accumulation.steps); keys under trainer:"),
+    case("trainer.gradient_clip_val=1", "error: trainer.gradient_clip_val: unknown key; Lightning's gradient_clip_val is "
+         "runner's trainer.clip_grad_norm"),
+    case("fast_dev_run=true", "error: fast_dev_run: unknown key; Lightning's fast_dev_run is runner's debug=fast", sub=True),
+    case("trainer.precision=bf16", "error: trainer.precision: unknown key; Lightning's precision is runner's precision "
+         "group: precision=bf16 (bf16-mixed)"),
+    case("precision=16-mixed", "error: precision: unknown option '16-mixed'; Lightning's precision=16-mixed is runner's "
+         "precision=fp16; choose one of"),
+    case("parallelism=fsdp2", "error: parallelism: unknown option 'fsdp2'; Lightning's strategy=fsdp2 is runner's "
+         "parallelism=fsdp; choose one of"),
+    case("learning_rate=0.1", "error: learning_rate: unknown key; HF Trainer's learning_rate is runner's optimizer.lr"),
+    case("optimizer.gradient_accumulation_steps=2", "error: optimizer.gradient_accumulation_steps: unknown key; HF "
+         "Trainer's gradient_accumulation_steps is runner's +accum=N"),
     case("optimizer.lrr=0.1", "error: optimizer.lrr: unknown key; did you mean optimizer.lr? keys under optimizer:",
          sub=True),
     case("trainer.max_epoch=3", "error: trainer.max_epoch: unknown key; did you mean trainer.max_epochs?", sub=True),

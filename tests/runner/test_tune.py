@@ -268,3 +268,14 @@ def test_a_finder_killed_mid_sweep_then_resumed_finds_again_and_trains_with_what
         assert again.returncode == 0, again.stderr[-3000:]
         assert line in again.stdout and (tmp_path / "run" / tune.FINDING_FILE).stat().st_mtime_ns == written_at
         assert "the finding recorded in" in again.stdout + again.stderr
+
+
+def test_lr_find_draws_the_low_learning_rates_losses_as_measured_and_caps_only_the_divergence() -> None:
+    from runner.tune.lr_find import LrCurve
+
+    losses = [2.3, 2.3, 2.2, 1.5, 0.6, 0.33, 0.35, 0.9, 40.0, 5000.0]
+    curve = LrCurve(lrs=[10 ** (-6 + i / 2) for i in range(len(losses))], losses=losses, smoothed=list(losses),
+                    smoothing=0.0, diverge_factor=4.0)
+    lrs, drawn = curve.finite()
+    assert drawn[:6] == losses[:6]  # before: min(2.3, 4 x 0.33) = 1.32 for the first three points
+    assert drawn[6:] == [0.35, 0.9, 1.32, 1.32]  # past the lowest loss, the blow-up is capped at 4 x its minimum

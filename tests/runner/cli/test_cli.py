@@ -53,7 +53,8 @@ def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(t
     assert proc.returncode == (2 if "=" in args[0] else 0), proc.stderr[-2000:]
     if "--help" in args:  # runner's own help: its groups, the shorthand, multiruns, completion, where to read more
         for text in ("\noptimizer: adafactor, ", "+accum=4", "-m optimizer=sgd,adamw", 'eval "$(runner -sc install=bash)"',
-                     "README.md", "--hydra-help"):
+                     "README.md", "--hydra-help", "mode=eval trainer.resume=<run>", "mode=predict trainer.resume=<run>",
+                     "mode=export trainer.resume=<run>", "runner reproduce <run id>", "runner compare <experiment"):
             assert text in proc.stdout, text
     if "--cfg" in args:  # the shorthand shows as the key it sets, once
         assert "\naccumulation:\n  steps: 4\n" in proc.stdout and "accum:" not in proc.stdout
