@@ -221,6 +221,24 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, dims, message", [
+    (["trainer.ema.decay=0.99"], {}, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet"),
+    (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
+    (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
+    ([], {"dp_shard": 2}, "parallelism.dp_shard: 2 with parallelism.pp=2: pp x fsdp is not built yet"),
+    (["parallelism.tp=2"], {"tp": 2}, "parallelism.tp: 2 with parallelism.pp=2: pp x tp is not built yet"),
+])
+def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
+                                                                             dims: dict, message: str) -> None:
+    from runner.engine.parallel import ParallelDims
+    from runner.engine.parallel.pipeline import check_composition
+
+    spec = compose_spec([*GPT, *PP2, *overrides], tmp_path)
+    with pytest.raises(SpecError) as e:
+        check_composition(spec, ParallelDims(**{"pp": 2, **dims}))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
 def test_more_stages_than_blocks_are_refused_in_one_line() -> None:
     from runner.engine.parallel.pipeline import cut_stage
     from runner.models.gpt import GPT
