@@ -172,7 +172,7 @@ def test_early_stopping_and_the_test_on_best_weights_run_through_the_pipeline_li
 def test_a_users_pp_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
     """parallelism.pp_plan={_target_: tests.user_pkg.stages.mlp_stage}: the mlp, which has no plan of its own."""
     common = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=100", "model=mlp", "model.hidden=[16,16]",
-              "optimizer=sgd", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
+              "optimizer=sgd", "trainer.max_steps=4", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
               "dataset.batch_size=8", "trainer.log_every_n_steps=1"]
     assert_like_one_process(tmp_path, common, ["parallelism.pp_plan={_target_:tests.user_pkg.stages.mlp_stage}"])
 
@@ -197,6 +197,16 @@ def test_checkpoints_reshard_between_pp2_and_one_process(tmp_path: Path) -> None
     assert [sorted(g["params"]) for g in one["param_groups"]] == [sorted(g["params"]) for g in two["param_groups"]]
 
 
+def test_a_model_without_a_pipeline_plan_is_refused_naming_pp_plan() -> None:
+    from runner.engine.parallel.pipeline import cut_stage
+
+    with pytest.raises(SpecError) as e:
+        cut_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, "my_pkg.Net", 0, 2)
+    assert str(e.value).startswith("parallelism.pp: my_pkg.Net has no pipeline plan (no pipeline_stage method); set "
+                                   "parallelism.pp_plan={_target_: my_pkg.stage}")
+
+
+@pytest.mark.slow  # in CI: its unit above
 def test_a_model_without_a_pipeline_plan_is_refused_in_one_line(tmp_path: Path) -> None:
     out = run_two(["model=mlp", *PP2, "trainer.max_steps=1"], tmp_path / "run")
     assert out["error"].startswith("parallelism.pp: runner.models.mlp.MLP has no pipeline plan")
