@@ -15,7 +15,13 @@ dp degree / units of the whole step), so micro-batches of unequal counts change 
 does not scale gradients (scale_grads=False). A parameter the whole model shares between stages (gpt's
 lm head tied to the token embedding) has a copy in each stage holding it: its gradient is summed over
 those stages before the optimizer step (as Megatron does), so the copies stay equal, and the gradient
-norm counts it once.
+norm counts it once. Padded rows and micro-batches assume samples do not mix inside a forward (no
+BatchNorm), as pipelining any batch into micro-batches does.
+
+With dp_replicate > 1 (pp x ddp) each stage's gradients are averaged over its replicas here, not by a DDP
+wrapper (the schedule calls the stages themselves). Evaluation runs the schedule forward-only; the last
+stage's metric sums are summed over the pp group so that every rank decides alike (early stopping, the
+best weights).
 """
 from __future__ import annotations
 

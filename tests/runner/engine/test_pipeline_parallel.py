@@ -172,7 +172,7 @@ def test_early_stopping_and_the_test_on_best_weights_run_through_the_pipeline_li
 def test_a_users_pp_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
     """parallelism.pp_plan={_target_: tests.user_pkg.stages.mlp_stage}: the mlp, which has no plan of its own."""
     common = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=100", "model=mlp", "model.hidden=[16,16]",
-              "optimizer=sgd", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
+              "optimizer=sgd", "trainer.max_steps=4", "trainer.progress_bar=off", "trainer.eval_every_n_steps=2",
               "dataset.batch_size=8", "trainer.log_every_n_steps=1"]
     assert_like_one_process(tmp_path, common, ["parallelism.pp_plan={_target_:tests.user_pkg.stages.mlp_stage}"])
 
@@ -197,6 +197,16 @@ def test_checkpoints_reshard_between_pp2_and_one_process(tmp_path: Path) -> None
     assert [sorted(g["params"]) for g in one["param_groups"]] == [sorted(g["params"]) for g in two["param_groups"]]
 
 
+def test_a_model_without_a_pipeline_plan_is_refused_naming_pp_plan() -> None:
+    from runner.engine.parallel.pipeline import cut_stage
+
+    with pytest.raises(SpecError) as e:
+        cut_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), None, "my_pkg.Net", 0, 2)
+    assert str(e.value).startswith("parallelism.pp: my_pkg.Net has no pipeline plan (no pipeline_stage method); set "
+                                   "parallelism.pp_plan={_target_: my_pkg.stage}")
+
+
+@pytest.mark.slow  # in CI: its unit above
 def test_a_model_without_a_pipeline_plan_is_refused_in_one_line(tmp_path: Path) -> None:
     out = run_two(["model=mlp", *PP2, "trainer.max_steps=1"], tmp_path / "run")
     assert out["error"].startswith("parallelism.pp: runner.models.mlp.MLP has no pipeline plan")
@@ -218,6 +228,24 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
 
     with pytest.raises(SpecError) as e:
         check_pipeline(ParallelismSpec(name="ddp", pp=2, **keys), batch)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, dims, message", [
+    (["trainer.ema.decay=0.99"], {}, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet"),
+    (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
+    (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
+    ([], {"dp_shard": 2}, "parallelism.dp_shard: 2 with parallelism.pp=2: pp x fsdp is not built yet"),
+    (["parallelism.tp=2"], {"tp": 2}, "parallelism.tp: 2 with parallelism.pp=2: pp x tp is not built yet"),
+])
+def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
+                                                                             dims: dict, message: str) -> None:
+    from runner.engine.parallel import ParallelDims
+    from runner.engine.parallel.pipeline import check_composition
+
+    spec = compose_spec([*GPT, *PP2, *overrides], tmp_path)
+    with pytest.raises(SpecError) as e:
+        check_composition(spec, ParallelDims(**{"pp": 2, **dims}))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
