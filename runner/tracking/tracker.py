@@ -23,7 +23,7 @@ from runner.spec import metric_names
 from runner.tracking import run_record
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views, store_views)
-from runner.spec.run import RunSpec
+from runner.spec.run import RunSpec, SpecError
 from runner.spec.tracking import TrackingSpec
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,18 @@ class MlflowTracker:
         self._pending: list = []
         self._logged: dict[str, set[int]] = {}  # steps the run already held when this tracker reattached
 
+    def _check_parent(self, spec: RunSpec) -> None:
+        """The parent run must be a live run of this store: MLflow would tag a child with any id, and the run
+        would hang under nothing (or under a deleted run) in the UI."""
+        try:
+            parent = self.client.get_run(self.parent_run_id)
+        except Exception:
+            parent = None
+        if parent is None or parent.info.lifecycle_stage == "deleted":
+            what = "is no MLflow run" if parent is None else "is a deleted MLflow run"
+            raise SpecError(f"{_parent_key(spec)}: {self.parent_run_id} {what} in {self.uri}; runner sets it for a "
+                            "k-fold run's folds (leave trainer.cross_validation.parent_run unset)")
+
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
         check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
         self.client = open_client(self.uri)
@@ -110,6 +122,7 @@ class MlflowTracker:
         tags = {"overrides": " ".join(spec.overrides) or "(none)",
                 "host": socket.gethostname(), "run_dir": spec.run_dir, **owner_tags()}
         if self.parent_run_id:
+            self._check_parent(spec)
             tags["mlflow.parentRunId"] = self.parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
@@ -238,6 +251,11 @@ def logged_steps(client: Any, run_id: str) -> dict[str, set[int]]:
     """Metric key -> the steps the run already holds."""
     keys = client.get_run(run_id).data.metrics
     return {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
+
+
+def _parent_key(spec: RunSpec) -> str:
+    return ("trainer.cross_validation.parent_run" if spec.trainer.cross_validation.parent_run
+            else "the sweep's MLflow parent run")
 
 
 def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None) -> Tracker:

@@ -486,6 +486,9 @@ CASES = [
          "samples of train+val; allowed: 2 to 1527", RUN),
     case("trainer.cross_validation.folds=3 dataset.val_fraction=0", "error: trainer.cross_validation.folds: 3 folds "
          "train+val, but dataset.val_fraction=0 leaves no validation split; set dataset.val_fraction > 0"),
+    case("trainer.cross_validation.folds=2 trainer.cross_validation.fold=0 trainer.max_steps=1 "
+         "trainer.cross_validation.parent_run=0123456789abcdef0123456789abcdef", "error: "
+         "trainer.cross_validation.parent_run: 0123456789abcdef0123456789abcdef is no MLflow run in sqlite:///", RUN),
     case("trainer.cross_validation.fold=1", "error: trainer.cross_validation.fold: 1 needs trainer.cross_validation.folds"),
     case("trainer.cross_validation.folds=3 trainer.cross_validation.fold=3", "error: trainer.cross_validation.fold: 3 "
          "is out of range; allowed: 0 to 2 (trainer.cross_validation.folds=3)"),
