@@ -38,7 +38,7 @@ from runner.engine.loader import make_loader, on_device, optimizer_steps
 from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
-from runner.engine.parallel import tensor as tensor_parallel
+from runner.engine.parallel import context, tensor as tensor_parallel
 from runner.engine.precision import Precision
 from runner.engine.schedule import build_scheduler
 from runner.spec.resume import starts_over, typed_keys
@@ -120,6 +120,9 @@ class Engine:
         if self.pipeline is not None:
             self.module = self.pipeline.module
         tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: after the pipeline's cut, before checkpointing and the data-parallel wrap
+        self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
+        if self.cp_mesh is not None:
+            context.check_model(self.module, spec.model.target)
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
         # under pp the schedule calls the stages, not a wrapper: the pipeline averages over dp_replicate itself
@@ -328,12 +331,16 @@ class Engine:
                     batch = self._prepare(batch, train=True)
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
                     step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-                with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                    loss = self._loss_sum(batch, count)
-                with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                    self.precision.backward(loss * scale)
+                # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
+                with context.for_step(self.cp_mesh, batch) as share:
+                    with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
+                        loss = self._loss_sum(share, count)
+                    with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
+                        self.precision.backward(loss * scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
+        loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
         with phase.optimizer:
             grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
             if self.precision.step(self.optimizer):
