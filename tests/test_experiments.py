@@ -71,6 +71,7 @@ def test_gpt_small_as_documented_beats_the_unigram_entropy_within_two_minutes(tm
     assert best(proc.stdout, "val/loss") < _entropy(tmp_path / "data", max_chars=5_000_000, vocab_size=4096) - 1.0
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_path: Path) -> None:
     """hparams_search=gpt_small_optuna, shrunk: each trial trains the sampled shape, and the study's value of a
     trial is that run's best val/loss as MLflow recorded it."""

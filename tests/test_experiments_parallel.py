@@ -13,6 +13,7 @@ ranks can be compared with one process number for number:
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,18 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return roots
 
 
+STORE_TEMPLATE: Path | None = None  # set for each test by migrated_stores
+
+
+@pytest.fixture(autouse=True)
+def migrated_stores(migrated_mlflow_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run's store (<where>/<name>.db) starts as a copy of one MLflow has migrated (tests/conftest.py):
+    no first open of a store is tested here, and each migration costs seconds."""
+    monkeypatch.setattr(f"{__name__}.STORE_TEMPLATE", migrated_mlflow_store)
+
+
 def run(preset: str, root: Path, where: Path, name: str, *extra: str) -> Path:
+    shutil.copy(STORE_TEMPLATE, where / f"{name}.db")
     args = [f"experiment={preset}", f"dataset.root={root}", *PRESETS[preset]["args"], *COMMON, *extra,
             f"hydra.run.dir={where / name}", f"tracking.uri=sqlite:///{where / name}.db",
             f"tracking.artifact_root={where / 'artifacts'}"]

@@ -157,10 +157,15 @@ EMPTY_SHARE = [("ddp", OWN_LOSS_DICT), ("fsdp", REGRESSION_TUPLE),
 
 @pytest.mark.parametrize("strategy, kind", EMPTY_SHARE, ids=lambda v: v if isinstance(v, str) else v[0])
 def test_an_empty_rank_share_adds_nothing_two_ranks_log_and_train_like_one_process(tmp_path: Path, user_path,
-                                                                                  strategy: str, kind: list) -> None:
+                                                                                  strategy: str, kind: list,
+                                                                                  migrated_mlflow_store: Path) -> None:
+    import shutil
+
     from runner.tracking.tracker import build_tracker
     from tests.runner.engine.test_parallel import assert_same, final_weights, metric_history
 
+    for db in ("one.db", "two.db"):  # migrated once (tests/conftest.py): no first open of a store is tested here
+        shutil.copy(migrated_mlflow_store, tmp_path / db)
     common = [SEARCH, "dataset=shares", *kind, "optimizer=sgd", "optimizer.lr=0.2", "trainer.max_epochs=2",
               "trainer.log_every_n_steps=1", "trainer.progress_bar=off"]
     spec = compose_spec([*common, "dataset.batch_size=8"], tmp_path / "one", tracking_uri=f"sqlite:///{tmp_path}/one.db")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.cli import launch
 from runner.engine import checkpoint
 
 from runner.spec import components, resume
@@ -111,10 +113,17 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
+def migrated(db: Path, template: Path) -> Path:
+    """db, a copy of an empty store MLflow has migrated (tests/conftest.py): no test here is about a first
+    open of a new store (test_shared_store is), and each migration costs seconds."""
+    shutil.copy(template, db)
+    return db
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[dict, dict]:
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    proc = cli([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd, cwd / "mlflow.db")
+    proc = cli([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd, migrated(cwd / "mlflow.db", migrated_mlflow_store))
     assert proc.returncode == 0, proc.stderr
     [(status, history, _)] = mlflow_record(cwd / "mlflow.db").values()
     assert status == "FINISHED"
@@ -126,10 +135,11 @@ KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), (
 
 @pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] == "final_eval" else pytest.mark.slow)
                                         for k in KILLS], ids=[k[0] for k in KILLS])
-def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, uninterrupted: tuple, point: str,
+def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                 uninterrupted: tuple, point: str,
                                                                  nth: int) -> None:
     want_weights, want_history = uninterrupted
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     killed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(point, nth))
     assert killed.returncode == -9, killed.stderr
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*")) or point == "save"
@@ -145,10 +155,11 @@ def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, 
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))  # a save's leftovers are cleaned up
 
 
-def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
-    short = ["trainer.max_steps=6", "trainer.progress_bar=off"]
-    assert cli([*short, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db).returncode == 0
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
+    # the finished run trained in this process, as the CLI's launch runs it (a process start saved); the
+    # resume, whose message is the point, comes from the command line
+    launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "run", f"sqlite:///{db}"))
     before = mlflow_record(db)
     again = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"], tmp_path, db)
     assert again.returncode == 0 and "nothing left to do" in again.stderr + again.stdout
@@ -156,10 +167,12 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) -> 
     assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}
 
 
-def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
-    assert cli(["trainer.max_steps=6", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'source'}"],
-               tmp_path, db).returncode == 0
+def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path,
+                                                                          migrated_mlflow_store: Path) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
+    # the source run trained in this process, as the CLI's launch runs it (a process start saved); the
+    # multirun resuming from its checkpoint comes from the command line
+    launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "source", f"sqlite:///{db}"))
     [(source_id, source)] = mlflow_record(db).items()
     ckpt = tmp_path / "source" / "checkpoints" / "last.pt"
     proc = cli(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db)
@@ -187,8 +200,9 @@ def assert_as_uninterrupted(tmp_path: Path, db: Path, uninterrupted: tuple) -> N
     assert all(torch.equal(got[k], want_weights[k]) for k in want_weights)
 
 
-def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path: Path, uninterrupted: tuple) -> None:
-    db = tmp_path / "mlflow.db"
+def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                       uninterrupted: tuple) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     # no checkpoint before the end (checkpoints change neither weights nor metrics): killed at step 35, the
     # run has only its spec.yaml and an MLflow run holding the steps sent before the kill
     killed = cli([*RUN, "trainer.checkpoint_every_n_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db,
@@ -207,8 +221,9 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path:
 
 @pytest.mark.slow  # CI budget; the same mechanism: test_shared_store's SIGKILL case
 # runner/tracking/mlflow_store.py's end_orphaned_runs: the first open of a store ends runs whose process is gone
-def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
+def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path,
+                                                                             migrated_mlflow_store: Path) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     killed = cli(["trainer.max_steps=5", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, db,
                  kill=("step", 2))
     assert killed.returncode == -9
@@ -221,9 +236,9 @@ def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tm
 
 @pytest.mark.parametrize("signame, code, requeue", [("TERM", 143, True), pytest.param("HUP", 129, False, marks=pytest.mark.slow)])
 def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
-        tmp_path: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
+        tmp_path: Path, migrated_mlflow_store: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     # the signal comes inside step 25 (not a checkpoint step): the run finishes that step and stops
     stopped = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(f"step:{signame}", 25))
     assert stopped.returncode == code, stopped.stderr
@@ -247,7 +262,8 @@ def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_en
     assert_as_uninterrupted(tmp_path, db, uninterrupted)
 
 
-def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(tmp_path: Path) -> None:
+def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(
+        tmp_path: Path, migrated_mlflow_store: Path) -> None:
     """A resume while the run trains is refused in one line naming its process; the run trains on alone
     (each step logged once) until SIGTERM stops it KILLED with the checkpoint of the step it reached. A new
     run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing."""
@@ -255,7 +271,7 @@ def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_t
     import socket
     import sqlite3
 
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     run_dir = tmp_path / "run"
     store = [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
     first = subprocess.Popen([sys.executable, "-m", "runner", "trainer.max_steps=1000000", "trainer.progress_bar=off",

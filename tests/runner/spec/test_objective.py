@@ -34,6 +34,7 @@ def test_a_typed_direction_that_contradicts_the_task_is_refused_in_one_line(tmp_
     assert not (tmp_path / "outputs" / "runs").exists()  # refused before anything was made
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_a_val_loss_objective_keeps_and_tests_its_lowest_weights(tmp_path: Path) -> None:
     """60 steps on digits, validated every 10: val/loss falls, so its best is its lowest, and the test runs on
     the weights of that step (not on the step-10 weights, the highest val/loss, as when it was maximised)."""
