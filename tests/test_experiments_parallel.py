@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import compose_spec, run_cli
 from tests.data.test_text import write_imdb
 from tests.data.test_torchvision_datasets import _write_cifar
 from tests.runner.engine.test_parallel import final_weights, metric_history
@@ -76,11 +76,16 @@ def migrated_stores(migrated_mlflow_store: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(f"{__name__}.STORE_TEMPLATE", migrated_mlflow_store)
 
 
-def run(preset: str, root: Path, where: Path, name: str, *extra: str) -> Path:
+def run(preset: str, root: Path, where: Path, name: str, *extra: str, in_process: bool = False) -> Path:
     shutil.copy(STORE_TEMPLATE, where / f"{name}.db")
-    args = [f"experiment={preset}", f"dataset.root={root}", *PRESETS[preset]["args"], *COMMON, *extra,
-            f"hydra.run.dir={where / name}", f"tracking.uri=sqlite:///{where / name}.db",
-            f"tracking.artifact_root={where / 'artifacts'}"]
+    args = [f"experiment={preset}", f"dataset.root={root}", *PRESETS[preset]["args"], *COMMON, *extra]
+    if in_process:  # as the CLI's launch runs it, without an interpreter start (seconds)
+        from runner.cli import launch
+
+        launch.run(compose_spec(args, where / name, f"sqlite:///{where / name}.db"))  # same store and artifact root
+        return where / name
+    args += [f"hydra.run.dir={where / name}", f"tracking.uri=sqlite:///{where / name}.db",
+             f"tracking.artifact_root={where / 'artifacts'}"]
     proc = run_cli(args, where, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return where / name
@@ -133,7 +138,7 @@ def resume_mid_run(preset: str, root: Path, where: Path, full: Path, *extra: str
 def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process_and_resumes(tmp_path: Path, data_root,
                                                                                             preset) -> None:
     batch, root = PRESETS[preset]["batch"], data_root[preset]
-    one = run(preset, root, tmp_path, "one", f"dataset.batch_size={batch}")
+    one = run(preset, root, tmp_path, "one", f"dataset.batch_size={batch}", in_process=True)  # the launched runs' reference
     ddp = run(preset, root, tmp_path, "ddp", *parallel("ddp", batch // 2, 1))
     fsdp = run(preset, root, tmp_path, "fsdp", *parallel("fsdp", batch // 4, 2))
     for other in (ddp, fsdp):

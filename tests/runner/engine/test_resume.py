@@ -75,10 +75,16 @@ def test_how_long_where_and_where_it_logs_may_change_but_not_the_global_batch(sa
         plan([f"trainer.resume={saved_run}", "parallelism=ddp", "parallelism.nproc_per_node=2"], tmp_path / "new")
 
 
-def test_a_wrong_resume_override_is_one_line_on_the_command_line(saved_run: Path, tmp_path: Path) -> None:
-    proc = run_cli([f"trainer.resume={saved_run}", "optimizer.lr=0.5", "tracking=none"], cwd=tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        proc.stderr.strip()] and proc.stderr.startswith("error: optimizer.lr: the resumed run was trained with 0.01")
+def test_a_wrong_resume_override_is_one_line_on_the_command_line(saved_run: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    # the CLI's entry in this process (tests/runner/test_bad_input.py: one line and exit 2 from real processes)
+    from tests.runner.test_bad_input import RUN, run_in_process
+
+    code, _, stderr = run_in_process([f"trainer.resume={saved_run}", "optimizer.lr=0.5", "tracking=none"], tmp_path, RUN,
+                                     monkeypatch, capsys)
+    assert code == 2 and stderr.strip().splitlines() == [
+        stderr.strip()] and stderr.startswith("error: optimizer.lr: the resumed run was trained with 0.01")
 
 
 # --- the CLI end to end: MLflow records -----------------------------------------------------------------
@@ -94,6 +100,17 @@ def cli(args: list[str], cwd: Path, db: Path, kill: tuple[str, int] | None = Non
         return run_cli(args, cwd)
     cmd = [sys.executable, str(REPO / "tests" / "runner" / "kill_at.py"), kill[0], str(kill[1]), *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def cli_in_process(args: list[str], cwd: Path, db: Path, monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """cli() through the CLI's entry in this process, sys.argv set (tests/runner/test_bad_input.py's
+    run_in_process): (exit code, stdout, stderr) without an interpreter start (seconds). For what does not
+    concern the process itself; kills and signals stay real processes."""
+    from tests.runner.test_bad_input import RUN, run_in_process
+
+    args = [*args, f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={cwd / 'artifacts'}"]
+    return run_in_process(args, cwd, RUN, monkeypatch, capsys)
 
 
 def mlflow_record(db: Path) -> dict:
@@ -155,28 +172,33 @@ def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, 
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))  # a save's leftovers are cleaned up
 
 
-def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, migrated_mlflow_store: Path) -> None:
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, migrated_mlflow_store: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
     db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
-    # the finished run trained in this process, as the CLI's launch runs it (a process start saved); the
-    # resume, whose message is the point, comes from the command line
+    # both in this process (process starts saved): the run as the CLI's launch runs it, the resume through
+    # the CLI's entry; a resume in a real process is test_a_killed_run_resumed_in_place_ends_as_if_never_stopped's
     launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "run", f"sqlite:///{db}"))
     before = mlflow_record(db)
-    again = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"], tmp_path, db)
-    assert again.returncode == 0 and "nothing left to do" in again.stderr + again.stdout
+    code, out, err = cli_in_process([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"],
+                                    tmp_path, db, monkeypatch, capsys)
+    assert code == 0 and "nothing left to do" in err + out
     after = mlflow_record(db)
     assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}
 
 
-def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path,
-                                                                          migrated_mlflow_store: Path) -> None:
+def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
     db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
-    # the source run trained in this process, as the CLI's launch runs it (a process start saved); the
-    # multirun resuming from its checkpoint comes from the command line
+    # both in this process (process starts saved): the source run as the CLI's launch runs it, the multirun
+    # resuming from its checkpoint through the CLI's entry (a grid's jobs share a process as they do here)
     launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "source", f"sqlite:///{db}"))
     [(source_id, source)] = mlflow_record(db).items()
     ckpt = tmp_path / "source" / "checkpoints" / "last.pt"
-    proc = cli(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db, monkeypatch,
+                                  capsys)
+    assert code == 0, err[-3000:]
     record = mlflow_record(db)
     assert record[source_id][:2] == source[:2]  # the source run is untouched
     children = [r for rid, r in record.items() if r[2].get("runner.resumed_from_run") == source_id]
@@ -263,10 +285,12 @@ def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_en
 
 
 def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(
-        tmp_path: Path, migrated_mlflow_store: Path) -> None:
+        tmp_path: Path, migrated_mlflow_store: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
     """A resume while the run trains is refused in one line naming its process; the run trains on alone
     (each step logged once) until SIGTERM stops it KILLED with the checkpoint of the step it reached. A new
-    run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing."""
+    run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing.
+    The run is a real process; the two refused commands go through the CLI's entry in this process."""
     import signal
     import socket
     import sqlite3
@@ -285,9 +309,10 @@ def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_t
                 lock.exists() and lock.read_text().startswith(f"pid {first.pid}\n")):
             time.sleep(0.05)
         assert first.poll() is None, first.communicate()[1]
-        second = run_cli([f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'second'}", *store], tmp_path)
-        assert second.returncode == 2
-        assert second.stderr.strip().splitlines() == [
+        code, _, err = cli_in_process([f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'second'}"], tmp_path, db,
+                                      monkeypatch, capsys)
+        assert code == 2
+        assert err.strip().splitlines() == [
             f"error: trainer.resume: the run directory {run_dir} is in use by process {first.pid} on "
             f"{socket.gethostname()}; wait for that run to end or stop it (it stops at its next step with SIGTERM)"]
         assert not (tmp_path / "second").exists()
@@ -309,9 +334,10 @@ def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_t
     assert lock.read_text() == ""  # released: a later resume may take it
 
     before, files = mlflow_record(db), {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    again = cli(["optimizer.lr=0.01", "seed=5", f"hydra.run.dir={run_dir}"], tmp_path, db)
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines() == [
+    code, _, err = cli_in_process(["optimizer.lr=0.01", "seed=5", f"hydra.run.dir={run_dir}"], tmp_path, db, monkeypatch,
+                                  capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"error: hydra.run.dir: {run_dir} already holds a run; a new run needs its own directory (leave hydra.run.dir "
         f"unset or name a new one), and trainer.resume={run_dir} continues that run"]
     assert mlflow_record(db) == before
