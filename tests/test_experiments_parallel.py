@@ -139,7 +139,8 @@ def resume_mid_run(preset: str, root: Path, where: Path, full: Path, *extra: str
 # reductions of a language model's token counts are the fsdp leg's)
 @pytest.mark.parametrize("preset, strategies", [("gpt_small", ("fsdp",)),
                                                 pytest.param("gpt_small", ("ddp",), marks=pytest.mark.slow),
-                                                pytest.param("imdb_distilbert", ("ddp", "fsdp"), marks=pytest.mark.slow)])
+                                                pytest.param("imdb_distilbert", ("ddp", "fsdp"), marks=pytest.mark.slow)],
+                         ids=["gpt_small-fsdp", "gpt_small-ddp", "imdb_distilbert-ddp-fsdp"])
 def test_a_preset_under_ddp_and_fsdp_with_accumulation_trains_like_one_process_and_resumes(
         tmp_path: Path, data_root, preset: str, strategies: tuple[str, ...]) -> None:
     batch, root = PRESETS[preset]["batch"], data_root[preset]
