@@ -120,17 +120,22 @@ def test_regression_learns_with_mse_reports_mae_and_accumulates_exactly(tmp_path
     assert big.spec.objective.metric == "val/loss" and result.objective == min(v for _, v in history["val/loss"])
 
 
-def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, user_path) -> None:
+def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Through the CLI's entry in this process (an interpreter start saved; n_jobs=1 runs the trials in the
+    sweep's process; a runner sweep from a real process: tests/test_experiments.py's gpt study)."""
     import yaml
     from optuna.trial import TrialState
 
     from runner.search.trial import RUN_DIR_ATTR
     from tests.runner.search.test_hparams_search import load
+    from tests.runner.test_bad_input import RUN, run_in_process
 
-    proc = run_cli(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net", "model.width=choice(8,16,24)",
-                    "hydra.sweeper.n_trials=2", "trainer.max_steps=6", "trainer.progress_bar=off", "tracking=none",
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_in_process(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net",
+                                   "model.width=choice(8,16,24)", "hydra.sweeper.n_trials=2", "trainer.max_steps=6",
+                                   "trainer.progress_bar=off", "tracking=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                                  tmp_path, RUN, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     study = load(tmp_path / "sweep" / "optuna.journal")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     for trial in study.trials:
