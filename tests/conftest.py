@@ -40,8 +40,9 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
 
 
 @pytest.fixture
-def sqlite_uri(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path}/mlflow.db"
+def sqlite_uri(store: str) -> str:
+    """A fresh store already migrated (a copy): tests of a first open of a new file name their own."""
+    return store
 
 
 @pytest.fixture(scope="session")

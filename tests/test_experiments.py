@@ -31,17 +31,22 @@ def test_cifar10_resnet_trains_on_files_in_the_cifar_format(tmp_path: Path) -> N
     assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
 
 
-def test_imdb_distilbert_fine_tunes_on_reviews_in_the_imdb_layout(tmp_path: Path) -> None:
+def test_imdb_distilbert_fine_tunes_on_reviews_in_the_imdb_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Through the CLI's entry in this process (an interpreter start, with transformers, saved; the presets
+    in real processes: tests/test_experiments_parallel.py and the sweep below)."""
+    from tests.runner.test_bad_input import RUN, run_in_process
+
     pytest.importorskip("transformers")
     write_imdb(tmp_path / "data", n_train=24, n_test=8)
     tiny = ["model.config.dim=32", "model.config.n_layers=1", "model.config.n_heads=2", "model.config.hidden_dim=64"]
-    proc = run_cli(["experiment=imdb_distilbert", f"dataset.root={tmp_path / 'data'}", "dataset.max_length=64",
-                    "dataset.vocab_size=300", "dataset.batch_size=8", *tiny, "trainer.max_epochs=1", "tracking=none"],
-                   tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, out, err = run_in_process(["experiment=imdb_distilbert", f"dataset.root={tmp_path / 'data'}",
+                                     "dataset.max_length=64", "dataset.vocab_size=300", "dataset.batch_size=8", *tiny,
+                                     "trainer.max_epochs=1", "tracking=none"], tmp_path, RUN, monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     spec = next((tmp_path / "outputs" / "runs").glob("*/*/spec.yaml")).read_text()
     assert "_target_: runner.models.hf.hf_model" in spec and "clip_grad_norm: 1.0" in spec and "_target_: runner.engine.schedule.wsd" in spec
-    assert 0.0 <= best(proc.stdout, "val/acc") <= 1.0
+    assert 0.0 <= best(out + err, "val/acc") <= 1.0
 
 
 def _entropy(root: Path, **kwargs) -> float:
@@ -71,6 +76,7 @@ def test_gpt_small_as_documented_beats_the_unigram_entropy_within_two_minutes(tm
     assert best(proc.stdout, "val/loss") < _entropy(tmp_path / "data", max_chars=5_000_000, vocab_size=4096) - 1.0
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_an_optuna_study_searches_the_gpt_presets_model_shape_and_optimizer(tmp_path: Path) -> None:
     """hparams_search=gpt_small_optuna, shrunk: each trial trains the sampled shape, and the study's value of a
     trial is that run's best val/loss as MLflow recorded it."""

@@ -120,17 +120,22 @@ def test_regression_learns_with_mse_reports_mae_and_accumulates_exactly(tmp_path
     assert big.spec.objective.metric == "val/loss" and result.objective == min(v for _, v in history["val/loss"])
 
 
-def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, user_path) -> None:
+def test_an_optuna_study_searches_a_key_of_the_users_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Through the CLI's entry in this process (an interpreter start saved; n_jobs=1 runs the trials in the
+    sweep's process; a runner sweep from a real process: tests/test_experiments.py's gpt study)."""
     import yaml
     from optuna.trial import TrialState
 
     from runner.search.trial import RUN_DIR_ATTR
     from tests.runner.search.test_hparams_search import load
+    from tests.runner.test_bad_input import RUN, run_in_process
 
-    proc = run_cli(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net", "model.width=choice(8,16,24)",
-                    "hydra.sweeper.n_trials=2", "trainer.max_steps=6", "trainer.progress_bar=off", "tracking=none",
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_in_process(["-m", SEARCH, "hparams_search=digits_optuna", "model=wide_net",
+                                   "model.width=choice(8,16,24)", "hydra.sweeper.n_trials=2", "trainer.max_steps=6",
+                                   "trainer.progress_bar=off", "tracking=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                                  tmp_path, RUN, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     study = load(tmp_path / "sweep" / "optuna.journal")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     for trial in study.trials:
@@ -157,10 +162,15 @@ EMPTY_SHARE = [("ddp", OWN_LOSS_DICT), ("fsdp", REGRESSION_TUPLE),
 
 @pytest.mark.parametrize("strategy, kind", EMPTY_SHARE, ids=lambda v: v if isinstance(v, str) else v[0])
 def test_an_empty_rank_share_adds_nothing_two_ranks_log_and_train_like_one_process(tmp_path: Path, user_path,
-                                                                                  strategy: str, kind: list) -> None:
+                                                                                  strategy: str, kind: list,
+                                                                                  migrated_mlflow_store: Path) -> None:
+    import shutil
+
     from runner.tracking.tracker import build_tracker
     from tests.runner.engine.test_parallel import assert_same, final_weights, metric_history
 
+    for db in ("one.db", "two.db"):  # migrated once (tests/conftest.py): no first open of a store is tested here
+        shutil.copy(migrated_mlflow_store, tmp_path / db)
     common = [SEARCH, "dataset=shares", *kind, "optimizer=sgd", "optimizer.lr=0.2", "trainer.max_epochs=2",
               "trainer.log_every_n_steps=1", "trainer.progress_bar=off"]
     spec = compose_spec([*common, "dataset.batch_size=8"], tmp_path / "one", tracking_uri=f"sqlite:///{tmp_path}/one.db")

@@ -29,6 +29,7 @@ def test_a_users_optimizer_schedule_and_loss_from_yaml_train_from_the_command_li
                                                  {"_target_": "tests.user_pkg.training.halving", "every": 5})
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_mlflow_holds_only_the_chosen_parts_keys_and_the_users_schedule(tmp_path: Path) -> None:
     import mlflow
 

@@ -180,6 +180,8 @@ def test_an_app_that_sets_no_direction_minimizes(app: Path) -> None:
     assert optuna.load_study(study_name="mechanics", storage=open_storage(str(app / "study.journal"))).direction.name == "MINIMIZE"
 
 
+@pytest.mark.slow  # CI budget: test_sweep_processes_sharing_a_study_propose_different_trials asserts the same of two
+# sweeps started together (every trial run once, both taking trials), with a random sampler
 def test_two_sweep_processes_share_one_study(app: Path) -> None:
     cmd = [sys.executable, "app.py", "-m", "hydra.sweeper.n_trials=6", "sleep=0.3"]
     procs = [subprocess.Popen(cmd, cwd=app, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -226,6 +228,10 @@ def test_sweep_processes_sharing_a_study_propose_different_trials(app: Path) -> 
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outputs]
     run = [t for t in trials(app) if t.state == TrialState.COMPLETE]
     assert len(run) == 8 and len({t.params["x"] for t in run}) == 8  # no parameter set twice
+    assert [t.state for t in trials(app) if not t.system_attrs.get("runner.surplus")] == [TrialState.COMPLETE] * 8
+    ran = sorted(int(p.name.split("-")[0]) for p in (app / "marks").glob("*-*"))
+    assert ran == sorted(t.number for t in run)  # every trial ran exactly once
+    assert len({p.name.split("-")[1] for p in (app / "marks").glob("*-*")}) == 2  # both sweeps took trials
 
 
 def descendants(pid: int) -> set[int]:

@@ -1,5 +1,6 @@
 """The command line as a user types it: real processes, exit codes, messages, MLflow left clean."""
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -60,8 +61,11 @@ def test_checks_and_config_printing_import_neither_torch_nor_mlflow_nor_optuna(t
         assert "\naccumulation:\n  steps: 4\n" in proc.stdout and "accum:" not in proc.stdout
 
 
-def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path) -> None:
+def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path, migrated_mlflow_store: Path) -> None:
     db = tmp_path / "mlflow.db"
+    # a copy of a migrated store (tests/conftest.py): seconds saved; a runner's first open of a new store is
+    # tests/hydra_plugins/test_shared_store.py's (two processes at once)
+    shutil.copy(migrated_mlflow_store, db)
     proc = run_cli([f"tracking.uri=sqlite:///{db}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     best = float(proc.stdout.split("best val/acc: ")[1].split()[0])

@@ -5,6 +5,7 @@ import logging
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -25,6 +26,7 @@ def test_isolated_undoes_flags_threads_environment_and_logger_levels() -> None:
     assert process_state.snapshot() == before
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_a_grid_multiruns_jobs_start_from_the_same_process_state(tmp_path: Path) -> None:
     proc = run_cli(["-m", "trainer.deterministic=true,false", "trainer.max_steps=2", "trainer.progress_bar=off",
                     f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_root={tmp_path / 'art'}",

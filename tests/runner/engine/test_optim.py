@@ -220,6 +220,7 @@ def test_state_dict_round_trips_through_a_weights_only_load(name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_a_zero_lr_multiplier_is_a_group_that_does_not_move(tmp_path):
     """optimizer.lr_multipliers={1.*: 0} (here the names themselves: a glob in an MLflow param key is another
     defect's): the first layer's parameters stay bitwise as initialised, the others train, and the logged lr

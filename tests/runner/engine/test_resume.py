@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.cli import launch
 from runner.engine import checkpoint
 
 from runner.spec import components, resume
@@ -73,10 +75,16 @@ def test_how_long_where_and_where_it_logs_may_change_but_not_the_global_batch(sa
         plan([f"trainer.resume={saved_run}", "parallelism=ddp", "parallelism.nproc_per_node=2"], tmp_path / "new")
 
 
-def test_a_wrong_resume_override_is_one_line_on_the_command_line(saved_run: Path, tmp_path: Path) -> None:
-    proc = run_cli([f"trainer.resume={saved_run}", "optimizer.lr=0.5", "tracking=none"], cwd=tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        proc.stderr.strip()] and proc.stderr.startswith("error: optimizer.lr: the resumed run was trained with 0.01")
+def test_a_wrong_resume_override_is_one_line_on_the_command_line(saved_run: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    # the CLI's entry in this process (tests/runner/test_bad_input.py: one line and exit 2 from real processes)
+    from tests.runner.test_bad_input import RUN, run_in_process
+
+    code, _, stderr = run_in_process([f"trainer.resume={saved_run}", "optimizer.lr=0.5", "tracking=none"], tmp_path, RUN,
+                                     monkeypatch, capsys)
+    assert code == 2 and stderr.strip().splitlines() == [
+        stderr.strip()] and stderr.startswith("error: optimizer.lr: the resumed run was trained with 0.01")
 
 
 # --- the CLI end to end: MLflow records -----------------------------------------------------------------
@@ -92,6 +100,17 @@ def cli(args: list[str], cwd: Path, db: Path, kill: tuple[str, int] | None = Non
         return run_cli(args, cwd)
     cmd = [sys.executable, str(REPO / "tests" / "runner" / "kill_at.py"), kill[0], str(kill[1]), *args]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def cli_in_process(args: list[str], cwd: Path, db: Path, monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """cli() through the CLI's entry in this process, sys.argv set (tests/runner/test_bad_input.py's
+    run_in_process): (exit code, stdout, stderr) without an interpreter start (seconds). For what does not
+    concern the process itself; kills and signals stay real processes."""
+    from tests.runner.test_bad_input import RUN, run_in_process
+
+    args = [*args, f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={cwd / 'artifacts'}"]
+    return run_in_process(args, cwd, RUN, monkeypatch, capsys)
 
 
 def mlflow_record(db: Path) -> dict:
@@ -111,10 +130,17 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
 
+def migrated(db: Path, template: Path) -> Path:
+    """db, a copy of an empty store MLflow has migrated (tests/conftest.py): no test here is about a first
+    open of a new store (test_shared_store is), and each migration costs seconds."""
+    shutil.copy(template, db)
+    return db
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple[dict, dict]:
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    proc = cli([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd, cwd / "mlflow.db")
+    proc = cli([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd, migrated(cwd / "mlflow.db", migrated_mlflow_store))
     assert proc.returncode == 0, proc.stderr
     [(status, history, _)] = mlflow_record(cwd / "mlflow.db").values()
     assert status == "FINISHED"
@@ -126,10 +152,11 @@ KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), (
 
 @pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] == "final_eval" else pytest.mark.slow)
                                         for k in KILLS], ids=[k[0] for k in KILLS])
-def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, uninterrupted: tuple, point: str,
+def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                 uninterrupted: tuple, point: str,
                                                                  nth: int) -> None:
     want_weights, want_history = uninterrupted
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     killed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(point, nth))
     assert killed.returncode == -9, killed.stderr
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*")) or point == "save"
@@ -145,25 +172,33 @@ def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, 
     assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*"))  # a save's leftovers are cleaned up
 
 
-def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
-    short = ["trainer.max_steps=6", "trainer.progress_bar=off"]
-    assert cli([*short, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db).returncode == 0
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, migrated_mlflow_store: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
+    # both in this process (process starts saved): the run as the CLI's launch runs it, the resume through
+    # the CLI's entry; a resume in a real process is test_a_killed_run_resumed_in_place_ends_as_if_never_stopped's
+    launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "run", f"sqlite:///{db}"))
     before = mlflow_record(db)
-    again = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"], tmp_path, db)
-    assert again.returncode == 0 and "nothing left to do" in again.stderr + again.stdout
+    code, out, err = cli_in_process([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'again'}"],
+                                    tmp_path, db, monkeypatch, capsys)
+    assert code == 0 and "nothing left to do" in err + out
     after = mlflow_record(db)
     assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}
 
 
-def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
-    assert cli(["trainer.max_steps=6", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'source'}"],
-               tmp_path, db).returncode == 0
+def test_another_runs_checkpoint_starts_new_runs_tagged_with_their_source(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
+    # both in this process (process starts saved): the source run as the CLI's launch runs it, the multirun
+    # resuming from its checkpoint through the CLI's entry (a grid's jobs share a process as they do here)
+    launch.run(compose_spec(["trainer.max_steps=6", "trainer.progress_bar=off"], tmp_path / "source", f"sqlite:///{db}"))
     [(source_id, source)] = mlflow_record(db).items()
     ckpt = tmp_path / "source" / "checkpoints" / "last.pt"
-    proc = cli(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = cli_in_process(["-m", f"trainer.resume={ckpt}", "trainer.max_steps=8,10"], tmp_path, db, monkeypatch,
+                                  capsys)
+    assert code == 0, err[-3000:]
     record = mlflow_record(db)
     assert record[source_id][:2] == source[:2]  # the source run is untouched
     children = [r for rid, r in record.items() if r[2].get("runner.resumed_from_run") == source_id]
@@ -187,8 +222,9 @@ def assert_as_uninterrupted(tmp_path: Path, db: Path, uninterrupted: tuple) -> N
     assert all(torch.equal(got[k], want_weights[k]) for k in want_weights)
 
 
-def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path: Path, uninterrupted: tuple) -> None:
-    db = tmp_path / "mlflow.db"
+def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                       uninterrupted: tuple) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     # no checkpoint before the end (checkpoints change neither weights nor metrics): killed at step 35, the
     # run has only its spec.yaml and an MLflow run holding the steps sent before the kill
     killed = cli([*RUN, "trainer.checkpoint_every_n_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db,
@@ -207,8 +243,9 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path:
 
 @pytest.mark.slow  # CI budget; the same mechanism: test_shared_store's SIGKILL case
 # runner/tracking/mlflow_store.py's end_orphaned_runs: the first open of a store ends runs whose process is gone
-def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path) -> None:
-    db = tmp_path / "mlflow.db"
+def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tmp_path: Path,
+                                                                             migrated_mlflow_store: Path) -> None:
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     killed = cli(["trainer.max_steps=5", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'killed'}"], tmp_path, db,
                  kill=("step", 2))
     assert killed.returncode == -9
@@ -221,9 +258,9 @@ def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tm
 
 @pytest.mark.parametrize("signame, code, requeue", [("TERM", 143, True), pytest.param("HUP", 129, False, marks=pytest.mark.slow)])
 def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
-        tmp_path: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
+        tmp_path: Path, migrated_mlflow_store: Path, uninterrupted: tuple, signame: str, code: int, requeue: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     # the signal comes inside step 25 (not a checkpoint step): the run finishes that step and stops
     stopped = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(f"step:{signame}", 25))
     assert stopped.returncode == code, stopped.stderr
@@ -247,15 +284,18 @@ def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_en
     assert_as_uninterrupted(tmp_path, db, uninterrupted)
 
 
-def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(tmp_path: Path) -> None:
+def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_to_an_old_one(
+        tmp_path: Path, migrated_mlflow_store: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
     """A resume while the run trains is refused in one line naming its process; the run trains on alone
     (each step logged once) until SIGTERM stops it KILLED with the checkpoint of the step it reached. A new
-    run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing."""
+    run into that directory is then refused too (it would reattach to the old MLflow run), changing nothing.
+    The run is a real process; the two refused commands go through the CLI's entry in this process."""
     import signal
     import socket
     import sqlite3
 
-    db = tmp_path / "mlflow.db"
+    db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
     run_dir = tmp_path / "run"
     store = [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
     first = subprocess.Popen([sys.executable, "-m", "runner", "trainer.max_steps=1000000", "trainer.progress_bar=off",
@@ -269,9 +309,10 @@ def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_t
                 lock.exists() and lock.read_text().startswith(f"pid {first.pid}\n")):
             time.sleep(0.05)
         assert first.poll() is None, first.communicate()[1]
-        second = run_cli([f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'second'}", *store], tmp_path)
-        assert second.returncode == 2
-        assert second.stderr.strip().splitlines() == [
+        code, _, err = cli_in_process([f"trainer.resume={run_dir}", f"hydra.run.dir={tmp_path / 'second'}"], tmp_path, db,
+                                      monkeypatch, capsys)
+        assert code == 2
+        assert err.strip().splitlines() == [
             f"error: trainer.resume: the run directory {run_dir} is in use by process {first.pid} on "
             f"{socket.gethostname()}; wait for that run to end or stop it (it stops at its next step with SIGTERM)"]
         assert not (tmp_path / "second").exists()
@@ -293,9 +334,10 @@ def test_a_run_directory_is_held_by_one_process_and_a_new_run_never_reattaches_t
     assert lock.read_text() == ""  # released: a later resume may take it
 
     before, files = mlflow_record(db), {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    again = cli(["optimizer.lr=0.01", "seed=5", f"hydra.run.dir={run_dir}"], tmp_path, db)
-    assert again.returncode == 2
-    assert again.stderr.strip().splitlines() == [
+    code, _, err = cli_in_process(["optimizer.lr=0.01", "seed=5", f"hydra.run.dir={run_dir}"], tmp_path, db, monkeypatch,
+                                  capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"error: hydra.run.dir: {run_dir} already holds a run; a new run needs its own directory (leave hydra.run.dir "
         f"unset or name a new one), and trainer.resume={run_dir} continues that run"]
     assert mlflow_record(db) == before

@@ -297,6 +297,7 @@ def test_extending_a_plateau_run_keeps_its_reductions():
     assert base_lr(extended) == 0.125  # the best so far (1.0) came with the state
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_a_cosine_run_extended_from_10_to_20_steps_logs_the_rebuilt_schedule(tmp_path):
     """Through the CLI's launch, in place, logging to MLflow: the lr of steps 11..20 is the 20-step cosine's."""
     from runner.cli.launch import run

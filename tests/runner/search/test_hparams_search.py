@@ -94,6 +94,7 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     assert parent_again.info.run_id == parent.info.run_id and len(children_again) == 3
 
 
+@pytest.mark.usefixtures("store")  # its tmp_path/mlflow.db comes migrated (tests/conftest.py): seconds saved
 def test_a_resumed_trial_reports_at_its_optimizer_steps(tmp_path: Path) -> None:
     """A trial interrupted after its checkpoint of step 20 and resumed: its intermediate values are its
     validations at their optimizer steps, those after the resume included (Optuna ignores a step it has
