@@ -179,7 +179,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused_before_anything_starts(tmp
 
 # a tiny llama: its declared plan (q/k/v, gate/up colwise; o, down rowwise; the embedding and lm head split)
 LLAMA = [GPT[0], *GPT[2:8], "model=hf", "model.task=causal_lm", "model.architecture=llama",
-         "model.config={hidden_size:16,intermediate_size:32,num_hidden_layers:2,num_attention_heads:2,"
+         "+model.config={hidden_size:16,intermediate_size:32,num_hidden_layers:2,num_attention_heads:2,"
          "num_key_value_heads:2,tie_word_embeddings:false}", *GPT[12:]]
 
 
