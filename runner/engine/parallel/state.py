@@ -144,12 +144,15 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 
     mesh, placements = t.device_mesh, t.placements
     tp_mesh, dp_mesh = mesh[mesh.mesh_dim_names[-1]], mesh[mesh.mesh_dim_names[-2]]
-    dim = placements[-2].dim
-    tp_shape = list(t.shape)
-    tp_shape[dim] //= tp_mesh.size()
-    tp_stride = torch.empty(tp_shape, device="meta").stride()
-    tp_local = DTensor.from_local(t.to_local(), dp_mesh, [Shard(dim)], run_check=False, shape=torch.Size(tp_shape),
-                                  stride=tp_stride).full_tensor()
+    if placements[-2].is_replicate():  # FSDP2's replicate (ddp x tp): each rank holds its whole tp part
+        tp_local = t.to_local()
+    else:
+        dim = placements[-2].dim
+        tp_shape = list(t.shape)
+        tp_shape[dim] //= tp_mesh.size()
+        tp_stride = torch.empty(tp_shape, device="meta").stride()
+        tp_local = DTensor.from_local(t.to_local(), dp_mesh, [Shard(dim)], run_check=False,
+                                      shape=torch.Size(tp_shape), stride=tp_stride).full_tensor()
     return DTensor.from_local(tp_local, tp_mesh, placements[-1:], run_check=False, shape=t.shape,
                               stride=t.stride()).full_tensor()
 
@@ -179,9 +182,12 @@ def placed_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     tp_mesh = mesh[mesh.mesh_dim_names[-1]]
     tp_local = distribute_tensor(full, tp_mesh, placements[-1:], src_data_rank=None).to_local()
     shard = placements[-2]
-    dp_size, dp_index = mesh.size(mesh.ndim - 2), mesh.get_local_rank(mesh.ndim - 2)
-    chunks = torch.chunk(tp_local, dp_size, dim=shard.dim)
-    local = chunks[dp_index] if dp_index < len(chunks) else tp_local.narrow(shard.dim, 0, 0)
+    if shard.is_replicate():  # FSDP2's replicate (ddp x tp)
+        local = tp_local
+    else:
+        dp_size, dp_index = mesh.size(mesh.ndim - 2), mesh.get_local_rank(mesh.ndim - 2)
+        chunks = torch.chunk(tp_local, dp_size, dim=shard.dim)
+        local = chunks[dp_index] if dp_index < len(chunks) else tp_local.narrow(shard.dim, 0, 0)
     return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
 
 

@@ -29,7 +29,7 @@ HEAD_ATTRIBUTES = ("n_head", "heads", "num_heads", "num_attention_heads", "num_k
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def plan_source(module: nn.Module, spec: ParallelismSpec) -> str:
+def plan_source(module: nn.Module, spec: ParallelismSpec, tp: int) -> str:
     """Where the tensor-parallel plan comes from: "user", "model", "huggingface"; a SpecError when nowhere."""
     if spec.tp_plan is not None:
         return "user"
@@ -37,7 +37,7 @@ def plan_source(module: nn.Module, spec: ParallelismSpec) -> str:
         return "model"
     if huggingface_plan(module):
         return "huggingface"
-    raise SpecError(f"parallelism.tp: {spec.tp} needs a tensor-parallel plan, but the model ({type(module).__name__}) has none; "
+    raise SpecError(f"parallelism.tp: {tp} needs a tensor-parallel plan, but the model ({type(module).__name__}) has none; "
                     "give parallelism.tp_plan={_target_: my_pkg.plan} (fn(model, tp_mesh)), or add a method "
                     "parallelize_tensor(self, tp_mesh, *, sequence_parallel, loss_parallel) to the model")
 
@@ -47,7 +47,7 @@ def check(module: nn.Module, spec: ParallelismSpec, tp: int) -> None:
     every head count the model declares."""
     if tp <= 1:
         return
-    plan_source(module, spec)
+    plan_source(module, spec, tp)
     for where, heads in declared_heads(module):
         if heads < tp or heads % tp:
             raise SpecError(f"parallelism.tp: {tp} does not divide the {heads} attention heads of {where}; allowed: a "
@@ -72,7 +72,7 @@ def apply(module: nn.Module, spec: ParallelismSpec, env: Any) -> None:
         return
     check(module, spec, env.dims.tp)
     tp_mesh = env.mesh["tp"]
-    source = plan_source(module, spec)
+    source = plan_source(module, spec, env.dims.tp)
     if source == "user":
         from runner.spec.components import load_target
 
