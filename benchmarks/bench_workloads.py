@@ -57,6 +57,7 @@ WORKLOADS = [
 
 def workload_spec(overrides: list[str], steps: int, workdir: Path) -> RunSpec:
     """The run spec of a workload, `steps` long, evaluating never, tracked in its own MLflow store."""
+    workdir.mkdir(parents=True, exist_ok=True)  # a store's folder must exist (runner makes only the default's)
     overrides = [*overrides, f"trainer.max_steps={steps}", "trainer.eval_every_epoch=false", "trainer.progress_bar=off",
                  f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"tracking.artifact_root={workdir}/artifacts",
                  "tracking.experiment=bench"]

@@ -169,6 +169,7 @@ def test_early_stopping_and_the_test_on_best_weights_run_through_the_pipeline_li
     assert max(s for s, _ in metric_history(tmp_path / "two.db")["train/loss"]) == 4  # stopped at the 2nd evaluation
 
 
+@pytest.mark.slow  # CI budget: pp=2 equal to one process stays in CI with gpt's own plan (1f1b)
 def test_a_users_pp_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
     """parallelism.pp_plan={_target_: tests.user_pkg.stages.mlp_stage}: the mlp, which has no plan of its own."""
     common = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=100", "model=mlp", "model.hidden=[16,16]",

@@ -108,6 +108,7 @@ def test_a_tp2_checkpoint_resumes_in_one_process_as_if_never_stopped(tmp_path: P
     assert_same_metrics({k: v[4:] for k, v in single_gpt[1].items() if k == "train/loss"}, metrics, keys=("train/loss",))
 
 
+@pytest.mark.slow  # CI budget: resharding stays in CI the other way (tp=2 saved, one process resumed)
 def test_a_single_process_checkpoint_resumes_at_tp2_as_if_never_stopped(tmp_path: Path, single_gpt: tuple) -> None:
     start = single_gpt[2] / "checkpoints" / "step-00000004.pt"
     weights, metrics = train([*GPT, *TP2, "dataset.batch_size=8", "+accum=2", f"trainer.resume={start}"],
