@@ -120,6 +120,8 @@ class Engine:
         if self.pipeline is not None:
             self.module = self.pipeline.module
         tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: after the pipeline's cut, before checkpointing and the data-parallel wrap
+        if self.pipeline is not None:  # pp x tp: the stages compute with the split parameters, whole between stages
+            self.pipeline.after_tensor_plan(spec.parallelism, self.env)
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
         activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
         # under pp the schedule calls the stages, not a wrapper: the pipeline averages over dp_replicate itself
@@ -361,7 +363,8 @@ class Engine:
             batch = self._prepare(batch, train=True)
             if not batch.empty:
                 step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-            with self.precision.autocast():
+            # the last stage's loss and the schedule's backward of it: on vocabulary-sharded logits under loss_parallel
+            with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
                 losses.append(self.pipeline.train(batch.inputs, batch.labels, _rows(batch), batch.empty, scale))
         loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
         self.pipeline.sync_tied_gradients()

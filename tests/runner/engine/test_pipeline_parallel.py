@@ -57,8 +57,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
         engine = Engine(spec, tracker, DistEnv(rank, world, rank))
         result = engine.fit()
         # each stage's own copy of a parameter the whole model shares (gpt: wte.weight = lm_head.weight)
-        tied = {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)
-                if n in ("wte.weight", "lm_head.weight")}
+        # (whole: a tensor-parallel part is gathered over its tp group)
+        tied = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in engine.module.named_parameters(remove_duplicate=False) if n in ("wte.weight", "lm_head.weight")}
         every = [None] * world
         torch.distributed.all_gather_object(every, tied)
         if rank == 0:  # plain values: a tensor in the queue would outlive the process sharing its memory
@@ -135,6 +136,22 @@ def test_pp2_times_ddp2_trains_like_one_process_on_the_global_batch(tmp_path: Pa
     """pp=2 x dp_replicate=2 at a per-rank batch of 4 equals one process at 8 (accumulation 2, a ragged last step)."""
     assert_like_one_process(tmp_path, [*GPT, "+accum=2"], ["dataset.batch_size=4"], one=["dataset.batch_size=8"],
                             world=4)
+
+
+@pytest.mark.slow  # 4 processes
+@pytest.mark.parametrize("split", [[], ["parallelism.sequence_parallel=false", "parallelism.loss_parallel=false"]],
+                         ids=["sp_lp", "plain"])
+def test_pp2_times_tp2_trains_gpt_like_one_process(tmp_path: Path, split: list[str]) -> None:
+    """pp=2 x tp=2: each stage split over its two tp ranks (the tensor plan reaches the stages' parameters),
+    the stages exchanging whole plain activations (a sequence-parallel stream gathered before the send and split
+    again after), the last stage's loss on vocabulary-sharded logits (loss_parallel); 1F1B with 3 micro-batches,
+    accumulation 2 and a ragged last step equal one process (tolerance: the module's, 1e-5; tp adds the two halves
+    of each matmul's inner sum by an all-reduce, another fp32 order). The tied embedding's two copies (first and
+    last stage) stay equal, each tp rank's part of them alike."""
+    common = [*GPT, "dataset.batch_size=8", "+accum=2"]
+    two = assert_like_one_process(tmp_path, common, ["parallelism.tp=2", "parallelism.pp_schedule=1f1b",
+                                                     "parallelism.pp_microbatches=3", *split], world=4)
+    assert two["tied_diff"] == 0.0
 
 
 @pytest.mark.slow
@@ -236,7 +253,6 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
     (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
     (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
     ([], {"dp_shard": 2}, "parallelism.dp_shard: 2 with parallelism.pp=2: pp x fsdp is not built yet"),
-    (["parallelism.tp=2"], {"tp": 2}, "parallelism.tp: 2 with parallelism.pp=2: pp x tp is not built yet"),
 ])
 def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
                                                                              dims: dict, message: str) -> None:
