@@ -463,7 +463,8 @@ class Engine:
     def _pipeline_eval_sums(self, batch: tasks.Batch, count: int) -> dict[str, torch.Tensor]:
         """The task's evaluation sums of one batch through the pipeline: the last stage's, zeros of the same
         names elsewhere."""
-        with self.precision.autocast():
+        # the schedule computes the last stage's loss in evaluation too: on vocabulary-sharded logits under loss_parallel
+        with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
             output = self.pipeline.forward(batch.inputs, batch.labels, _rows(batch))
         sums = None if output is None else batches.eval_sums(output, batch, count, self.task, self.spec.model.target)
         if self._eval_names is None:  # once: the last stage tells the others
