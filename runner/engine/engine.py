@@ -129,6 +129,8 @@ class Engine:
             self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
             # parameters unfrozen mid-run must still be reduced across ranks
             find_unused=spec.model.unfreeze_after_epochs is not None)
+        if self.pipeline is not None:  # pp x fsdp: each stage sharded on dp_shard
+            self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included

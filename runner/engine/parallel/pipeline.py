@@ -69,8 +69,11 @@ def check_composition(spec: Any, dims: Any) -> None:
     par, trainer = spec.parallelism, spec.trainer
     refused = [
         (par.cp > 1, f"parallelism.cp: {par.cp} with parallelism.pp={par.pp}: pp x cp is not built yet; use one of them"),
-        (dims.dp_shard > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp}: pp x fsdp is not built "
-                            "yet; use pp with dp_replicate (ddp) or pp alone"),
+        (dims.dp_shard > 1 and par.tp > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp} and "
+                                           f"parallelism.tp={par.tp}: pp x fsdp x tp is not built yet; use two of them"),
+        (dims.dp_shard > 1 and dims.dp_replicate > 1, f"parallelism.dp_replicate: {dims.dp_replicate} with parallelism."
+                                                      f"dp_shard={dims.dp_shard} and parallelism.pp={par.pp}: pp x hsdp "
+                                                      "is not built yet; use pp with dp_shard (fsdp) or dp_replicate (ddp)"),
         (trainer.ema.decay is not None, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet "
                                         f"(parallelism.pp={par.pp}); drop trainer.ema or use pp=1"),
         (trainer.swa.start_epoch is not None, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet "
@@ -203,6 +206,21 @@ class Pipeline:
                 stage.submod.register_forward_hook(_whole_output)
             if split_input and not stage.is_first:
                 stage.submod.register_forward_pre_hook(_sequence_split_input(tp_mesh))
+
+    def shard_stages(self, spec: ParallelismSpec, env: DistEnv, device: torch.device,
+                     param_dtype: torch.dtype | None) -> None:
+        """pp x fsdp: each stage fully_shard-ed on dp_shard (its blocks one by one, then the stage as the root,
+        as torchtitan does). torch's PipelineStage holds the gradient reduction until the schedule's last
+        micro-batch, and FSDP's reduce-scatter averages over dp_shard, so average_over_replicas adds nothing."""
+        if env.dims.dp_shard <= 1:
+            return
+        from runner.engine.parallel.wrap import Wrapping, shard
+
+        for m in self.stage_modules:
+            shard(m, Wrapping(spec, env, device, param_dtype, find_unused=False))
+        # a stage's own parameters (a plan's top-level ones: vit's class token) were replaced in the stage only
+        _rank_part(self.module, self.stage_modules)
+        self.dp_group = None
 
     def _timed(self, compute: Callable) -> Callable:
         def timed(*args, **kwargs):

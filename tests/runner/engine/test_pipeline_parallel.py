@@ -154,6 +154,16 @@ def test_pp2_times_tp2_trains_gpt_like_one_process(tmp_path: Path, split: list[s
     assert two["tied_diff"] == 0.0
 
 
+@pytest.mark.slow  # 4 processes
+def test_pp2_times_fsdp2_trains_like_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    """pp=2 x dp_shard=2: each stage fully_shard-ed over its two replicas (torch's PipelineStage holds FSDP's
+    reduce-scatter to the schedule's last micro-batch, which averages over dp_shard once); a per-rank batch of 4
+    equals one process at 8 (accumulation 2, a ragged last step, tolerance 1e-5: FSDP's reduce-scatter is one more
+    fp32 sum in another order)."""
+    fsdp = ["parallelism.dp_replicate=1", "parallelism.dp_shard=-1", "dataset.batch_size=4"]
+    assert_like_one_process(tmp_path, [*GPT, "+accum=2"], fsdp, one=["dataset.batch_size=8"], world=4)
+
+
 @pytest.mark.slow
 def test_pp2_under_bf16_autocast_trains_like_one_process(tmp_path: Path) -> None:
     """precision=bf16 (autocast): the stages exchange bf16 activations. Tolerance 1e-2: bf16 keeps 8 bits of
@@ -214,6 +224,23 @@ def test_checkpoints_reshard_between_pp2_and_one_process(tmp_path: Path) -> None
     assert [sorted(g["params"]) for g in one["param_groups"]] == [sorted(g["params"]) for g in two["param_groups"]]
 
 
+@pytest.mark.slow  # 4 processes
+def test_checkpoints_reshard_between_pp2_times_tp2_and_one_process(tmp_path: Path) -> None:
+    """A pp=2 x tp=2 checkpoint of step 3 (tensor-parallel parts gathered whole) resumed in one process, and one
+    process's resumed at pp=2 x tp=2, end as the uninterrupted run does."""
+    common = [*GPT, "dataset.batch_size=8", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",
+              "trainer.keep_checkpoints=5"]
+    pp_tp = ["parallelism=ddp", "parallelism.nproc_per_node=4", "parallelism.pp=2", "parallelism.tp=2"]
+    run_one(common, tmp_path / "one")
+    run_two([*common, *pp_tp], tmp_path / "two", world=4)
+    assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    run_one([*common, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'step-00000003.pt'}"], tmp_path / "from_two")
+    assert_same(weights(tmp_path / "from_two"), weights(tmp_path / "one"))
+    run_two([*common, *pp_tp, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000003.pt'}"],
+            tmp_path / "from_one", world=4)
+    assert_same(weights(tmp_path / "from_one"), weights(tmp_path / "one"))
+
+
 def test_a_model_without_a_pipeline_plan_is_refused_naming_pp_plan() -> None:
     from runner.engine.parallel.pipeline import cut_stage
 
@@ -252,7 +279,10 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
     (["trainer.ema.decay=0.99"], {}, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet"),
     (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
     (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
-    ([], {"dp_shard": 2}, "parallelism.dp_shard: 2 with parallelism.pp=2: pp x fsdp is not built yet"),
+    (["parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
+     "parallelism.dp_shard: 2 with parallelism.pp=2 and parallelism.tp=2: pp x fsdp x tp is not built yet"),
+    ([], {"dp_shard": 2, "dp_replicate": 2}, "parallelism.dp_replicate: 2 with parallelism.dp_shard=2 and "
+     "parallelism.pp=2: pp x hsdp is not built yet"),
 ])
 def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
                                                                              dims: dict, message: str) -> None:
