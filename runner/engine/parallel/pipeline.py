@@ -74,10 +74,6 @@ def check_composition(spec: Any, dims: Any) -> None:
         (dims.dp_shard > 1 and dims.dp_replicate > 1, f"parallelism.dp_replicate: {dims.dp_replicate} with parallelism."
                                                       f"dp_shard={dims.dp_shard} and parallelism.pp={par.pp}: pp x hsdp "
                                                       "is not built yet; use pp with dp_shard (fsdp) or dp_replicate (ddp)"),
-        (trainer.ema.decay is not None, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet "
-                                        f"(parallelism.pp={par.pp}); drop trainer.ema or use pp=1"),
-        (trainer.swa.start_epoch is not None, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet "
-                                              f"(parallelism.pp={par.pp}); drop trainer.swa or use pp=1"),
         (spec.precision.name == "fp16", f"precision: fp16's loss scaling is not built into the pipeline schedules "
                                         f"(parallelism.pp={par.pp}); use precision=bf16 or fp32"),
         (bool(trainer.compile), f"trainer.compile: {trainer.compile} with parallelism.pp={par.pp}: compiling the "
@@ -457,6 +453,25 @@ class Pipeline:
             if value is not None:
                 model.update({n: value for n in names})
         return {k: model[k] for k in self.full_keys if k in model}
+
+    def merged_state(self, own: dict) -> dict:
+        """The whole model's tensors merged from every rank's `own` (full CPU tensors under this rank's names:
+        the averages of EMA/SWA, which each rank keeps for its own stages); a collective."""
+        from runner.engine.parallel.collectives import gather_objects
+
+        merged = self._merged_model(gather_objects(own))
+        aliases = {n for names in self.tied for n in names[1:]}  # a shared parameter once, as one process keys it
+        return {k: v for k, v in merged.items() if k not in aliases}
+
+    def with_tied_names(self, values: dict) -> dict:
+        """`values` (keyed as merged_state keys them) under every name of a shared parameter: a rank holding
+        only the lm head finds the embedding's entry under its own name."""
+        values = dict(values)
+        for names in self.tied:
+            value = next((values[n] for n in names if n in values), None)
+            if value is not None:
+                values.update({n: value for n in names})
+        return values
 
     def full_model_state(self) -> dict:
         """The whole model's state as full CPU tensors, merged from every stage (a collective)."""

@@ -165,6 +165,31 @@ def test_pp2_times_fsdp2_trains_like_one_process_on_the_global_batch(tmp_path: P
 
 
 @pytest.mark.slow
+def test_ema_and_swa_of_the_stages_evaluate_and_resume_like_one_process(tmp_path: Path) -> None:
+    """trainer.ema and trainer.swa under pp=2: each rank averages its own stages' weights, the averages are
+    evaluated through the pipeline (val/ema/loss, val/swa/loss equal one process's) and a checkpoint holds the
+    whole model's averages, which a pp=2 run resumed from one process's checkpoint continues."""
+    common = [*GPT, "dataset.batch_size=8", "trainer.max_epochs=2", "trainer.ema.decay=0.9",
+              "trainer.swa.start_epoch=0", "trainer.checkpoint_every_n_steps=6", "trainer.keep_checkpoints=5"]
+    run_one(common, tmp_path / "one", tmp_path / "one.db")
+    run_two([*common, *PP2], tmp_path / "two", tmp_path / "two.db")
+    assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    one_log, two_log = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
+    for key in ("val/ema/loss", "val/swa/loss", "train/loss", "val/loss"):
+        assert [s for s, _ in two_log[key]] == [s for s, _ in one_log[key]] and one_log[key], key
+        for (_, a), (_, b) in zip(one_log[key], two_log[key]):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7), key
+    saved = {d: checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["addons"]["averages"] for d in ("one", "two")}
+    for kind in ("ema", "swa"):
+        assert_same(saved["two"][kind]["values"], saved["one"][kind]["values"])
+    run_two([*common, *PP2, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000006.pt'}"],
+            tmp_path / "from_one")
+    resumed = checkpoint.load(tmp_path / "from_one" / "checkpoints" / "last.pt")["addons"]["averages"]
+    for kind in ("ema", "swa"):
+        assert_same(resumed[kind]["values"], saved["one"][kind]["values"])
+
+
+@pytest.mark.slow
 def test_pp2_under_bf16_autocast_trains_like_one_process(tmp_path: Path) -> None:
     """precision=bf16 (autocast): the stages exchange bf16 activations. Tolerance 1e-2: bf16 keeps 8 bits of
     mantissa (relative rounding 4e-3), and the micro-batches' matmuls may round differently from the whole batch's."""
@@ -225,18 +250,22 @@ def test_checkpoints_reshard_between_pp2_and_one_process(tmp_path: Path) -> None
 
 
 @pytest.mark.slow  # 4 processes
-def test_checkpoints_reshard_between_pp2_times_tp2_and_one_process(tmp_path: Path) -> None:
-    """A pp=2 x tp=2 checkpoint of step 3 (tensor-parallel parts gathered whole) resumed in one process, and one
-    process's resumed at pp=2 x tp=2, end as the uninterrupted run does."""
-    common = [*GPT, "dataset.batch_size=8", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",
-              "trainer.keep_checkpoints=5"]
-    pp_tp = ["parallelism=ddp", "parallelism.nproc_per_node=4", "parallelism.pp=2", "parallelism.tp=2"]
-    run_one(common, tmp_path / "one")
-    run_two([*common, *pp_tp], tmp_path / "two", world=4)
+@pytest.mark.parametrize("other", [["parallelism.tp=2"], ["parallelism.dp_replicate=1", "parallelism.dp_shard=-1"]],
+                         ids=["tp2", "fsdp2"])
+def test_checkpoints_reshard_between_pp2_times_tp2_or_fsdp2_and_one_process(tmp_path: Path, other: list[str]) -> None:
+    """A pp=2 x tp=2 (or x dp_shard=2) checkpoint of step 3 (DTensor parts gathered whole) resumed in one process,
+    and one process's resumed at that mesh, end as the uninterrupted run does (fsdp: a per-rank batch of 4)."""
+    common = [*GPT, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3", "trainer.keep_checkpoints=5"]
+    batch = 4 if "parallelism.dp_shard=-1" in other else 8
+    at_mesh = ["parallelism=ddp", "parallelism.nproc_per_node=4", "parallelism.pp=2", *other, f"dataset.batch_size={batch}"]
+    one_batch = ["dataset.batch_size=8"]
+    run_one([*common, *one_batch], tmp_path / "one")
+    run_two([*common, *at_mesh], tmp_path / "two", world=4)
     assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
-    run_one([*common, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'step-00000003.pt'}"], tmp_path / "from_two")
+    run_one([*common, *one_batch, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'step-00000003.pt'}"],
+            tmp_path / "from_two")
     assert_same(weights(tmp_path / "from_two"), weights(tmp_path / "one"))
-    run_two([*common, *pp_tp, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000003.pt'}"],
+    run_two([*common, *at_mesh, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000003.pt'}"],
             tmp_path / "from_one", world=4)
     assert_same(weights(tmp_path / "from_one"), weights(tmp_path / "one"))
 
@@ -276,8 +305,6 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
 
 
 @pytest.mark.parametrize("overrides, dims, message", [
-    (["trainer.ema.decay=0.99"], {}, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet"),
-    (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
     (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
     (["parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
      "parallelism.dp_shard: 2 with parallelism.pp=2 and parallelism.tp=2: pp x fsdp x tp is not built yet"),
