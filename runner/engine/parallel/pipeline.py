@@ -19,7 +19,11 @@ norm counts it once. Padded rows and micro-batches assume samples do not mix ins
 BatchNorm), as pipelining any batch into micro-batches does.
 
 With dp_replicate > 1 (pp x ddp) each stage's gradients are averaged over its replicas here, not by a DDP
-wrapper (the schedule calls the stages themselves). Evaluation runs the schedule forward-only; the last
+wrapper (the schedule calls the stages themselves). With dp_shard > 1 (pp x fsdp) each stage is fully_shard-ed on
+dp_shard, and torch's PipelineStage reduces its gradients once, after the schedule's last micro-batch. With
+tp > 1 (pp x tp) the tensor plan splits this rank's part, whose parameters the stages share; activations
+cross stage boundaries as plain whole tensors (a sequence-parallel stream is gathered before the send and
+split again after it), and the last stage's loss runs under loss_parallel. Evaluation runs the schedule forward-only; the last
 stage's metric sums are summed over the pp group so that every rank decides alike (early stopping, the
 best weights).
 """
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runner.engine.parallel.mesh import DistEnv
+from runner.engine.parallel.state import local_tensor_of
 from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec
 from runner.spec.run import SpecError
 
@@ -513,11 +518,6 @@ class Pipeline:
             if params:
                 groups.append({**group, "params": params})
         load_full_state(self.module, optimizer, model, {"state": state, "param_groups": groups})
-
-
-def local_tensor_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a tensor-parallel split), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _placed_as_parameter(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

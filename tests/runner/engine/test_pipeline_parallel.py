@@ -306,7 +306,7 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
 
 @pytest.mark.parametrize("overrides, dims, message", [
     (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
-    (["parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
+    (["parallelism.nproc_per_node=8", "parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
      "parallelism.dp_shard: 2 with parallelism.pp=2 and parallelism.tp=2: pp x fsdp x tp is not built yet"),
     ([], {"dp_shard": 2, "dp_replicate": 2}, "parallelism.dp_replicate: 2 with parallelism.dp_shard=2 and "
      "parallelism.pp=2: pp x hsdp is not built yet"),
