@@ -149,9 +149,14 @@ class GPT(nn.Module):
         if sequence_parallel:  # the position embedding is added whole; the stream is split from the dropout on
             plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
             plan["ln_f"] = SequenceParallel()
-        parallelize_module(self, tp_mesh, plan)
-        self.lm_head.weight = self.wte.weight  # both split the vocabulary alike: tied again, one parameter
+        # a pipeline rank's part of the model (pipeline_stage) lacks the parts other ranks hold: None, or blocks
+        # that are absent or nn.Identity
+        parallelize_module(self, tp_mesh, {k: v for k, v in plan.items() if getattr(self, k) is not None})
+        if self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight  # both split the vocabulary alike: tied again, one parameter
         for block in self.blocks:
+            if not isinstance(block, Block):
+                continue
             block.attn.n_head = self.n_head // tp  # the heads this rank computes
             layer = {
                 "attn.qkv": fused_colwise(3),

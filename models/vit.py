@@ -119,6 +119,8 @@ class ViT(nn.Module):
                 "norm": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
                                            use_local_output=True)})
         for block in self.blocks:
+            if block is None or isinstance(block, nn.Identity):  # a pipeline rank's part: other ranks' blocks
+                continue
             block.attn.heads = block.attn.heads // tp  # the heads this rank computes
             layer = {
                 "attn.qkv": fused_colwise(3),

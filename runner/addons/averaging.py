@@ -18,7 +18,8 @@ beside the raw weights.
   are `<split>/ema/<name>` and `<split>/swa/<name>`.
 - Parallel: under ddp every rank averages its full (identical) weights; under fsdp every rank averages
   its own shards (averaging is elementwise, so the shards of the average are the averages of the
-  shards). Checkpoints hold full tensors, like the model's.
+  shards); under pp every rank its own stages' weights, evaluated through the pipeline. Checkpoints hold
+  full tensors of the whole model, like the model's.
 
 torch.optim.swa_utils.AveragedModel is not used as a whole: it deep-copies the module, which for an
 FSDP-sharded or compiled model would need its own wrap to be evaluated, and it keeps the average in
@@ -140,17 +141,26 @@ class Averages(AddOn):
         """For the checkpoint: full tensors (a collective under fsdp: every rank calls it)."""
         if self.ema is None and self.swa is None:
             return None
-        return {a.kind: a.state_dict(self._tensors) for a in (self.ema, self.swa) if a is not None}
+        state = {a.kind: a.state_dict(self._tensors) for a in (self.ema, self.swa) if a is not None}
+        pipeline = getattr(self.view.module, "_runner_pipeline", None)
+        if pipeline is not None:  # pp: each rank averages its own stages' weights; the checkpoint holds the whole model's
+            for average in state.values():
+                average["values"] = pipeline.merged_state(average["values"])
+        return state
 
     def load_state_dict(self, state: dict | None) -> None:
         """A checkpoint's averages; None (a checkpoint without them, or a tool that trained and put the
         starting weights back, such as an lr finder) starts both over from the module's weights."""
         tensors = self._tensors
+        pipeline = getattr(self.view.module, "_runner_pipeline", None)
         for average in (self.ema, self.swa):
             if average is None:
                 continue
             if state and state.get(average.kind) is not None:
-                average.load_state_dict(state[average.kind], tensors)
+                saved = state[average.kind]
+                if pipeline is not None:  # this rank's stages may hold a shared parameter under another of its names
+                    saved = {**saved, "values": pipeline.with_tied_names(saved["values"])}
+                average.load_state_dict(saved, tensors)
             else:  # a checkpoint saved without this average: it starts from the loaded weights
                 average.reset_to(tensors)
 

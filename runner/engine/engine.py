@@ -120,6 +120,8 @@ class Engine:
         if self.pipeline is not None:
             self.module = self.pipeline.module
         tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: after the pipeline's cut, before checkpointing and the data-parallel wrap
+        if self.pipeline is not None:  # pp x tp: the stages compute with the split parameters, whole between stages
+            self.pipeline.after_tensor_plan(spec.parallelism, self.env)
         self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
         if self.cp_mesh is not None:
             context.check_model(self.module, spec.model.target)
@@ -130,6 +132,8 @@ class Engine:
             self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
             # parameters unfrozen mid-run must still be reduced across ranks
             find_unused=spec.model.unfreeze_after_epochs is not None)
+        if self.pipeline is not None:  # pp x fsdp: each stage sharded on dp_shard
+            self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
@@ -369,7 +373,8 @@ class Engine:
             batch = self._prepare(batch, train=True)
             if not batch.empty:
                 step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-            with self.precision.autocast():
+            # the last stage's loss and the schedule's backward of it: on vocabulary-sharded logits under loss_parallel
+            with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
                 losses.append(self.pipeline.train(batch.inputs, batch.labels, _rows(batch), batch.empty, scale))
         loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
         self.pipeline.sync_tied_gradients()
@@ -468,7 +473,8 @@ class Engine:
     def _pipeline_eval_sums(self, batch: tasks.Batch, count: int) -> dict[str, torch.Tensor]:
         """The task's evaluation sums of one batch through the pipeline: the last stage's, zeros of the same
         names elsewhere."""
-        with self.precision.autocast():
+        # the schedule computes the last stage's loss in evaluation too: on vocabulary-sharded logits under loss_parallel
+        with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
             output = self.pipeline.forward(batch.inputs, batch.labels, _rows(batch))
         sums = None if output is None else batches.eval_sums(output, batch, count, self.task, self.spec.model.target)
         if self._eval_names is None:  # once: the last stage tells the others

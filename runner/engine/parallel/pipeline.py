@@ -19,7 +19,11 @@ norm counts it once. Padded rows and micro-batches assume samples do not mix ins
 BatchNorm), as pipelining any batch into micro-batches does.
 
 With dp_replicate > 1 (pp x ddp) each stage's gradients are averaged over its replicas here, not by a DDP
-wrapper (the schedule calls the stages themselves). Evaluation runs the schedule forward-only; the last
+wrapper (the schedule calls the stages themselves). With dp_shard > 1 (pp x fsdp) each stage is fully_shard-ed on
+dp_shard, and torch's PipelineStage reduces its gradients once, after the schedule's last micro-batch. With
+tp > 1 (pp x tp) the tensor plan splits this rank's part, whose parameters the stages share; activations
+cross stage boundaries as plain whole tensors (a sequence-parallel stream is gathered before the send and
+split again after it), and the last stage's loss runs under loss_parallel. Evaluation runs the schedule forward-only; the last
 stage's metric sums are summed over the pp group so that every rank decides alike (early stopping, the
 best weights).
 """
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runner.engine.parallel.mesh import DistEnv
+from runner.engine.parallel.state import local_tensor_of
 from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec
 from runner.spec.run import SpecError
 
@@ -68,14 +73,12 @@ def check_composition(spec: Any, dims: Any) -> None:
     """What pipeline parallelism does not combine with (yet), refused in one line before anything starts."""
     par, trainer = spec.parallelism, spec.trainer
     refused = [
-        (par.tp > 1, f"parallelism.tp: {par.tp} with parallelism.pp={par.pp}: pp x tp is not built yet; use one of them"),
         (par.cp > 1, f"parallelism.cp: {par.cp} with parallelism.pp={par.pp}: pp x cp is not built yet; use one of them"),
-        (dims.dp_shard > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp}: pp x fsdp is not built "
-                            "yet; use pp with dp_replicate (ddp) or pp alone"),
-        (trainer.ema.decay is not None, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet "
-                                        f"(parallelism.pp={par.pp}); drop trainer.ema or use pp=1"),
-        (trainer.swa.start_epoch is not None, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet "
-                                              f"(parallelism.pp={par.pp}); drop trainer.swa or use pp=1"),
+        (dims.dp_shard > 1 and par.tp > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp} and "
+                                           f"parallelism.tp={par.tp}: pp x fsdp x tp is not built yet; use two of them"),
+        (dims.dp_shard > 1 and dims.dp_replicate > 1, f"parallelism.dp_replicate: {dims.dp_replicate} with parallelism."
+                                                      f"dp_shard={dims.dp_shard} and parallelism.pp={par.pp}: pp x hsdp "
+                                                      "is not built yet; use pp with dp_shard (fsdp) or dp_replicate (ddp)"),
         (spec.precision.name == "fp16", f"precision: fp16's loss scaling is not built into the pipeline schedules "
                                         f"(parallelism.pp={par.pp}); use precision=bf16 or fp32"),
         (bool(trainer.compile), f"trainer.compile: {trainer.compile} with parallelism.pp={par.pp}: compiling the "
@@ -150,8 +153,6 @@ class Pipeline:
         for name, p in model.named_parameters(remove_duplicate=False):
             shared.setdefault(id(p), []).append(name)
         self.tied = [names for names in shared.values() if len(names) > 1]
-        shapes = dict(model.named_parameters(remove_duplicate=False))
-        self.tied_shapes = [shapes[names[0]].shape for names in self.tied]
 
         self.indices = stage_indices(par.pp_schedule, self.pp_rank, self.pp, stages_per_rank(par))
         cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages).to(device) for i in self.indices]
@@ -181,6 +182,46 @@ class Pipeline:
                 if hasattr(stage, name):
                     setattr(stage, name, self._timed(getattr(stage, name)))
         self._timing = False
+
+    def after_tensor_plan(self, spec: ParallelismSpec, env: DistEnv) -> None:
+        """pp x tp, once the tensor plan split this rank's part (tensor.apply on `module`): the stages must
+        compute with the split parameters, and their boundaries stay plain whole tensors. A stage's output
+        that is a DTensor (the residual stream under sequence parallelism) is made whole before it is sent;
+        under the model's own plan with sequence_parallel, a later stage's input is split along the sequence
+        (dim 1) again, as the plan's first block expects (gpt, vit: the stream between blocks is Shard(1))."""
+        from runner.engine.parallel import tensor as tensor_parallel
+
+        if env.dims.tp <= 1:
+            return
+        own = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}
+        for m in self.stage_modules:
+            for name, p in m.named_parameters(remove_duplicate=False):
+                if own.get(name) is not p:
+                    raise SpecError(f"parallelism.tp: {env.dims.tp} with parallelism.pp={self.pp}: the pipeline plan "
+                                    f"copied {name} out of the model, so the tensor plan cannot reach the stage; "
+                                    "share the model's modules in each stage (as pipeline_stage of gpt and vit does)")
+        tp_mesh = env.mesh["tp"]
+        split_input = spec.sequence_parallel and tensor_parallel.plan_source(self.module, spec) == "model"
+        for stage in self.stages:
+            if not stage.is_last:
+                stage.submod.register_forward_hook(_whole_output)
+            if split_input and not stage.is_first:
+                stage.submod.register_forward_pre_hook(_sequence_split_input(tp_mesh))
+
+    def shard_stages(self, spec: ParallelismSpec, env: DistEnv, device: torch.device,
+                     param_dtype: torch.dtype | None) -> None:
+        """pp x fsdp: each stage fully_shard-ed on dp_shard (its blocks one by one, then the stage as the root,
+        as torchtitan does). torch's PipelineStage holds the gradient reduction until the schedule's last
+        micro-batch, and FSDP's reduce-scatter averages over dp_shard, so average_over_replicas adds nothing."""
+        if env.dims.dp_shard <= 1:
+            return
+        from runner.engine.parallel.wrap import Wrapping, shard
+
+        for m in self.stage_modules:
+            shard(m, Wrapping(spec, env, device, param_dtype, find_unused=False))
+        # a stage's own parameters (a plan's top-level ones: vit's class token) were replaced in the stage only
+        _rank_part(self.module, self.stage_modules)
+        self.dp_group = None
 
     def _timed(self, compute: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -317,22 +358,36 @@ class Pipeline:
             return
         for p in self.module.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(self.dp)
+                grad = local_tensor_of(p.grad)  # under tp each rank's part of the gradient
+                dist.all_reduce(grad, group=self.dp_group)
+                grad.div_(self.dp)
 
     def sync_tied_gradients(self) -> None:
         """A parameter the whole model shares between stages gets the sum of its copies' gradients."""
-        for names, shape in zip(self.tied, self.tied_shapes):
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        for names in self.tied:
             copies = {id(p): p for m in self.stage_modules for n, p in m.named_parameters(remove_duplicate=False)
                       if n in names}
             params = list(copies.values())
-            grad = torch.zeros(shape, device=self.stages[0].device)
+            # under tp every copy is split alike (gpt: the vocabulary rows), and the pp group joins ranks of one
+            # tp rank: the local parts are summed. A rank holding no copy adds zeros of the part's shape.
+            held = next((named[n] for n in names if n in named), None)
+            like = local_tensor_of(held.detach()) if held is not None else None
+            grad = torch.zeros(self._tied_local_shape(names, like), device=self.stages[0].device)
             for p in params:
                 if p.grad is not None:
-                    grad += p.grad
+                    grad += local_tensor_of(_placed_as_parameter(p.grad, p))
             dist.all_reduce(grad, group=self.group)
             for p in params:
-                p.grad = grad.clone() if len(params) > 1 else grad
+                local = grad.clone() if len(params) > 1 else grad
+                p.grad = _like_parameter(local, p)
+
+    def _tied_local_shape(self, names: list[str], like: torch.Tensor | None) -> list[int]:
+        """The shape of this rank's part of a tied parameter, agreed over the pp group (a rank holding no copy
+        learns it from one that does)."""
+        every = [None] * self.pp
+        dist.all_gather_object(every, list(like.shape) if like is not None else None, group=self.group)
+        return next(s for s in every if s is not None)
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters whose gradient counts in the global norm: a tied parameter's on its first
@@ -346,18 +401,23 @@ class Pipeline:
 
     def clip_gradients(self, max_norm: float | None, max_value: float | None) -> torch.Tensor:
         """Clipping with the norm over every stage (sum of squares across the pp group); the norm."""
+        from runner.engine.parallel.state import full_tensor
+
         params = [p for p in self.module.parameters() if p.grad is not None]
         if max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, max_value)
+            for p in params:  # each rank its part of a tensor-parallel gradient
+                local_tensor_of(p.grad).clamp_(-max_value, max_value)
         counted = [p.grad for p in self.norm_parameters() if p.grad is not None]
-        square = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in counted]).sum() if counted \
+        # a tensor-parallel gradient's norm is the whole tensor's (a collective over tp): the same on every tp
+        # rank, so the sum over the pp group counts each once
+        square = torch.stack([full_tensor(torch.linalg.vector_norm(g)) ** 2 for g in counted]).sum() if counted \
             else torch.zeros((), device=self.stages[0].device)
         dist.all_reduce(square, group=self.group)
         norm = square.sqrt()
         if max_norm is not None:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for p in params:
-                p.grad.mul_(coef)
+                local_tensor_of(p.grad).mul_(coef)
         return norm
 
     # --- checkpoints: the whole model on rank 0 -------------------------------------------------------
@@ -399,17 +459,40 @@ class Pipeline:
                 model.update({n: value for n in names})
         return {k: model[k] for k in self.full_keys if k in model}
 
+    def merged_state(self, own: dict) -> dict:
+        """The whole model's tensors merged from every rank's `own` (full CPU tensors under this rank's names:
+        the averages of EMA/SWA, which each rank keeps for its own stages); a collective."""
+        from runner.engine.parallel.collectives import gather_objects
+
+        merged = self._merged_model(gather_objects(own))
+        aliases = {n for names in self.tied for n in names[1:]}  # a shared parameter once, as one process keys it
+        return {k: v for k, v in merged.items() if k not in aliases}
+
+    def with_tied_names(self, values: dict) -> dict:
+        """`values` (keyed as merged_state keys them) under every name of a shared parameter: a rank holding
+        only the lm head finds the embedding's entry under its own name."""
+        values = dict(values)
+        for names in self.tied:
+            value = next((values[n] for n in names if n in values), None)
+            if value is not None:
+                values.update({n: value for n in names})
+        return values
+
     def full_model_state(self) -> dict:
         """The whole model's state as full CPU tensors, merged from every stage (a collective)."""
         from runner.engine.parallel.collectives import gather_objects
 
-        own = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        from runner.engine.parallel.state import gathered
+
+        own = {k: gathered(v.detach()).cpu() for k, v in self.module.state_dict().items()}
         return self._merged_model(gather_objects(own))
 
     def load_model_state(self, model_state: dict) -> None:
         """The whole model's weights into this rank's stages (their keys only)."""
+        from runner.engine.parallel.state import load_full_model_state
+
         keys = set(self.module.state_dict().keys())
-        self.module.load_state_dict({k: v for k, v in model_state.items() if k in keys})
+        load_full_model_state(self.module, {k: v for k, v in model_state.items() if k in keys})
 
     def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
         """The whole model's state (from any mesh) into this rank's stages: their keys only."""
@@ -435,6 +518,42 @@ class Pipeline:
             if params:
                 groups.append({**group, "params": params})
         load_full_state(self.module, optimizer, model, {"state": state, "param_groups": groups})
+
+
+def _placed_as_parameter(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient laid out as its parameter (torch may leave an embedding's gradient replicated while
+    the weight is split by rows)."""
+    if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _like_parameter(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A gradient for `param` from this rank's part: a DTensor laid out as the parameter, or the part itself."""
+    if not hasattr(param, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _whole_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage's DTensor output (sequence-parallel stream) made whole and plain before it is sent."""
+    if hasattr(output, "full_tensor"):
+        return output.full_tensor()
+    return output
+
+
+def _sequence_split_input(tp_mesh: Any) -> Callable:
+    def split(module: nn.Module, args: tuple) -> tuple:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not args or not isinstance(args[0], torch.Tensor) or hasattr(args[0], "device_mesh"):
+            return args
+        whole = DTensor.from_local(args[0], tp_mesh, [Replicate()], run_check=False)
+        return (whole.redistribute(tp_mesh, [Shard(1)]), *args[1:])
+    return split
 
 
 def _rank_part(model: nn.Module, stages: list[nn.Module]) -> nn.Module:

@@ -57,8 +57,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
         engine = Engine(spec, tracker, DistEnv(rank, world, rank))
         result = engine.fit()
         # each stage's own copy of a parameter the whole model shares (gpt: wte.weight = lm_head.weight)
-        tied = {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)
-                if n in ("wte.weight", "lm_head.weight")}
+        # (whole: a tensor-parallel part is gathered over its tp group)
+        tied = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in engine.module.named_parameters(remove_duplicate=False) if n in ("wte.weight", "lm_head.weight")}
         every = [None] * world
         torch.distributed.all_gather_object(every, tied)
         if rank == 0:  # plain values: a tensor in the queue would outlive the process sharing its memory
@@ -137,6 +138,57 @@ def test_pp2_times_ddp2_trains_like_one_process_on_the_global_batch(tmp_path: Pa
                             world=4)
 
 
+@pytest.mark.slow  # 4 processes
+@pytest.mark.parametrize("split", [[], ["parallelism.sequence_parallel=false", "parallelism.loss_parallel=false"]],
+                         ids=["sp_lp", "plain"])
+def test_pp2_times_tp2_trains_gpt_like_one_process(tmp_path: Path, split: list[str]) -> None:
+    """pp=2 x tp=2: each stage split over its two tp ranks (the tensor plan reaches the stages' parameters),
+    the stages exchanging whole plain activations (a sequence-parallel stream gathered before the send and split
+    again after), the last stage's loss on vocabulary-sharded logits (loss_parallel); 1F1B with 3 micro-batches,
+    accumulation 2 and a ragged last step equal one process (tolerance: the module's, 1e-5; tp adds the two halves
+    of each matmul's inner sum by an all-reduce, another fp32 order). The tied embedding's two copies (first and
+    last stage) stay equal, each tp rank's part of them alike."""
+    common = [*GPT, "dataset.batch_size=8", "+accum=2"]
+    two = assert_like_one_process(tmp_path, common, ["parallelism.tp=2", "parallelism.pp_schedule=1f1b",
+                                                     "parallelism.pp_microbatches=3", *split], world=4)
+    assert two["tied_diff"] == 0.0
+
+
+@pytest.mark.slow  # 4 processes
+def test_pp2_times_fsdp2_trains_like_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    """pp=2 x dp_shard=2: each stage fully_shard-ed over its two replicas (torch's PipelineStage holds FSDP's
+    reduce-scatter to the schedule's last micro-batch, which averages over dp_shard once); a per-rank batch of 4
+    equals one process at 8 (accumulation 2, a ragged last step, tolerance 1e-5: FSDP's reduce-scatter is one more
+    fp32 sum in another order)."""
+    fsdp = ["parallelism.dp_replicate=1", "parallelism.dp_shard=-1", "dataset.batch_size=4"]
+    assert_like_one_process(tmp_path, [*GPT, "+accum=2"], fsdp, one=["dataset.batch_size=8"], world=4)
+
+
+@pytest.mark.slow
+def test_ema_and_swa_of_the_stages_evaluate_and_resume_like_one_process(tmp_path: Path) -> None:
+    """trainer.ema and trainer.swa under pp=2: each rank averages its own stages' weights, the averages are
+    evaluated through the pipeline (val/ema/loss, val/swa/loss equal one process's) and a checkpoint holds the
+    whole model's averages, which a pp=2 run resumed from one process's checkpoint continues."""
+    common = [*GPT, "dataset.batch_size=8", "trainer.max_epochs=2", "trainer.ema.decay=0.9",
+              "trainer.swa.start_epoch=0", "trainer.checkpoint_every_n_steps=6", "trainer.keep_checkpoints=5"]
+    run_one(common, tmp_path / "one", tmp_path / "one.db")
+    run_two([*common, *PP2], tmp_path / "two", tmp_path / "two.db")
+    assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    one_log, two_log = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
+    for key in ("val/ema/loss", "val/swa/loss", "train/loss", "val/loss"):
+        assert [s for s, _ in two_log[key]] == [s for s, _ in one_log[key]] and one_log[key], key
+        for (_, a), (_, b) in zip(one_log[key], two_log[key]):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7), key
+    saved = {d: checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["addons"]["averages"] for d in ("one", "two")}
+    for kind in ("ema", "swa"):
+        assert_same(saved["two"][kind]["values"], saved["one"][kind]["values"])
+    run_two([*common, *PP2, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000006.pt'}"],
+            tmp_path / "from_one")
+    resumed = checkpoint.load(tmp_path / "from_one" / "checkpoints" / "last.pt")["addons"]["averages"]
+    for kind in ("ema", "swa"):
+        assert_same(resumed[kind]["values"], saved["one"][kind]["values"])
+
+
 @pytest.mark.slow
 def test_pp2_under_bf16_autocast_trains_like_one_process(tmp_path: Path) -> None:
     """precision=bf16 (autocast): the stages exchange bf16 activations. Tolerance 1e-2: bf16 keeps 8 bits of
@@ -198,6 +250,27 @@ def test_checkpoints_reshard_between_pp2_and_one_process(tmp_path: Path) -> None
     assert [sorted(g["params"]) for g in one["param_groups"]] == [sorted(g["params"]) for g in two["param_groups"]]
 
 
+@pytest.mark.slow  # 4 processes
+@pytest.mark.parametrize("other", [["parallelism.tp=2"], ["parallelism.dp_replicate=1", "parallelism.dp_shard=-1"]],
+                         ids=["tp2", "fsdp2"])
+def test_checkpoints_reshard_between_pp2_times_tp2_or_fsdp2_and_one_process(tmp_path: Path, other: list[str]) -> None:
+    """A pp=2 x tp=2 (or x dp_shard=2) checkpoint of step 3 (DTensor parts gathered whole) resumed in one process,
+    and one process's resumed at that mesh, end as the uninterrupted run does (fsdp: a per-rank batch of 4)."""
+    common = [*GPT, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3", "trainer.keep_checkpoints=5"]
+    batch = 4 if "parallelism.dp_shard=-1" in other else 8
+    at_mesh = ["parallelism=ddp", "parallelism.nproc_per_node=4", "parallelism.pp=2", *other, f"dataset.batch_size={batch}"]
+    one_batch = ["dataset.batch_size=8"]
+    run_one([*common, *one_batch], tmp_path / "one")
+    run_two([*common, *at_mesh], tmp_path / "two", world=4)
+    assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
+    run_one([*common, *one_batch, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'step-00000003.pt'}"],
+            tmp_path / "from_two")
+    assert_same(weights(tmp_path / "from_two"), weights(tmp_path / "one"))
+    run_two([*common, *at_mesh, f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'step-00000003.pt'}"],
+            tmp_path / "from_one", world=4)
+    assert_same(weights(tmp_path / "from_one"), weights(tmp_path / "one"))
+
+
 def test_a_model_without_a_pipeline_plan_is_refused_naming_pp_plan() -> None:
     from runner.engine.parallel.pipeline import cut_stage
 
@@ -233,11 +306,11 @@ def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, messa
 
 
 @pytest.mark.parametrize("overrides, dims, message", [
-    (["trainer.ema.decay=0.99"], {}, "trainer.ema.decay: the EMA of a pipeline's stages is not built yet"),
-    (["trainer.swa.start_epoch=0"], {}, "trainer.swa.start_epoch: SWA of a pipeline's stages is not built yet"),
     (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
-    ([], {"dp_shard": 2}, "parallelism.dp_shard: 2 with parallelism.pp=2: pp x fsdp is not built yet"),
-    (["parallelism.tp=2"], {"tp": 2}, "parallelism.tp: 2 with parallelism.pp=2: pp x tp is not built yet"),
+    (["parallelism.nproc_per_node=8", "parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
+     "parallelism.dp_shard: 2 with parallelism.pp=2 and parallelism.tp=2: pp x fsdp x tp is not built yet"),
+    ([], {"dp_shard": 2, "dp_replicate": 2}, "parallelism.dp_replicate: 2 with parallelism.dp_shard=2 and "
+     "parallelism.pp=2: pp x hsdp is not built yet"),
 ])
 def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
                                                                              dims: dict, message: str) -> None:
