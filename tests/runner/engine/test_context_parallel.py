@@ -10,7 +10,7 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from tests.runner.engine.test_parallel import free_port
+from tests.runner.engine.test_parallel import reports_of_ranks
 
 
 def _shard(rank: int, port: int, out: mp.Queue) -> None:
@@ -36,15 +36,7 @@ def _shard(rank: int, port: int, out: mp.Queue) -> None:
 
 
 def test_tokens_labels_and_positions_are_sharded_alike_and_the_shares_gradients_and_losses_add_up() -> None:
-    ctx, port = mp.get_context("spawn"), free_port()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_shard, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = reports_of_ranks(_shard)
     # causal load balancing: 4 chunks of 2 tokens, rank 0 the first and last, rank 1 the middle two
     assert got == [(0, [[0, 1, 6, 7]] * 3, [0, 1, 6, 7], [[100, 101, 106, 107]] * 3, True, True, [[3.0, 3.0]], None, 3.0),
                    (1, [[2, 3, 4, 5]] * 3, [2, 3, 4, 5], [[102, 103, 104, 105]] * 3, True, True, [[3.0, 3.0]], None, 3.0)]

@@ -34,6 +34,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reports_of_ranks(target, *args, world: int = 2) -> list:
+    """Runs target(rank, port, *args, out) in `world` spawned processes (each puts one report on the queue
+    `out`); their reports sorted, once every process exited cleanly."""
+    ctx, port = mp.get_context("spawn"), free_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, port, *args, out)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    got = sorted(out.get(timeout=120) for _ in range(world))
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return got
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 

@@ -16,7 +16,7 @@ from runner.engine.parallel import DistEnv, ParallelDims, resolve_dims
 from runner.spec.parallelism import ParallelismSpec
 from runner.spec.run import SpecError
 from tests.conftest import compose_spec, run_cli
-from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, free_port, metric_history
+from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, free_port, metric_history, reports_of_ranks
 
 
 @pytest.mark.parametrize("preset, degrees, world, expected", [
@@ -156,13 +156,5 @@ def _one_replica(rank: int, port: int, out: mp.Queue) -> None:
 def test_a_replica_on_every_process_counts_its_own_samples_alone(tmp_path: Path) -> None:
     """tp=2 under single: both ranks hold one replica's batch, so the step's count is each rank's own,
     not the sum over the two processes (the data-parallel group is the rank alone)."""
-    ctx, port = mp.get_context("spawn"), free_port()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_one_replica, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = reports_of_ranks(_one_replica)
     assert got == [(0, 1, 0, 3, 2, None), (1, 1, 0, 4, 2, None)]
