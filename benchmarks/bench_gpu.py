@@ -12,7 +12,10 @@ and say so: those figures are not the GPU targets. Numbers are printed, never as
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,9 +73,10 @@ def resnet_overrides(gpu: bool, batch: int | None) -> list[str]:
     return [*common, "dataset.size=512", f"dataset.batch_size={batch or 16}", "precision=fp32"]
 
 
-def timed_window(spec, warmup: int) -> tuple[float, int, object]:
-    """Seconds of the engine's steps after `warmup` (compilation included in those), the steps timed, and
-    the engine. The GPU is synchronized only at the window's two ends, so the engine runs as in any run."""
+def timed_window(spec, warmup: int, end: int | None = None) -> tuple[float, int, object]:
+    """Seconds of the engine's steps after `warmup` up to step `end` (default: the last), the steps timed,
+    and the engine. The GPU is synchronized only at the window's two ends, so the engine runs as in any
+    run; steps after `end` (a profiled window) are not timed."""
     from runner.engine.engine import Engine
     from runner.tracking.tracker import build_tracker
 
@@ -80,35 +84,95 @@ def timed_window(spec, warmup: int) -> tuple[float, int, object]:
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     marks: dict[int, float] = {}
     on_step = engine.monitor.on_step
+    end = end or engine.total_steps
 
     def stamped(step: int, *args, **kwargs) -> None:
         on_step(step, *args, **kwargs)
-        if step in (warmup, engine.total_steps):
+        if step in (warmup, end):
             sync()
             marks[step] = time.perf_counter()
 
     engine.monitor.on_step = stamped
     engine.fit()
-    return marks[engine.total_steps] - marks[warmup], engine.total_steps - warmup, engine
+    return marks[end] - marks[warmup], end - warmup, engine
 
 
-def bench_gpt(gpu: bool, steps: int, warmup: int, batch: int | None, workdir: Path) -> None:
-    spec = workload_spec(gpt_overrides(gpu, batch), warmup + steps, workdir)
-    seconds, timed, engine = timed_window(spec, warmup)
+def bench_gpt(gpu: bool, steps: int, warmup: int, batch: int | None, workdir: Path, profile: int = 0,
+              label: str = "engine") -> float:
+    """The engine on the GPT workload: prints tokens/s and MFU, returns the MFU (0 where no peak is known).
+    `profile` > 0: that many steps more after the timed window, under trainer.profile (its report printed)."""
+    overrides = gpt_overrides(gpu, batch)
+    if profile:
+        overrides += ["trainer.profile=true", f"trainer.profile_skip_steps={warmup + steps}", f"trainer.profile_steps={profile}"]
+    spec = workload_spec(overrides, warmup + steps + (profile + 1 if profile else 0), workdir)
+    seconds, timed, engine = timed_window(spec, warmup, warmup + steps)
     model, data = engine.module, engine.spec.dataset
     tokens_per_s = timed * data.batch_size * data.get("block_size") / seconds
     n_params = gpt_params(model)
     flops = gpt_flops_per_token(model, data.get("block_size"))
     tflops, peak = tokens_per_s * flops / 1e12, peak_flops(engine.device, engine.spec.precision.name)
-    mfu = f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a (no peak FLOP/s known for this device)"
+    mfu = tokens_per_s * flops / peak if peak else 0.0
     logged = engine.monitor.history.get("throughput/mfu")  # the engine's own figure, where runner/engine/flops.py logs it
-    print(f"GPT: {model.n_layer} layers, {model.n_head} heads, width {model.n_embd}, context {data.get('block_size')}, "
+    print(f"GPT ({label}): {model.n_layer} layers, {model.n_head} heads, width {model.n_embd}, context {data.get('block_size')}, "
           f"vocab {data.get('vocab_size')}, {n_params / 1e6:.1f}M parameters (without wpe); batch {data.batch_size}, "
           f"{engine.spec.precision.name}, compile {'on' if engine.spec.trainer.compile else 'off'}, "
-          f"AdamW {engine.spec.optimizer.impl}, SDPA")
+          f"AdamW {engine.spec.optimizer.impl}, SDPA, loss {'compiled' if engine.compiled_task is not None else 'eager'}")
     print(f"  {timed} steps after {warmup} warm-up: {tokens_per_s:,.0f} tokens/s, {seconds / timed * 1e3:.1f} ms/step, "
-          f"{tflops:.3g} TFLOP/s, MFU {mfu} (6N + attention)" + (f", engine-logged MFU {logged[-1][1]:.1%} (FLOP counter)" if logged else "")
-          + "   target: 50% MFU on an H100", flush=True)
+          f"{tflops:.3g} TFLOP/s, MFU {f'{mfu:.1%}' if peak else 'n/a (no peak FLOP/s known for this device)'} "
+          "(6N + attention)" + (f", engine-logged MFU {logged[-1][1]:.1%} (FLOP counter)" if logged else "")
+          + "   target: 50% MFU", flush=True)
+    return mfu
+
+
+def bench_gpt_hand(gpu: bool, steps: int, warmup: int, batch: int | None, workdir: Path) -> float:
+    """A minimal hand loop on the GPT workload with every batch already on the device: the same model,
+    fused AdamW with the same groups, bf16 autocast and clipping, one compiled function for forward and
+    loss. What the engine's data path, checks and logging cost is the gap to bench_gpt."""
+    import torch.nn.functional as F
+    from runner.engine.optim import build_optimizer
+    from runner.engine.rng import seed_everything
+    from runner.spec import components
+    from runner.tasks import IGNORE
+
+    spec = workload_spec(gpt_overrides(gpu, batch), warmup + steps, workdir)
+    seed_everything(spec.seed, False)
+    device = pick_device(spec.trainer.device)
+    data = components.build_data(spec)
+    model = components.build_model(spec, data).to(device)
+    optimizer = build_optimizer(spec.optimizer, model, device)
+    size, length, vocab = spec.dataset.batch_size, spec.dataset.get("block_size"), spec.dataset.get("vocab_size")
+    g = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, vocab, (8 * size, length + 1), device=device, generator=g)
+    dtype = torch.bfloat16 if spec.precision.name == "bf16" else None
+
+    def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE)
+
+    step_fn = torch.compile(forward_loss) if spec.trainer.compile else forward_loss
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    started = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            started = time.perf_counter()
+        chunk = tokens[(step % 8) * size:(step % 8 + 1) * size]
+        loss = step_fn(chunk[:, :-1], chunk[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync()
+    seconds = time.perf_counter() - started
+    tokens_per_s = steps * size * length / seconds
+    flops = gpt_flops_per_token(model, length)
+    peak = peak_flops(device, spec.precision.name)
+    mfu = tokens_per_s * flops / peak if peak else 0.0
+    print(f"GPT (hand loop, tokens on the {device.type}, forward+loss compiled as one): {steps} steps after {warmup} "
+          f"warm-up: {tokens_per_s:,.0f} tokens/s, {seconds / steps * 1e3:.1f} ms/step, "
+          f"MFU {f'{mfu:.1%}' if peak else 'n/a'}", flush=True)
+    return mfu
 
 
 def bench_resnet(gpu: bool, steps: int, warmup: int, batch: int | None, block: int, workdir: Path) -> None:
@@ -133,15 +197,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpt-batch", type=int, default=None, help="GPT micro-batch (default: 16 on a GPU)")
     parser.add_argument("--resnet-batch", type=int, default=None, help="ResNet batch (default: 512 on a GPU)")
     parser.add_argument("--only", choices=("gpt", "resnet"), default=None)
+    parser.add_argument("--hand", action="store_true", help="GPT: also a hand loop with the tokens on the device")
+    parser.add_argument("--eager-loss", action="store_true", help="GPT: also the engine with its loss left eager")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the runs (profile traces) here instead of a temporary folder")
+    parser.add_argument("--profile", type=int, default=0, help="GPT: profile this many steps after the timed window")
     args = parser.parse_args(argv)
     gpu = pick_device("auto").type == "cuda"
+    if args.profile:  # the profiler's report is logged at info: printed here
+        profiling_log = logging.getLogger("runner.addons.profiling")
+        profiling_log.setLevel(logging.INFO)
+        profiling_log.addHandler(logging.StreamHandler(sys.stdout))
     steps = args.steps or (30 if gpu else 6)
     warmup = max(args.warmup if args.warmup is not None else (10 if gpu else 2), 1)  # the window starts after a step
     print(f"device: {torch.cuda.get_device_name()}" if gpu else
           "device: cpu (no GPU): small shapes, fp32, no compile; not the GPU targets")
-    with tempfile.TemporaryDirectory() as tmp:
+    with (contextlib.nullcontext(str(args.workdir)) if args.workdir else tempfile.TemporaryDirectory()) as tmp:
         if args.only in (None, "gpt"):
-            bench_gpt(gpu, steps, warmup, args.gpt_batch, Path(tmp) / "gpt")
+            engine_mfu = bench_gpt(gpu, steps, warmup, args.gpt_batch, Path(tmp) / "gpt", profile=args.profile)
+            if args.eager_loss:
+                from runner.engine import compiling
+                compiling.COMPILE_LOSS = False
+                bench_gpt(gpu, steps, warmup, args.gpt_batch, Path(tmp) / "gpt-eager-loss", label="engine, loss eager")
+                compiling.COMPILE_LOSS = True
+            if args.hand:
+                hand_mfu = bench_gpt_hand(gpu, steps, warmup, args.gpt_batch, Path(tmp) / "gpt-hand")
+                if hand_mfu:
+                    print(f"  engine/hand MFU: {engine_mfu / hand_mfu:.3f}", flush=True)
         if args.only in (None, "resnet"):
             bench_resnet(gpu, steps, warmup, args.resnet_batch, 5 if gpu else 1, Path(tmp) / "resnet")
 

@@ -33,11 +33,13 @@ SHAPES = {  # model arguments, batch, sequence length
 
 
 class Case:
-    def __init__(self, mode: str, device: torch.device, model_args: dict, batch: int, length: int):
+    def __init__(self, mode: str, device: torch.device, model_args: dict, batch: int, length: int, compiled: bool):
         torch.manual_seed(0)
         self.mode, self.device = mode, device
-        self.model = activation_checkpointing.apply(GPT(**model_args).to(device), mode)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        module = activation_checkpointing.apply(GPT(**model_args).to(device), mode)
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+        # compiled as the engine compiles (trainer.compile): the recomputation becomes part of the backward graph
+        self.model = torch.compile(module) if compiled else module
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, model_args["vocab_size"], (batch, length + 1), generator=g).to(device)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
@@ -78,11 +80,16 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--rounds", type=int, default=5, help="rounds; each times every mode")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mode per round")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model (trainer.compile=true)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if "none" not in modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes: {args.modes!r}; give 'none' and any of {', '.join(MODES[1:])}, comma-separated")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     model_args, batch, length = SHAPES[device.type]
-    cases = {mode: Case(mode, device, model_args, batch, length) for mode in MODES}
+    cases = {mode: Case(mode, device, model_args, batch, length, args.compile) for mode in modes}
     for case in cases.values():
         case.step(record=False)  # warm-up: kernels chosen, workspaces and optimizer state allocated
         case.step(record=False)
@@ -93,7 +100,8 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     params = sum(p.numel() for p in cases["none"].model.parameters())
     print(f"activation checkpointing on {where}: GPT {params / 1e6:.1f}M parameters, batch {batch} x {length} tokens"
-          + (", bf16 autocast" if device.type == "cuda" else " (small shapes: no GPU here), fp32"))
+          + (", bf16 autocast" if device.type == "cuda" else " (small shapes: no GPU here), fp32")
+          + (", torch.compile" if args.compile else ", eager"))
     clock = "wall time" if device.type == "cuda" else "CPU time of this process"
     print(f"{args.rounds} rounds x {args.steps} steps per mode; medians; step time is {clock}")
     header = f"{'mode':<10} {'activations':>12} {'vs none':>8} {'step time':>10} {'vs none':>8}"

@@ -37,6 +37,37 @@ def compile_model(model: torch.nn.Module, mode: bool | str, device: torch.device
     return torch.compile(model, mode=None if mode in (True, "default") else mode, backend=BACKEND)
 
 
+# The task's loss compiled beside the model, on a GPU: language modelling's cross-entropy upcasts the bf16
+# logits (batch x length x vocab: 1.6 GB for the GPT-2 124M shape at batch 16) to fp32 and runs a
+# log-softmax over them; eager, that writes and reads the fp32 copy several times in forward and backward.
+# Compiled, one fused kernel reads the bf16 logits. On a CPU the extra C++ compile costs more than it saves.
+# A module flag (like BACKEND) so that `make bench-gpu` can time the engine with the loss left eager.
+COMPILE_LOSS = True
+
+
+class CompiledLoss:
+    """`task` with its loss_sum compiled (mode default: a CUDA graph of its own for reduce-overhead would
+    hand the backward a buffer the next replay overwrites); everything else is the task's own."""
+
+    def __init__(self, task: Any) -> None:
+        self._task = task
+        self.loss_sum = torch.compile(task.loss_sum, backend=BACKEND)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+
+def compile_loss(task: Any, spec: "RunSpec", device: torch.device) -> Any | None:
+    """The task with its loss compiled, where that pays (trainer.compile on a GPU), else None. Not under
+    tensor or context parallelism: their logits are sharded DTensors whose loss runs in torch's own
+    loss_parallel context."""
+    par = spec.parallelism
+    if (not COMPILE_LOSS or spec.trainer.compile is False or device.type != "cuda"
+            or par.tp != 1 or par.cp != 1 or par.pp != 1):
+        return None
+    return CompiledLoss(task)
+
+
 def for_batch(model: torch.nn.Module, inputs: Any, spec: "RunSpec") -> torch.nn.Module:
     """The compiled model for a full micro-batch (dataset.batch_size samples); the same model uncompiled
     (the same parameters) for a batch of any other size, so that it compiles nothing new."""

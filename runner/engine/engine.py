@@ -136,6 +136,7 @@ class Engine:
             self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
+        self.compiled_task = compiling.compile_loss(self.task, spec, self.device)  # None: the loss stays eager
         if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
             self.model = torch.nn.ModuleList(self.pipeline.stage_modules)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
@@ -428,7 +429,12 @@ class Engine:
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        return batches.loss_sum(self._forward(batch), batch, count, self.task, self.spec.model.target)
+        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
+        with self.precision.autocast():
+            output = batches.call_model(model, batch, self.pass_labels)
+        # the compiled loss goes with the compiled model: a ragged batch's would recompile it
+        task = self.compiled_task if self.compiled_task is not None and model is self.model else self.task
+        return batches.loss_sum(output, batch, count, task, self.spec.model.target)
 
     def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
         trainer = self.spec.trainer
