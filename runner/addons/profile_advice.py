@@ -32,7 +32,7 @@ class Figures:
 
     steps: int                      # optimizer steps in the window
     window_s: float                 # their wall time together
-    phase_s: dict[str, float]       # PHASES -> wall seconds over the window (device synchronised on CUDA)
+    phase_s: dict[str, float]       # PHASES -> seconds over the window: wall time; on CUDA the stream's time between the edges
     # collectives in the trace: those inside forward/backward/optimizer (the gradients' all-reduce, FSDP's
     # gathers; they overlap those phases), and those outside every phase (the ranks' per-step vote; in "other")
     communication_s: float = 0.0
