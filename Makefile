@@ -19,7 +19,7 @@ run: install            ## train the default run; pass overrides as ARGS="optimi
 	$(PY) -m runner $(ARGS)
 
 test: install           ## the test suite CI runs (slow tests excluded)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=25
 
 test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.spec.run import SpecError
-from tests.conftest import compose_spec, run_cli
+from tests.conftest import compose_spec
 
 
 def test_the_direction_is_the_tasks_unless_given_and_then_it_must_agree(tmp_path: Path) -> None:
@@ -25,10 +25,15 @@ def test_the_direction_is_the_tasks_unless_given_and_then_it_must_agree(tmp_path
                               "minimize; allowed: minimize, or null (the task's)")
 
 
-def test_a_typed_direction_that_contradicts_the_task_is_refused_in_one_line(tmp_path: Path) -> None:
-    proc = run_cli(["objective.metric=val/loss", "objective.direction=maximize", "trainer.max_steps=2"], cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_a_typed_direction_that_contradicts_the_task_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    # through the CLI's entry in this process (an interpreter start saved, CI budget; tests/runner/test_bad_input.py)
+    from tests.runner.test_bad_input import RUN, run_in_process
+
+    code, _, err = run_in_process(["objective.metric=val/loss", "objective.direction=maximize", "trainer.max_steps=2"],
+                                  tmp_path, RUN, monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
         "error: objective.direction: maximize contradicts the task: Classification declares val/loss minimize; "
         "allowed: minimize, or null (the task's)"]
     assert not (tmp_path / "outputs" / "runs").exists()  # refused before anything was made
