@@ -56,11 +56,12 @@ class DigitsClassifier(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=LR, foreach=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mlflow", action="store_true", help="log to MLflow (sqlite under outputs/, as runner) instead "
                                                               "of Lightning's default logger")
     parser.add_argument("--root", default="lightning_runs", help="Lightning's default_root_dir")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help=f"runner's default: {EPOCHS}")
     args = parser.parse_args(argv)
     L.seed_everything(0)
     data = digits.build()
@@ -71,12 +72,12 @@ def main(argv: list[str] | None = None) -> None:
 
         Path("outputs").mkdir(exist_ok=True)
         logger = MLFlowLogger(experiment_name="lightning", tracking_uri="sqlite:///outputs/mlflow.db")
-    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, log_every_n_steps=LOG_EVERY, logger=logger,
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=1, log_every_n_steps=LOG_EVERY, logger=logger,
                         default_root_dir=args.root,
                         callbacks=[ModelCheckpoint(monitor="val/acc", mode="max")])
     trainer.fit(model, DataLoader(data.train, batch_size=BATCH, shuffle=True),
                 DataLoader(data.val, batch_size=BATCH))
-    trainer.test(model, DataLoader(data.test, batch_size=BATCH), ckpt_path="best")
+    return trainer.test(model, DataLoader(data.test, batch_size=BATCH), ckpt_path="best")[0]
 
 
 if __name__ == "__main__":
