@@ -108,7 +108,7 @@ def _each(times: list[float]) -> str:
     return " ".join(f"{t:.2f}" for t in times)
 
 
-def bench_startup(runs: int, whole: int = 0) -> None:
+def bench_startup(runs: int, whole: int = 0, python: str | None = None) -> None:
     """Prints the median of `runs` measurements of each case beside its target; `whole` > 0: that many
     whole default runs, paired with Lightning's when it is importable."""
     print(f"{'start-up (python -m runner ...)':<38} {'wall s':>7} {'CPU s':>7} {'target s':>9}  verdict  "
@@ -125,35 +125,50 @@ def bench_startup(runs: int, whole: int = 0) -> None:
                   f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])})", flush=True)
         print(f"{'default run, fresh MLflow store':<38} {fresh.wall:>7.2f} {fresh.cpu:>7.2f} {'':>9}  {'':<7}  (once)")
         if whole:
-            whole_runs(whole, cwd)
+            whole_runs(whole, cwd, python)
 
 
-def lightning_available() -> bool:
-    import importlib.util
+def lightning_python(given: str | None) -> str | None:
+    """An interpreter that imports lightning: the one given, else this one where it can; None: neither."""
+    for python in ([given] if given else [sys.executable]):
+        found = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('lightning') is not None)"],
+                               capture_output=True, text=True)
+        if found.stdout.strip() == "True":
+            return python
+    return None
 
-    return importlib.util.find_spec("lightning") is not None
 
-
-def whole_runs(runs: int, cwd: Path) -> None:
-    """Whole default runs (20 epochs, MLflow on) alternating with Lightning's run of the same work."""
-    peer = [sys.executable, "-m", "benchmarks.lightning_default"] if lightning_available() else None
+def whole_runs(runs: int, cwd: Path, python: str | None = None) -> None:
+    """Whole default runs (20 epochs, MLflow on) alternating with Lightning's run of the same work (run by
+    `python`, an interpreter that imports lightning, or this one)."""
+    peer_python = lightning_python(python)
+    peer = [peer_python, "-m", "benchmarks.lightning_default"] if peer_python else None
+    if not (cwd / "outputs" / "mlflow.db").exists():  # a fresh store's creation is not a run's cost: made untimed
+        timed(runner_command((), True), cwd, True)
     ours, theirs = [], []
     for _ in range(runs):
-        ours.append(timed(runner_command((), False), cwd, False))
+        ours.append(_succeeded(timed(runner_command((), False), cwd, False), "python -m runner"))
         if peer is not None:
-            theirs.append(timed(peer, cwd, False))
+            theirs.append(_succeeded(timed(peer, cwd, False), " ".join(peer)))
     cpu = statistics.median(t.cpu for t in ours)
     print(f"{'whole default run (20 epochs, MLflow)':<38} {statistics.median(t.wall for t in ours):>7.2f} {cpu:>7.2f} "
           f"{'':>9}  {'':<7}  ({_each([t.wall for t in ours])} / {_each([t.cpu for t in ours])})")
     if peer is None:
-        print("Lightning's run of the same work: skipped (lightning is not importable here)")
+        print("Lightning's run of the same work: skipped (lightning is not importable; --lightning-python names an "
+              "interpreter that has it)")
         return
     their_cpu = statistics.median(t.cpu for t in theirs)
-    ratios = statistics.median(o.cpu / t.cpu for o, t in zip(ours, theirs))
+    ratio = statistics.median(o.cpu / t.cpu for o, t in zip(ours, theirs))
     print(f"{'Lightning, the same work':<38} {statistics.median(t.wall for t in theirs):>7.2f} {their_cpu:>7.2f} "
           f"{'':>9}  {'':<7}  ({_each([t.wall for t in theirs])} / {_each([t.cpu for t in theirs])})")
-    print(f"whole-run CPU, runner / Lightning (median of paired ratios): {ratios:.3f}  target < 1: "
-          f"{'ok' if ratios < 1 else 'over'}")
+    print(f"whole-run CPU, runner / Lightning (median of paired ratios): {ratio:.3f}  target < 1: "
+          f"{'ok' if ratio < 1 else 'over'}")
+
+
+def _succeeded(timing: Timing, what: str) -> Timing:
+    if timing.code != 0:
+        raise RuntimeError(f"`{what}` exited with code {timing.code}: its time says nothing")
+    return timing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,8 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs of each start-up case (the median is printed)")
     parser.add_argument("--whole", type=int, default=0,
                         help="whole default runs, each paired with Lightning's when it is importable (0: none)")
+    parser.add_argument("--lightning-python", default=None,
+                        help="an interpreter that imports lightning, for its run (default: this one, where it can)")
+    parser.add_argument("--only-whole", action="store_true", help="skip the start-up cases")
     args = parser.parse_args(argv)
-    bench_startup(args.runs, args.whole)
+    if args.only_whole:
+        with tempfile.TemporaryDirectory() as tmp:
+            whole_runs(args.whole or 3, Path(tmp), args.lightning_python)
+        return
+    bench_startup(args.runs, args.whole, args.lightning_python)
 
 
 if __name__ == "__main__":
