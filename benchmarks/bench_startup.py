@@ -1,60 +1,194 @@
-"""Start-up of `python -m runner` as a user meets it, each time beside its target (`make bench`; never
-asserted: it depends on the machine and what else runs on it).
+"""Start-up of `python -m runner` as a user meets it, each figure beside its target (`make bench`, or
+`python -m benchmarks.bench_startup`; never asserted: it depends on the machine and what else runs on it).
 
-Every figure is wall time from starting the process: to its exit for `--cfg job` and a typo, to the
-first training line (the first `epoch ...` line; the run is then interrupted) for the default run, whose
-MLflow store is a fresh one for the first run and an existing one for the rest.
+Each case is a fresh process, measured two ways:
+- wall seconds from starting the process to its exit (`--cfg job`, a typo) or to the end of its first
+  optimizer step (the runs; a callback of this module, `FirstStep`, prints a line there, after which the
+  run is interrupted, as on Ctrl-C);
+- CPU seconds (user + system, every thread) of the process over the same span: at the first step the
+  process reads its own clock (os.times), at its exit the parent reads the child's rusage. On a machine
+  other processes load, the CPU figure is the steadier one.
+
+The default run's MLflow store is a fresh one for the first (untimed) run and an existing one for the
+rest, as a user's is; what another case builds on its first run (gpt_small's token cache) is built by
+an untimed run first. `--whole` also times whole default runs, paired with Lightning's run of the same
+work (benchmarks/lightning_default.py) when lightning is importable: their CPU seconds and the ratio.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-TRAINING_LINE = "epoch "
-CASES = (  # what, arguments, the line that ends the measurement (None: the process's exit), target in s
-    ("--cfg job", ["--cfg", "job"], None, 1.5),
-    ("a typo: optimizer.lrr=1", ["optimizer.lrr=1"], None, 1.0),
-    ("default run: first training line", [], TRAINING_LINE, 4.0),
+from runner.addons.base import AddOn
+
+FIRST_STEP_MARK = "first optimizer step done; CPU seconds "
+FIRST_STEP = [f"trainer.callbacks=[{{_target_:benchmarks.bench_startup.FirstStep}}]"]  # the run's own add-on list, plus this
+
+
+class FirstStep(AddOn):
+    """Prints the process's CPU seconds once optimizer step 1 is done (on the main rank)."""
+
+    name = "first_step_mark"
+
+    def on_step_end(self, step, loss_sum, samples):
+        if step == 1:
+            cpu = os.times()
+            print(f"{FIRST_STEP_MARK}{cpu.user + cpu.system:.3f}", flush=True)
+        return None
+
+
+@dataclass(frozen=True)
+class Case:
+    what: str
+    args: tuple[str, ...]
+    to_first_step: bool   # False: to the process's exit
+    target_s: float | None
+    target_note: str = ""
+
+
+CASES = (
+    Case("--cfg job", ("--cfg", "job"), False, 1.0),
+    Case("a typo: optimzer=adamw (exit 2)", ("optimzer=adamw",), False, 1.0),
+    Case("default run: first optimizer step", (), True, 3.0),
+    Case("experiment=gpt_small: first step", ("experiment=gpt_small",), True, None, "7.3 before"),
 )
 
 
-def seconds_to(args: list[str], until: str | None, cwd: Path) -> float:
-    """Seconds from starting `python -m runner <args>` in cwd to its exit, or to its first line starting with until."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+@dataclass(frozen=True)
+class Timing:
+    wall: float
+    cpu: float
+    code: int
+
+
+def _env() -> dict[str, str]:
+    # the runs find this checkout (and FirstStep) wherever they start; one thread, as on a shared machine
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}:{path}" if path else root,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def timed(command: list[str], cwd: Path, to_first_step: bool) -> Timing:
+    """Wall and CPU seconds of `command` (run in cwd) to its exit, or to its FirstStep line."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    seen = []
+    seen: list[str] = []
     for line in proc.stdout:
         seen.append(line)
-        if until is not None and line.startswith(until):
-            seconds = time.perf_counter() - started
+        if to_first_step and line.startswith(FIRST_STEP_MARK):
+            wall = time.perf_counter() - started
             proc.send_signal(signal.SIGINT)  # enough measured: the run ends KILLED, as on Ctrl-C
             proc.communicate()
-            return seconds
-    proc.wait()
-    if until is not None:
-        raise RuntimeError(f"`python -m runner {' '.join(args)}` printed no line starting with {until!r}: "
-                           f"{''.join(seen[-3:]).strip()}")
-    return time.perf_counter() - started
+            return Timing(wall, float(line[len(FIRST_STEP_MARK):]), proc.returncode)
+    code = proc.wait()
+    wall = time.perf_counter() - started
+    if to_first_step:
+        raise RuntimeError(f"`{' '.join(command)}` never finished a first optimizer step: {''.join(seen[-3:]).strip()}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Timing(wall, cpu, code)
 
 
-def bench_startup(runs: int) -> None:
-    """Prints the median of `runs` measurements of each case beside its target."""
-    print(f"{'start-up (python -m runner ...)':<44} {'median s':>9} {'target s':>9}  verdict  (each run, s)")
+def runner_command(args: tuple[str, ...], to_first_step: bool) -> list[str]:
+    return [sys.executable, "-m", "runner", *args, *(FIRST_STEP if to_first_step else ())]
+
+
+def _each(times: list[float]) -> str:
+    return " ".join(f"{t:.2f}" for t in times)
+
+
+def bench_startup(runs: int, whole: int = 0, python: str | None = None) -> None:
+    """Prints the median of `runs` measurements of each case beside its target; `whole` > 0: that many
+    whole default runs, paired with Lightning's when it is importable."""
+    print(f"{'start-up (python -m runner ...)':<38} {'wall s':>7} {'CPU s':>7} {'target s':>9}  verdict  "
+          f"(each run: wall s / CPU s)")
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
-        fresh = seconds_to([], TRAINING_LINE, cwd)  # creates and migrates outputs/mlflow.db
-        for what, args, until, target in CASES:
-            times = [seconds_to(args, until, cwd) for _ in range(runs)]
-            median = statistics.median(times)
-            print(f"{what:<44} {median:>9.2f} {target:>9.1f}  {'ok' if median <= target else 'over':<7}  "
-                  f"({' '.join(f'{t:.2f}' for t in times)})", flush=True)
-        print(f"{'default run, fresh MLflow store: first line':<44} {fresh:>9.2f} {'':>9}  {'':<7}  (once)")
+        fresh = timed(runner_command((), True), cwd, True)  # creates and migrates outputs/mlflow.db
+        for case in CASES:
+            if case.to_first_step and case.args:  # untimed: what a first run builds once (gpt_small's token cache)
+                timed(runner_command(case.args, True), cwd, True)
+            times = [timed(runner_command(case.args, case.to_first_step), cwd, case.to_first_step) for _ in range(runs)]
+            wall, cpu = statistics.median(t.wall for t in times), statistics.median(t.cpu for t in times)
+            target = f"{case.target_s:.1f}" if case.target_s is not None else case.target_note
+            verdict = "" if case.target_s is None else "ok" if wall <= case.target_s else "over"
+            print(f"{case.what:<38} {wall:>7.2f} {cpu:>7.2f} {target:>9}  {verdict:<7}  "
+                  f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])})", flush=True)
+        print(f"{'default run, fresh MLflow store':<38} {fresh.wall:>7.2f} {fresh.cpu:>7.2f} {'':>9}  {'':<7}  (once)")
+        if whole:
+            whole_runs(whole, cwd, python)
+
+
+def lightning_python(given: str | None) -> str | None:
+    """An interpreter that imports lightning: the one given, else this one where it can; None: neither."""
+    for python in ([given] if given else [sys.executable]):
+        found = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('lightning') is not None)"],
+                               capture_output=True, text=True)
+        if found.stdout.strip() == "True":
+            return python
+    return None
+
+
+def whole_runs(runs: int, cwd: Path, python: str | None = None) -> None:
+    """Whole default runs (20 epochs, MLflow on) alternating with Lightning's run of the same work (run by
+    `python`, an interpreter that imports lightning, or this one)."""
+    peer_python = lightning_python(python)
+    peer = [peer_python, "-m", "benchmarks.lightning_default"] if peer_python else None
+    if not (cwd / "outputs" / "mlflow.db").exists():  # a fresh store's creation is not a run's cost: made untimed
+        timed(runner_command((), True), cwd, True)
+    ours, theirs = [], []
+    for _ in range(runs):
+        ours.append(_succeeded(timed(runner_command((), False), cwd, False), "python -m runner"))
+        if peer is not None:
+            theirs.append(_succeeded(timed(peer, cwd, False), " ".join(peer)))
+    cpu = statistics.median(t.cpu for t in ours)
+    print(f"{'whole default run (20 epochs, MLflow)':<38} {statistics.median(t.wall for t in ours):>7.2f} {cpu:>7.2f} "
+          f"{'':>9}  {'':<7}  ({_each([t.wall for t in ours])} / {_each([t.cpu for t in ours])})")
+    if peer is None:
+        print("Lightning's run of the same work: skipped (lightning is not importable; --lightning-python names an "
+              "interpreter that has it)")
+        return
+    their_cpu = statistics.median(t.cpu for t in theirs)
+    ratio = statistics.median(o.cpu / t.cpu for o, t in zip(ours, theirs))
+    print(f"{'Lightning, the same work':<38} {statistics.median(t.wall for t in theirs):>7.2f} {their_cpu:>7.2f} "
+          f"{'':>9}  {'':<7}  ({_each([t.wall for t in theirs])} / {_each([t.cpu for t in theirs])})")
+    print(f"whole-run CPU, runner / Lightning (median of paired ratios): {ratio:.3f}  target < 1: "
+          f"{'ok' if ratio < 1 else 'over'}")
+
+
+def _succeeded(timing: Timing, what: str) -> Timing:
+    if timing.code != 0:
+        raise RuntimeError(f"`{what}` exited with code {timing.code}: its time says nothing")
+    return timing
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs of each start-up case (the median is printed)")
+    parser.add_argument("--whole", type=int, default=0,
+                        help="whole default runs, each paired with Lightning's when it is importable (0: none)")
+    parser.add_argument("--lightning-python", default=None,
+                        help="an interpreter that imports lightning, for its run (default: this one, where it can)")
+    parser.add_argument("--only-whole", action="store_true", help="skip the start-up cases")
+    args = parser.parse_args(argv)
+    if args.only_whole:
+        with tempfile.TemporaryDirectory() as tmp:
+            whole_runs(args.whole or 3, Path(tmp), args.lightning_python)
+        return
+    bench_startup(args.runs, args.whole, args.lightning_python)
+
+
+if __name__ == "__main__":
+    main()

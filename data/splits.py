@@ -7,7 +7,6 @@ from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset, TensorDataset
 
 
@@ -67,14 +66,54 @@ def split_indices(labels: torch.Tensor, val_fraction: float, test_fraction: floa
 
 
 def _carve(idx: np.ndarray, y: np.ndarray, n_out: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`idx` split into kept and `n_out` carved-out indices: scikit-learn's train_test_split(idx,
+    test_size=n_out, random_state=seed, stratify=y where it can), index for index, without importing
+    scikit-learn (over a second of start-up); tests/data/test_splits.py compares the two."""
     if n_out == 0:
         return idx, idx[:0]
-    counts = np.unique(y, return_counts=True)[1]
+    rng = np.random.RandomState(seed % 2**32)
+    classes, y_codes, counts = np.unique(y, return_inverse=True, return_counts=True)
     # sklearn cannot stratify when a class has one member or a side is smaller than the class count
-    can_stratify = counts.min() >= 2 and min(n_out, len(idx) - n_out) >= len(counts)
-    keep, out = train_test_split(idx, test_size=n_out, random_state=seed % 2**32,
-                                 stratify=y if can_stratify else None)
-    return keep, out
+    if counts.min() >= 2 and min(n_out, len(idx) - n_out) >= len(counts):
+        keep, out = _stratified(y_codes.reshape(-1), counts, len(idx) - n_out, n_out, rng)
+    else:  # ShuffleSplit's: one permutation, the carved-out share first
+        order = rng.permutation(len(idx))
+        keep, out = order[n_out:], order[:n_out]
+    return idx[keep], idx[out]
+
+
+def _stratified(y_codes: np.ndarray, counts: np.ndarray, n_keep: int, n_out: int,
+                rng: np.random.RandomState) -> tuple[np.ndarray, np.ndarray]:
+    """StratifiedShuffleSplit's first split (scikit-learn 1.x), drawing from `rng` in the same order."""
+    by_class = np.split(np.argsort(y_codes, kind="stable"), np.cumsum(counts)[:-1])
+    keep_per_class = _approximate_mode(counts, n_keep, rng)
+    out_per_class = _approximate_mode(counts - keep_per_class, n_out, rng)
+    keep: list = []
+    out: list = []
+    for members, n_k, n_o in zip(by_class, keep_per_class, out_per_class):
+        shuffled = members.take(rng.permutation(len(members)), mode="clip")
+        keep.extend(shuffled[:n_k])
+        out.extend(shuffled[n_k:n_k + n_o])
+    return rng.permutation(keep), rng.permutation(out)
+
+
+def _approximate_mode(counts: np.ndarray, n_draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of `n_draws` each class gets: floors of the proportional shares, the rest to the largest
+    remainders, ties broken at random (sklearn.utils.extmath._approximate_mode)."""
+    continuous = counts / counts.sum() * n_draws
+    floored = np.floor(continuous)
+    need_to_add = int(n_draws - floored.sum())
+    if need_to_add > 0:
+        remainder = continuous - floored
+        # return_counts: np.unique without it imports numpy.ma (a tenth of a second) to check for a mask
+        for value in np.unique(remainder, return_counts=True)[0][::-1]:
+            (tied,) = np.where(remainder == value)
+            add_now = min(len(tied), need_to_add)
+            floored[rng.choice(tied, size=add_now, replace=False)] += 1
+            need_to_add -= add_now
+            if need_to_add == 0:
+                break
+    return floored.astype(int)
 
 
 def standardizer(train_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
