@@ -30,9 +30,10 @@ in the engine's list (runner/engine/engine.py, `Engine._addons`); a user's is on
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Sequence
 
 from runner.spec.fields import SpecError
 
@@ -78,6 +79,8 @@ class EngineView:
     best_step: Callable[[str], "int | None"]         # the step of a metric's best validation so far
     train_batches: Callable[[], Iterable[Any]]       # one pass over the training split, prepared for the model
     forward: Callable[[Any], Any]                    # the bare module on a prepared batch, under the run's autocast
+    # time spent inside this context is not training time (throughput leaves it out): the profiler's own work
+    untimed: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
 
 class AddOn:
