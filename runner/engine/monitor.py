@@ -56,6 +56,7 @@ class NonFiniteWatch(AddOn):
         self.limit = spec.trainer.max_non_finite_steps if spec.precision.name == "fp16" else 1
         self.spec = spec
         self.streak = torch.zeros((), device=device, dtype=torch.int64)
+        self._no_streak = self.streak  # never changed in place: each fold assigns new tensors
         self.worst = torch.zeros((), device=device, dtype=torch.int64)
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
         self.pending: list[torch.Tensor] = []  # loss sums of steps first_pending, first_pending + 1, ...
@@ -78,7 +79,12 @@ class NonFiniteWatch(AddOn):
     def _fold(self) -> None:
         if not self.pending:
             return
-        bad = ~torch.isfinite(torch.stack(self.pending))
+        losses = torch.stack(self.pending)
+        # every step finite (the usual case; `check` reads the counters anyway): the streak ends, nothing else moves
+        if bool(torch.isfinite(losses).all()):
+            self.streak, self.pending = self._no_streak, []
+            return
+        bad = ~torch.isfinite(losses)
         index = torch.arange(len(bad), device=bad.device)
         last_good = torch.where(bad, -1, index).cummax(0).values  # -1: no finite step yet in this batch
         # a run of bad steps reaching back to the batch's start continues the streak the last check left
