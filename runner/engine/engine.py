@@ -349,7 +349,8 @@ class Engine:
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
                     step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
                 # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
-                with (context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else contextlib.nullcontext(batch)) as share:
+                shared = context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else contextlib.nullcontext(batch)
+                with shared as share:
                     with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
                         loss = self._loss_sum(share, count)
                     with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
