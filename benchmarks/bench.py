@@ -25,6 +25,7 @@ from benchmarks.bench_workloads import WORKLOADS, interleaved, workload_spec
 from runner.engine.parallel import pick_device
 
 TARGET_RATIO, TARGET_FROM_MS = 1.02, 5.0  # the engine may cost at most 2% on any step of 5 ms or more
+TARGET_TINY_US = 50.0  # and at most 50 us per step on a shorter one (issue 25), with MLflow on, logging as by default
 
 
 def summary(engine_s: list[float], hand_s: list[float]) -> tuple[float, float, float, float]:
@@ -34,8 +35,9 @@ def summary(engine_s: list[float], hand_s: list[float]) -> tuple[float, float, f
 
 
 def verdict(engine_ms: float, hand_ms: float, ratio: float) -> str:
+    """A step under TARGET_FROM_MS is judged by the engine's overhead in us, a longer one by the ratio."""
     if hand_ms < TARGET_FROM_MS:
-        return "tiny"
+        return "ok" if (engine_ms - hand_ms) * 1e3 <= TARGET_TINY_US else "over"
     return "ok" if ratio <= TARGET_RATIO else "over"
 
 
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     gpu = device.type == "cuda"
     where = torch.cuda.get_device_name() if gpu else f"CPU, {torch.get_num_threads()} thread(s) (no GPU: smaller preset batches)"
     print(f"{where}; MLflow on; engine and hand-loop steps alternate; median {args.clock} ms per optimizer step\n"
-          f"target: ratio <= {TARGET_RATIO} on steps of {TARGET_FROM_MS:g} ms or more; tiny steps: the overhead column\n")
+          f"target: ratio <= {TARGET_RATIO} on steps of {TARGET_FROM_MS:g} ms or more; on shorter steps an overhead "
+          f"<= {TARGET_TINY_US:g} us per step\n")
     print(f"{'workload':<16} {'batch':>6} {'engine ms':>10} {'hand ms':>9} {'ratio':>7} {'overhead us':>12}  target")
     with tempfile.TemporaryDirectory() as tmp:
         for w in (w for w in WORKLOADS if args.only in w.name):

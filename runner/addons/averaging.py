@@ -99,6 +99,8 @@ class Averages(AddOn):
         self.swa = Average("swa", tensors) if self.swa_spec.start_epoch is not None else None
         if self.swa is not None:
             _check_swa_reached(spec, view.total_steps, view.steps_per_epoch)
+        if self.ema is None:
+            self.idle = frozenset({"on_step_end"})
 
     def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
         """After optimizer step `step` (1-based): the EMA takes the new weights in."""

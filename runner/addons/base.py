@@ -30,9 +30,10 @@ in the engine's list (runner/engine/engine.py, `Engine._addons`); a user's is on
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Sequence
 
 from runner.spec.fields import SpecError
 
@@ -78,12 +79,17 @@ class EngineView:
     best_step: Callable[[str], "int | None"]         # the step of a metric's best validation so far
     train_batches: Callable[[], Iterable[Any]]       # one pass over the training split, prepared for the model
     forward: Callable[[Any], Any]                    # the bare module on a prepared batch, under the run's autocast
+    # time spent inside this context is not training time (throughput leaves it out): the profiler's own work
+    untimed: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
 
 class AddOn:
     """An add-on: override the hooks it needs (module docstring). `name` is its checkpoint entry."""
 
     name: str = ""
+    # hooks this add-on overrides but that do nothing in this run (its settings leave them off): not called,
+    # so a step pays only for what is switched on
+    idle: frozenset[str] = frozenset()
 
     def setup(self, view: EngineView) -> None:
         pass
@@ -130,11 +136,12 @@ class AddOns:
                 raise SpecError(f"trainer.callbacks: two add-ons are named {name!r} (an add-on's name is its checkpoint "
                                 f"entry; the run's: {', '.join(names)}); give yours another `name`")
         self.all = list(addons)
-        # only the add-ons that override a hook are called for it: a step pays for what is switched on
-        self._with = {hook: [a for a in self.all if getattr(type(a), hook) is not getattr(AddOn, hook)]
-                      for hook in _HOOKS}
         for addon in self.all:
             addon.setup(view)
+        # only the add-ons that override a hook, and use it in this run, are called for it: a step pays for
+        # what is switched on
+        self._with = {hook: [a for a in self.all if getattr(type(a), hook) is not getattr(AddOn, hook)
+                             and hook not in a.idle] for hook in _HOOKS}
 
     def on_epoch_start(self, epoch: int) -> None:
         for addon in self._with["on_epoch_start"]:

@@ -27,6 +27,8 @@ class OverfitGoal(AddOn):
         self.reached_at: int | None = None
         self.say: Callable[[str], None] = print
         self.progress = Progress()
+        if not self.on:
+            self.idle = frozenset({"on_step_end", "on_train_end"})
 
     def setup(self, view: EngineView) -> None:
         self.say, self.progress = view.say, view.progress

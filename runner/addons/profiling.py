@@ -64,6 +64,7 @@ class NoProfiler(AddOn):
 
     name = "profiler"
     phase = OFF
+    profiling = False  # whether the step now running is in the window (its time is not throughput)
 
     def steps(self, groups: Iterable) -> Iterable:
         return groups
@@ -159,10 +160,14 @@ class WindowProfiler(AddOn):
         it = iter(groups)
         try:
             while True:
+                # the profiler's own work (starting it takes seconds on a GPU, its events are processed at
+                # the stop) and the profiled steps are not training time: throughput leaves them out
                 if self.started == self.skip and self.prof is None and self.figures is None:
-                    self._open()  # before the fetch: the first step's wait for data is in the window
+                    with self.view.untimed():
+                        self._open()  # before the fetch: the first step's wait for data is in the window
                 elif self.started == self.skip + self.want and self.prof is not None:
-                    self._close()
+                    with self.view.untimed():
+                        self._close()
                 group = self._fetch(it)
                 if group is _END:
                     return  # the epoch ended: an open window goes on into the next one
@@ -171,8 +176,14 @@ class WindowProfiler(AddOn):
         except BaseException:
             # the step loop broke off (its last step, early stopping) or failed: the window ends here
             if self.prof is not None:
-                self._close()
+                with self.view.untimed():
+                    self._close()
             raise
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the step now running is in the window (its time is not throughput)."""
+        return self.prof is not None
 
     def on_train_end(self, stop: Any) -> None:
         self.finish()
@@ -210,10 +221,11 @@ class WindowProfiler(AddOn):
     def _fetch(self, it: Iterator):
         if self.prof is None:
             return next(it, _END)
-        started = self.clock.start()
-        with torch.autograd.profiler.record_function("runner/data"):
-            group = next(it, _END)
-        self.clock.stop("data", started)
+        with self.view.untimed():  # a profiled step's wait for data: measured here, not throughput
+            started = self.clock.start()
+            with torch.autograd.profiler.record_function("runner/data"):
+                group = next(it, _END)
+            self.clock.stop("data", started)
         return group
 
     def _open(self) -> None:

@@ -135,7 +135,11 @@ class Engine:
         if self.pipeline is not None:  # pp x fsdp: each stage sharded on dp_shard
             self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
         self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
+        # what clipping and the grad norm walk: walking the module each step costs ~0.5 ms of host time on GPT-2,
+        # while the GPU waits for the optimizer phase's first kernel
+        self.params = list(self.module.parameters())
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
+        self.compiled = hasattr(self.model, "_orig_mod")  # torch.compile's wrapper: a ragged batch runs the model under it
         self.compiled_task = compiling.compile_loss(self.task, spec, self.device)  # None: the loss stays eager
         if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
             self.model = torch.nn.ModuleList(self.pipeline.stage_modules)
@@ -145,8 +149,9 @@ class Engine:
         schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
         # handed over to SWALR at SWA's first epoch when trainer.swa.lr is set
         self.schedule = averaging.swa_schedule(spec.trainer.swa, schedule, self.optimizer, self.progress, self.steps_per_epoch)
-        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch, parallel.all_reduce_sum,
-                               self.env.is_main)
+        # one process: the window's sums are read as they are, with no tensors built for a reduction
+        self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch,
+                               parallel.all_reduce_sum if self.env.distributed else None, self.env.is_main)
         self.monitor.flop_rate = flop_rate
         self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
         self.view = self._view()
@@ -199,7 +204,7 @@ class Engine:
             evaluate=lambda split: {**self.evaluate(split), **self.averages.evaluate(split)},
             evaluate_model=lambda split: self.evaluate(split),
             best_step=lambda metric: self.monitor.best_step.get(metric),
-            train_batches=self._train_batches, forward=self._bare_forward)
+            train_batches=self._train_batches, forward=self._bare_forward, untimed=lambda: self.monitor.window.paused())
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
@@ -273,22 +278,28 @@ class Engine:
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
             self.addons.on_epoch_start(p.epoch)  # gradual unfreezing
             for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
-                lrs = learning_rates(self.optimizer)  # the step's own: read before the scheduler moves them
+                # the step's own rates, read before the scheduler moves them; only a log step logs them
+                lrs = learning_rates(self.optimizer) if self.monitor.is_log_step(p.step + 1) else None
                 self.monitor.step_starts()
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
                                          self.split_sizes["train"])
+                # a profiled step is timed apart, like one that compiled: neither is throughput
                 self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
-                                     self.last_step_flops)
+                                     self.last_step_flops, timed=not self.profiler.profiling)
                 # the EMA, the non-finite watch, the overfit goal, the stop vote (SIGTERM/SIGHUP), a user's callbacks
                 stop = self.addons.on_step_end(p.step, loss_sum, samples)
-                with self.monitor.window.paused():  # throughput counts training time only
-                    if trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0:
-                        stop = first_stop([stop, self._evaluate_and_watch()])
-                    signum = stop.signal if stop is not None else 0  # every rank stops here, with this step's checkpoint
-                    if signum or (stop is None and trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0):
-                        self.save_checkpoint()
+                evaluate = trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0
+                save = trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0
+                signum = 0
+                if evaluate or save or stop is not None:
+                    with self.monitor.window.paused():  # throughput counts training time only
+                        if evaluate:
+                            stop = first_stop([stop, self._evaluate_and_watch()])
+                        signum = stop.signal if stop is not None else 0  # every rank stops here, with this step's checkpoint
+                        if signum or (stop is None and save):
+                            self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
                 stop = stop or pause_due(trainer.stop_at_step, p.step, self.total_steps)  # PBT's round boundary
@@ -338,11 +349,12 @@ class Engine:
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
                     step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
                 # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
-                with context.for_step(self.cp_mesh, batch) as share:
+                shared = context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else contextlib.nullcontext(batch)
+                with shared as share:
                     with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
                         loss = self._loss_sum(share, count)
                     with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                        self.precision.backward(loss * scale)
+                        self.precision.backward(loss, scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
@@ -413,14 +425,17 @@ class Engine:
         return batches.loss_sum(output, batch, count, self.task, self.spec.model.target)
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
-        batch = self.precision.prepare_batch(batches.to_device(batch, self.device))
+        if not _on_device(batch, self.device):  # a tensor's .to() there would return it as it is
+            batch = batches.to_device(batch, self.device)
+        batch = self.precision.prepare_batch(batch)
         if train and self.batch_transform is not None and not batch.empty:  # a stand-in's loss counts 0 anyway
             inputs, labels = self.batch_transform(batch.inputs, batch.labels)  # mixup/cutmix: soft labels
             batch = tasks.Batch(inputs, labels)
         return batch
 
     def _forward(self, batch: tasks.Batch):
-        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
+        # a ragged batch: not compiled
+        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
         with self.precision.autocast():
             return batches.call_model(model, batch, self.pass_labels)
 
@@ -429,7 +444,8 @@ class Engine:
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        model = compiling.for_batch(self.model, batch.inputs, self.spec)  # a ragged batch: not compiled
+        # a ragged batch: not compiled
+        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
         with self.precision.autocast():
             output = batches.call_model(model, batch, self.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it
@@ -441,7 +457,7 @@ class Engine:
         if trainer.clip_grad_norm is None and trainer.clip_grad_value is None and not need_norm:
             return None
         self.precision.unscale(self.optimizer)
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         if trainer.clip_grad_value is not None:
             parallel.clip_grad_value(params, trainer.clip_grad_value)
         if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
@@ -589,6 +605,13 @@ class Engine:
                 self.resumed_from["runner.resumed_from_run"] = source_run
         log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
                  self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _on_device(batch: tasks.Batch, device: torch.device) -> bool:
+    """Whether a batch of plain tensors is on `device` already (a dataset kept there, or a CPU run)."""
+    inputs, labels = batch.inputs, batch.labels
+    return (isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor) and inputs.device == device
+            and labels.device == device)
 
 
 def _rows(batch: tasks.Batch) -> int:

@@ -2,7 +2,8 @@
 
 The window keeps each step's loss sum (a device tensor: no sync per step), unit count and FLOPs, and
 the seconds spent training. Evaluation and checkpoint writing run inside `paused()`, so throughput
-counts training time only; a step that compiled is `exclude`d from it (its loss still counts). The
+counts training time only; a step that compiled or was profiled is `exclude`d from it (its loss still
+counts), and the profiler opens and closes its window `paused()`. The
 window is part of a checkpoint (every rank's own), so a resumed run logs exactly the values the
 uninterrupted run logs, whatever step the checkpoint was written at.
 """
@@ -31,7 +32,8 @@ class LogWindow:
         self.flops += flops
 
     def exclude(self, seconds: float, count: int | torch.Tensor, flops: float = 0.0) -> None:
-        """A step of `count` units and `flops` that took `seconds` (it compiled) leaves the throughput, not the loss."""
+        """A step of `count` units and `flops` that took `seconds` (it compiled, or was profiled) leaves the
+        throughput, not the loss."""
         self.seconds -= seconds
         self.untimed += count
         self.untimed_flops += flops
@@ -43,34 +45,40 @@ class LogWindow:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Time spent inside does not count as training time."""
-        self.seconds = self._elapsed()
+        self.seconds = self.elapsed()
         self._since = None
         try:
             yield
         finally:
             self._since = time.perf_counter()
 
-    def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    def close(self, reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None,
               device: torch.device) -> tuple[float, int, float, int, float]:
         """The window's loss sum and unit count over all ranks, its training seconds, and the units and
-        FLOPs those seconds timed (all ranks; less the steps that compiled); a new window starts."""
+        FLOPs those seconds timed (all ranks; less the steps that compiled or were profiled); a new window
+        starts. `reduce_sum` None: one process, whose sums are read as they are."""
         loss = torch.stack(self.losses).sum()
         total = sum(self.counts)
-        flops = torch.tensor(self.flops - self.untimed_flops, dtype=torch.float64, device=device)
-        loss, count, timed, flops = reduce_sum([loss, *torch.tensor([float(total), float(total - self.untimed)],
-                                                                    device=device), flops])
-        seconds = self._elapsed()
+        if reduce_sum is None:
+            loss, count, timed, flops = loss.item(), int(total), int(total - self.untimed), self.flops - self.untimed_flops
+        else:
+            flops = torch.tensor(self.flops - self.untimed_flops, dtype=torch.float64, device=device)
+            loss, count, timed, flops = reduce_sum([loss, *torch.tensor([float(total), float(total - self.untimed)],
+                                                                        device=device), flops])
+            loss, count, timed, flops = loss.item(), int(count.item()), int(timed.item()), float(flops.item())
+        seconds = self.elapsed()
         self.losses, self.counts, self.seconds, self.untimed, self._since = [], [], 0.0, 0, time.perf_counter()
         self.flops = self.untimed_flops = 0.0
-        return loss.item(), int(count.item()), seconds, int(timed.item()), float(flops.item())
+        return loss, count, seconds, timed, flops
 
-    def _elapsed(self) -> float:
+    def elapsed(self) -> float:
+        """The window's training seconds so far."""
         return self.seconds + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
     def state_dict(self) -> dict:
         """This rank's window so far; the losses as they are, so that their sum comes out bit for bit."""
         return {"losses": [t.detach().cpu() for t in self.losses], "counts": [int(c) for c in self.counts],
-                "seconds": self._elapsed(), "untimed": int(self.untimed), "flops": float(self.flops),
+                "seconds": self.elapsed(), "untimed": int(self.untimed), "flops": float(self.flops),
                 "untimed_flops": float(self.untimed_flops)}
 
     def load_state_dict(self, states: list[dict], rank: int, world: int, device: torch.device) -> None:

@@ -56,6 +56,7 @@ class NonFiniteWatch(AddOn):
         self.limit = spec.trainer.max_non_finite_steps if spec.precision.name == "fp16" else 1
         self.spec = spec
         self.streak = torch.zeros((), device=device, dtype=torch.int64)
+        self._no_streak = self.streak  # never changed in place: each fold assigns new tensors
         self.worst = torch.zeros((), device=device, dtype=torch.int64)
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
         self.pending: list[torch.Tensor] = []  # loss sums of steps first_pending, first_pending + 1, ...
@@ -78,7 +79,12 @@ class NonFiniteWatch(AddOn):
     def _fold(self) -> None:
         if not self.pending:
             return
-        bad = ~torch.isfinite(torch.stack(self.pending))
+        losses = torch.stack(self.pending)
+        # every step finite (the usual case; `check` reads the counters anyway): the streak ends, nothing else moves
+        if bool(torch.isfinite(losses).all()):
+            self.streak, self.pending = self._no_streak, []
+            return
+        bad = ~torch.isfinite(losses)
         index = torch.arange(len(bad), device=bad.device)
         last_good = torch.where(bad, -1, index).cummax(0).values  # -1: no finite step yet in this batch
         # a run of bad steps reaching back to the batch's start continues the streak the last check left
@@ -118,7 +124,8 @@ class Monitor:
     reduced across ranks on log steps); only the main rank's tracker logs and only it writes files."""
 
     def __init__(self, spec: RunSpec, tracker: Tracker, total_steps: int, steps_per_epoch: int,
-                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]], is_main: bool = True):
+                 reduce_sum: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None, is_main: bool = True):
+        """`reduce_sum`: sums across ranks; None in one process."""
         self.spec, self.tracker = spec, tracker
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         self.reduce_sum, self.is_main = reduce_sum, is_main
@@ -130,6 +137,7 @@ class Monitor:
         self.window = LogWindow()
         self.samples_seen = 0  # all ranks, in this process: the throughput summary
         self.compile_clock = CompileClock()
+        self.step_started = 0.0  # the window's training seconds when the current step started
         self.flop_rate = FlopRate(None)  # the engine sets the run's (runner/engine/flops.py)
         self.timed = [0.0, 0.0]  # FLOPs and seconds of every closed window's timed steps, this process
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
@@ -139,26 +147,30 @@ class Monitor:
         return step % self.log_every == 0 or step == self.total_steps
 
     def step_starts(self) -> None:
-        """Called before each optimizer step: a step that compiles is timed apart."""
+        """Called before each optimizer step: a step that compiles (or is profiled) is timed apart."""
+        self.step_started = self.window.elapsed()
         self.compile_clock.step_starts()
 
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
-                lrs: dict[str, float], skipped_steps: int, flops: float = 0.0) -> None:
+                lrs: dict[str, float] | None, skipped_steps: int, flops: float = 0.0, timed: bool = True) -> None:
         """`loss_sum`, `samples` and `flops` are this rank's; the logged train/loss is the mean over all ranks.
-        `lrs` are the rates this step used (`learning_rates`)."""
+        `lrs` are the rates this step used (`learning_rates`; read on log steps only). `timed` False: the
+        step was profiled, and like a step that compiled it leaves the throughput (its loss still counts)."""
         self.window.add(loss_sum, samples, flops)  # summed on log steps: no tensor op per step
         compiled = self.compile_clock.step_ended(step)
         if compiled is not None:
             self.window.exclude(compiled, samples, flops)
+        elif not timed:  # its training seconds: a pause inside it (a FLOP count) is not counted twice
+            self.window.exclude(self.window.elapsed() - self.step_started, samples, flops)
         self.bar.update(1)
         if not self.is_log_step(step):
             return
-        loss, count, seconds, timed, timed_flops = self.window.close(self.reduce_sum, loss_sum.device)
+        loss, count, seconds, timed_units, timed_flops = self.window.close(self.reduce_sum, loss_sum.device)
         self.samples_seen += count
         throughput = f"throughput/{self.unit}_per_s"
-        metrics = {"train/loss": loss / max(count, 1), **lrs, "epoch": step / self.steps_per_epoch}
-        if timed:  # a window of only steps that compiled has no honest throughput
-            metrics.update({throughput: timed / max(seconds, 1e-9), **self.flop_rate.metrics(timed_flops, seconds)})
+        metrics = {"train/loss": loss / max(count, 1), **(lrs or {}), "epoch": step / self.steps_per_epoch}
+        if timed_units:  # a window of only steps that compiled (or were profiled) has no honest throughput
+            metrics.update({throughput: timed_units / max(seconds, 1e-9), **self.flop_rate.metrics(timed_flops, seconds)})
             self.timed = [self.timed[0] + timed_flops, self.timed[1] + seconds]
         if self.compile_clock.steps:
             metrics["compile/seconds"] = self.compile_clock.seconds
@@ -169,8 +181,9 @@ class Monitor:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self._record(metrics, step)
-        speed = {f"{self.unit}_s": f"{metrics[throughput]:.0f}"} if throughput in metrics else {}
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **speed)
+        if not self.bar.disable:
+            speed = {f"{self.unit}_s": f"{metrics[throughput]:.0f}"} if throughput in metrics else {}
+            self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **speed)
 
     def run_rates(self) -> dict[str, float]:
         """TFLOP/s per device and MFU over every timed training step of this process (the run's summary)."""

@@ -15,6 +15,7 @@ from runner.spec.run import SpecError
 
 log = logging.getLogger(__name__)
 
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it has no state
 
 
 class Precision:
@@ -39,6 +40,8 @@ class Precision:
             # torch.amp's GradScaler (not FSDP1's ShardedGradScaler) is the one to use (torchtitan's docs)
             self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale)
         self.skipped_steps = 0
+        self._scale: float | None = None  # the scaler's scale as the last step left it (read once a step)
+        self._gradient: tuple[float, torch.Tensor] | None = None  # the last backward's scale, as a tensor
         if spec.name == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -62,6 +65,8 @@ class Precision:
         return model
 
     def prepare_batch(self, batch: "Batch") -> "Batch":
+        if self.name not in ("bf16_true", "fp8"):  # nothing to cast or pad
+            return batch
         from runner.tasks import IGNORE, Batch
 
         inputs, labels = batch.inputs, batch.labels
@@ -81,11 +86,24 @@ class Precision:
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)
         if dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, loss: torch.Tensor, scale: float | torch.Tensor = 1.0) -> None:
+        """The gradients of loss x scale. Without a loss scaler, `scale` goes to autograd as the loss's own
+        gradient: the values backward of the product gives (its gradient is `scale`), without the product's
+        op in the forward and its node in the backward."""
+        if self.scaler:
+            self.scaler.scale(loss * scale).backward()
+            return
+        if isinstance(scale, torch.Tensor):
+            loss.backward(scale.to(loss.dtype))
+            return
+        cached = self._gradient
+        if cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device:
+            # a fill, not a copy from the host: nothing waits for the kernels queued before it
+            cached = self._gradient = (scale, torch.full((), scale, dtype=loss.dtype, device=loss.device))
+        loss.backward(cached[1])
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping or reading the grad norm, gradients must be in true units."""
@@ -97,10 +115,12 @@ class Precision:
         if not self.scaler:
             optimizer.step()
             return True
-        scale = self.scaler.get_scale()
+        # the scale before this step is the one the last step left: one read of it (a device sync) per step
+        scale = self._scale if self._scale is not None else self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        stepped = self.scaler.get_scale() >= scale
+        self._scale = self.scaler.get_scale()
+        stepped = self._scale >= scale
         self.skipped_steps += not stepped
         return stepped
 
@@ -110,6 +130,7 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self._scale = None
         self.skipped_steps = state.get("skipped_steps", 0)
 
 

@@ -25,7 +25,8 @@ def test_ratio_overhead_and_target_verdict() -> None:
     assert (engine_ms, hand_ms) == pytest.approx((10.2, 9.8))  # medians, the outliers ignored
     assert ratio == pytest.approx(10.2 / 9.8) and overhead_us == pytest.approx(400.0)
     assert verdict(10.2, 10.0, 1.02) == "ok" and verdict(10.3, 10.0, 1.03) == "over"
-    assert verdict(1.3, 1.0, 1.3) == "tiny"  # under 5 ms the overhead in us is the figure, not the ratio
+    # under 5 ms the overhead in us is judged, not the ratio: at most 50 us
+    assert verdict(1.3, 1.0, 1.3) == "over" and verdict(1.04, 1.0, 1.04) == "ok"
 
 
 def test_a_tiny_bench_run_prints_its_table(capsys: pytest.CaptureFixture) -> None:
@@ -37,7 +38,7 @@ def test_a_tiny_bench_run_prints_its_table(capsys: pytest.CaptureFixture) -> Non
     header, row = out.strip().splitlines()[-2:]
     assert header.split() == ["workload", "batch", "engine", "ms", "hand", "ms", "ratio", "overhead", "us", "target"]
     name, batch, engine_ms, hand_ms, ratio, overhead, target = row.rsplit(None, 6)
-    assert name == "digits mlp" and batch == "64" and target in ("tiny", "ok", "over")  # machine-dependent
+    assert name == "digits mlp" and batch == "64" and target in ("ok", "over")  # machine-dependent
     assert float(ratio) == pytest.approx(float(engine_ms) / float(hand_ms), abs=2e-3)
 
 

@@ -92,6 +92,17 @@ def grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor
     """The total norm of `grads` over every dimension of the mesh, a plain tensor: DTensor gradients (FSDP2
     shards, tensor-parallel splits, replicated norms) and plain ones (a tensor-parallel model's unsplit layers)
     may mix, which torch's get_total_norm refuses; each placement's group is normed by torch and made full."""
+    return _grad_norm(grads, norm_type, _plain(grads))
+
+
+def _plain(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is a plain tensor (one process, ddp): no DTensor to group or to make full."""
+    return all(type(g) is torch.Tensor for g in grads)
+
+
+def _grad_norm(grads: list[torch.Tensor], norm_type: float, plain: bool) -> torch.Tensor:
+    if plain:  # torch's own, as torch.nn.utils.clip_grad_norm_ computes it: no per-gradient Python work here
+        return torch.nn.utils.get_total_norm(grads, norm_type)
     from torch.distributed.tensor import DTensor
 
     groups: dict[object, list[torch.Tensor]] = {}
@@ -108,10 +119,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_ for gradients that may mix DTensors and plain tensors (see grad_norm): the total
     norm before clipping; every gradient scaled in place, each rank its own part of a DTensor."""
     grads = [p.grad for p in params]
-    total = grad_norm(grads)
+    plain = _plain(grads)
+    total = _grad_norm(grads, 2.0, plain)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     if grads:
-        torch._foreach_mul_([local_tensor_of(g) for g in grads], scale.to(local_tensor_of(grads[0]).device))
+        local = grads if plain else [local_tensor_of(g) for g in grads]
+        torch._foreach_mul_(local, scale.to(local[0].device))
     return total
 
 

@@ -135,3 +135,50 @@ def test_under_ddp_each_rank_writes_its_trace_and_the_main_rank_reports_to_mlflo
     assert artifacts >= {"profile_report.txt", "profile_rank0.pt.trace.json"}
     [share] = client.get_metric_history(run.info.run_id, "profile/communication")
     assert share.step == 5 and 0 < share.value
+
+
+def test_profiled_steps_and_the_profilers_own_work_are_not_throughput(tmp_path: Path, sqlite_uri: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting and stopping the profiler and each phase of a profiled step take 100 s more on the clock (on a
+    GPU starting it takes seconds, its stop processes the events): the logged samples/s of each window must
+    come from its unprofiled steps alone, their units and their time. Steps 7-10 are profiled; windows of 4
+    steps: 1-4 (none profiled), 5-8 (7 and 8) and 9-12 (9 and 10)."""
+    import time
+
+    from tests.runner.engine.test_engine import tracked
+    from tests.runner.engine.test_parallel import metric_history
+
+    offset = {"s": 0.0}
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset["s"])
+
+    def slow(real):
+        def call(*args, **kwargs):
+            offset["s"] += 100.0
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("_open", "_close"):
+        monkeypatch.setattr(profiling.WindowProfiler, name, slow(getattr(profiling.WindowProfiler, name)))
+    monkeypatch.setattr(profiling._Timed, "__enter__", slow(profiling._Timed.__enter__))
+    engine = tracked(["model.hidden=[16]", "trainer.max_steps=12", "trainer.log_every_n_steps=4", "trainer.profile=true",
+                      "trainer.profile_skip_steps=6", "trainer.profile_steps=4", *FAST], tmp_path / "run", sqlite_uri)
+    real_step = engine.train_step
+    step_seconds: list[float] = []
+
+    def timed_step(batches):
+        start = time.perf_counter()
+        out = real_step(batches)
+        step_seconds.append(time.perf_counter() - start)
+        return out
+
+    monkeypatch.setattr(engine, "train_step", timed_step)
+    engine.fit()
+    assert engine.profiler.figures.steps == 4 and step_seconds[6] > 100  # the profiled steps really were slow
+    logged = metric_history(tmp_path / "mlflow.db")["throughput/samples_per_s"]
+    assert [s for s, _ in logged] == [4, 8, 12]
+    timed_steps = {4: [1, 2, 3, 4], 8: [5, 6], 12: [11, 12]}
+    for step, samples_per_s in logged:
+        window = len(timed_steps[step]) * 64 / samples_per_s  # the seconds its timed steps took, as logged
+        steps = sum(step_seconds[s - 1] for s in timed_steps[step])
+        assert steps <= window < steps + 50, (step, window, steps)

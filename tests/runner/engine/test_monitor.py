@@ -72,3 +72,44 @@ def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path
         assert mfu == pytest.approx(tflops / 0.5, rel=1e-9)
     assert result.tflops > 0 and result.mfu == pytest.approx(result.tflops / 0.5, rel=1e-9)
     assert "compile/seconds" not in history  # nothing compiled
+
+
+def test_every_logged_training_value_is_that_of_a_plain_loop_doing_the_engines_arithmetic(
+        tmp_path: Path, sqlite_uri: str) -> None:
+    """The step loop's shortcuts (the loss scale handed to backward as the loss's gradient, the window read
+    without tensors in one process, the lr read on log steps only, clipping over a cached parameter list)
+    change no logged value: train/loss, grad_norm, lr and epoch of every step, read back from MLflow, equal
+    bit for bit those of a plain loop computing the loss sum x 1/count, its backward, torch's clip_grad_norm_
+    and the optimizer step. Batch 500: the epoch's last batch is ragged, so two scales are used."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from runner.engine.optim import build_optimizer
+
+    engine = tracked(["dataset.batch_size=500", "trainer.max_steps=4", "trainer.log_every_n_steps=1",
+                      "trainer.clip_grad_norm=0.5", "trainer.memory_estimate=false", *QUIET], tmp_path / "run", sqlite_uri)
+    model = copy.deepcopy(engine.module)
+    optimizer = build_optimizer(engine.spec.optimizer, model, torch.device("cpu"))
+    batches = []
+    for epoch in range(2):
+        engine.train_loader.batch_sampler.set_epoch(epoch)
+        batches += list(engine.train_loader)
+    assert len({len(labels) for _, labels in batches[:4]}) == 2  # a ragged batch among the four steps
+    want: dict[str, list[tuple[int, float]]] = {"train/loss": [], "grad_norm": [], "lr": [], "epoch": []}
+    for step, (inputs, labels) in enumerate(batches[:4], start=1):
+        want["lr"].append((step, optimizer.param_groups[0]["lr"]))
+        loss = F.cross_entropy(model(inputs).float(), labels, reduction="sum", ignore_index=-100)
+        (loss * (1 / len(labels))).backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        want["train/loss"].append((step, loss.item() / len(labels)))
+        want["grad_norm"].append((step, norm.item()))
+        want["epoch"].append((step, step / engine.steps_per_epoch))
+    engine.fit()
+    history = metric_history(tmp_path / "mlflow.db")
+    assert {key: history[key] for key in want} == want
+    for got, ref in zip(engine.module.parameters(), model.parameters()):
+        assert torch.equal(got, ref)

@@ -317,3 +317,24 @@ def test_a_cosine_run_extended_from_10_to_20_steps_logs_the_rebuilt_schedule(tmp
     tail = [logged[k] for k in range(11, 21)]
     assert tail in ([approx(planned[k - 1]) for k in range(11, 21)], [approx(planned[k]) for k in range(11, 21)])
     assert max(tail) <= 0.0501 and all(a > b for a, b in zip(tail[:-1], tail[1:]))  # half the peak at most, falling
+
+
+def test_a_constant_schedule_that_skips_torchs_step_keeps_its_lrs_and_state_as_torchs_own_steps() -> None:
+    """After its warmup `constant` only moves torch's counters (its step would rewrite the same lrs): every
+    lr and the state a checkpoint holds equal those of a schedule that runs torch's step each time; a peak
+    changed mid-run (PBT's scale_peak) still reaches the groups at the next step."""
+    spec = spec_of("constant", warmup=3)
+    fast_opt, slow_opt = sgd(0.5), sgd(0.5)
+    fast, slow = build_scheduler(spec, fast_opt, 20), build_scheduler(spec, slow_opt, 20)
+    slow.constant_from = None  # torch's step every time
+    for step in range(20):
+        if step == 12:
+            for schedule in (fast, slow):
+                schedule.optimizer.param_groups[0]["lr"] *= 0.1
+                schedule.scale_peak(0, 0.1)
+        for optimizer, schedule in ((fast_opt, fast), (slow_opt, slow)):
+            optimizer.step()
+            schedule.step()
+        assert base_lr(fast) == base_lr(slow), step
+        assert fast.state_dict() == slow.state_dict(), step
+    assert base_lr(fast) == 0.05
