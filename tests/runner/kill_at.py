@@ -4,7 +4,8 @@ itself at the N-th time it reaches POINT: a real kill at a chosen moment, for th
 
 POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
 final_eval (during the validation of the last step), finish_training (after the last step, before
-the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended).
+the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended),
+fold_recorded (a k-fold run's fold is in its record, its results not yet logged to MLflow).
 """
 import os
 import runpy
@@ -45,6 +46,10 @@ elif point == "finish_training":
     wrap(engine.Engine, "_finish_training")
 elif point == "after_final_checkpoint":
     wrap(monitor.Monitor, "finish")
+elif point == "fold_recorded":
+    from runner.search import cross_validation
+
+    wrap(cross_validation, "_log_fold")
 elif point == "save":
     import torch
 
