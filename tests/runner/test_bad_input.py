@@ -298,6 +298,17 @@ CASES = [
          "exist", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.storage=nosql://host/db", "error: hydra.sweeper.storage: "
          "'nosql://host/db' has an unknown scheme 'nosql://'", RUN),
+    # an Optuna journal on a read-only or full disk (issue 26, section 2): Optuna's traceback before
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage={readonly}/journal.log", "error: hydra.sweeper.storage: "
+         "cannot write the journal file {readonly}/journal.log (", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage={full}/journal.log", "error: hydra.sweeper.storage: "
+         "cannot write the journal file {full}/journal.log (No space left on device); free space, or name a journal "
+         "file on a writable disk with hydra.sweeper.storage=<file>", RUN),
+    # a read-only sweep directory, for either sweeper
+    case("-m hparams_search=digits_optuna hydra.sweep.dir={readonly}/sweep", "error: hydra.sweep.dir: cannot write "
+         "the run directory {readonly}/sweep ("),
+    case("-m hparams_search=digits_pbt hydra.sweep.dir={readonly}/sweep", "error: hydra.sweep.dir: cannot write "
+         "the run directory {readonly}/sweep ("),
     case("-m hparams_search=digits_optuna hydra.sweeper.n_jobs=0", "error: hydra.sweeper.n_jobs: 0 is out of range; "
          "allowed: an integer >= 1, or -1", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.max_failure_rate=2", "error: hydra.sweeper.max_failure_rate: "

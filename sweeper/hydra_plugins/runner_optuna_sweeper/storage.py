@@ -50,5 +50,36 @@ def open_storage(url: str) -> "BaseStorage":
     if "://" in url or url.startswith(tuple(s + ":" for s in _RDB_SCHEMES)):
         return optuna.storages.RDBStorage(url)
     path = Path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return journal.JournalStorage(journal.JournalFileBackend(str(path)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JournalNotWritable(path, e) from None
+    return journal.JournalStorage(_journal_file(str(path)))
+
+
+class JournalNotWritable(SweepConfigError):
+    """The journal file cannot be made or appended to (a read-only or full disk): one line, not Optuna's traceback."""
+
+    def __init__(self, path: Path | str, error: OSError) -> None:
+        super().__init__(f"hydra.sweeper.storage: cannot write the journal file {path} ({error.strerror or error}); "
+                         "free space, or name a journal file on a writable disk with hydra.sweeper.storage=<file>")
+
+
+def _journal_file(path: str):
+    """Optuna's journal file backend, its write errors raised as JournalNotWritable."""
+    from optuna.storages.journal import JournalFileBackend
+
+    class Journal(JournalFileBackend):
+        def __init__(self, file_path: str) -> None:
+            try:
+                super().__init__(file_path)
+            except OSError as e:
+                raise JournalNotWritable(file_path, e) from None
+
+        def append_logs(self, logs: list) -> None:
+            try:
+                super().append_logs(logs)
+            except OSError as e:
+                raise JournalNotWritable(self._file_path, e) from None
+
+    return Journal(path)
