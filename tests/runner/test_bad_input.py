@@ -241,8 +241,13 @@ CASES = [
          "accepted keys: inplace, negative_slope"),
     case(["model._target_=tests.user_pkg.blocks.Tower", "model.hidden=[8]"], "error: model.hidden: [8] is not an integer"),
     # --- issue 13 (helper `data`): built-ins complain as a user's code does; mistakes refused in one line
-    case("dataset=imdb", "error: model: runner.models.mlp.MLP reads tensors (it takes input_shape), but dataset "
-         "runner.data.text.imdb gives token ids; choose a model for token ids or another dataset"),
+    # the key the user typed is the one named (issue 26, section 2): they changed the dataset, not the model
+    case("dataset=imdb", "error: dataset: dataset runner.data.text.imdb gives token ids, but model "
+         "runner.models.mlp.MLP reads tensors (it takes input_shape); choose a dataset of tensors or another model"),
+    case("model._target_=logging.DEBUG", "error: model._target_: 'logging.DEBUG' is not a class or function (it is "
+         "int 10); give a dotted path to a class or function importable from here", RUN),
+    case("dataset._target_=math.pi", "error: dataset._target_: 'math.pi' is not a class or function (it is float "
+         "3.141592653589793)", RUN),
     case("model=gpt", "error: model: runner.models.gpt.GPT reads token ids (it takes vocab_size), but dataset "
          "runner.data.digits.build gives tensors; choose a model for tensors or another dataset", RUN),
     case("task=regression", "error: task: regression learns from real values, but dataset runner.data.digits.build "
