@@ -180,6 +180,9 @@ class WindowProfiler(AddOn):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:  # kineto's own lines on a CPU (USDT profiler_start/stop, "ERROR ... gpuGetDeviceCount failed"): noise
+            # there, read when the profiler first starts; a KINETO_LOG_LEVEL the user set wins
+            os.environ.setdefault("KINETO_LOG_LEVEL", "9")
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.start()
         self.sync()

@@ -135,3 +135,14 @@ def test_under_ddp_each_rank_writes_its_trace_and_the_main_rank_reports_to_mlflo
     assert artifacts >= {"profile_report.txt", "profile_rank0.pt.trace.json"}
     [share] = client.get_metric_history(run.info.run_id, "profile/communication")
     assert share.step == 5 and 0 < share.value
+
+
+def test_profiling_on_a_cpu_prints_no_kineto_lines(tmp_path: Path) -> None:
+    """Before: every CPU profile printed kineto's USDT profiler_start/stop lines and "ERROR ... gpuGetDeviceCount
+    failed with code 35" around runner's report; a real process, since kineto writes to the fd itself."""
+    proc = run_cli(["model.hidden=[16]", "trainer.max_steps=3", "trainer.profile=true", "trainer.profile_skip_steps=1",
+                    "trainer.profile_steps=2", *FAST, "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "profile of 2 optimizer step(s)" in out
+    assert "gpuGetDeviceCount" not in out and "USDT:" not in out and "ERROR" not in out
