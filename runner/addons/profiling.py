@@ -156,6 +156,9 @@ class WindowProfiler(AddOn):
         if self.skip < self.asked_skip:
             text += (f"\n(skipped the first {self.skip} steps, not trainer.profile_skip_steps={self.asked_skip}: "
                      f"the run has too few steps)")
+        if self.figures.steps < self.want:  # the window past the run's end: what was measured, said so
+            text += (f"\n(profiled {self.figures.steps} steps, not trainer.profile_steps={self.want}: the run ended "
+                     f"first)")
         text += f"\ntrace: {trace} (open it in https://ui.perfetto.dev or TensorBoard's profiler plugin)"
         log.info("%s", text)
         (out / "profile_report.txt").write_text(text + "\n")
