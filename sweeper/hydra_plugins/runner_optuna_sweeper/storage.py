@@ -67,19 +67,37 @@ class JournalNotWritable(SweepConfigError):
 
 def _journal_file(path: str):
     """Optuna's journal file backend, its write errors raised as JournalNotWritable."""
-    from optuna.storages.journal import JournalFileBackend
+    return _journal_class()(path)
 
-    class Journal(JournalFileBackend):
-        def __init__(self, file_path: str) -> None:
-            try:
-                super().__init__(file_path)
-            except OSError as e:
-                raise JournalNotWritable(file_path, e) from None
 
-        def append_logs(self, logs: list) -> None:
-            try:
-                super().append_logs(logs)
-            except OSError as e:
-                raise JournalNotWritable(self._file_path, e) from None
+_classes: dict[str, type] = {}
 
-    return Journal(path)
+
+def _journal_class() -> type:
+    """The backend class, made on first use (optuna is imported only when a sweep runs); a module attribute
+    (`_Journal`, see __getattr__) so that a storage pickled into another process finds it there."""
+    if "_Journal" not in _classes:
+        from optuna.storages.journal import JournalFileBackend
+
+        class _Journal(JournalFileBackend):
+            def __init__(self, file_path: str, *args, **kwargs) -> None:
+                try:
+                    super().__init__(file_path, *args, **kwargs)
+                except OSError as e:
+                    raise JournalNotWritable(file_path, e) from None
+
+            def append_logs(self, logs: list) -> None:
+                try:
+                    super().append_logs(logs)
+                except OSError as e:
+                    raise JournalNotWritable(self._file_path, e) from None
+
+        _Journal.__module__, _Journal.__qualname__ = __name__, "_Journal"
+        _classes["_Journal"] = _Journal
+    return _classes["_Journal"]
+
+
+def __getattr__(name: str):
+    if name == "_Journal":
+        return _journal_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
