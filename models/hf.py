@@ -9,12 +9,15 @@ patterns: `model.distilbert.embeddings.*`); runner.engine.finetune.load_weights 
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 TASKS = ("sequence_classification", "causal_lm")
 # the vocabulary files a slow (non-fast) tokenizer saves, from which transformers builds a fast one
@@ -127,7 +130,15 @@ def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab
                          f"(nothing is downloaded)")
     cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
     _check_keys(cfg, overrides, cfg.model_type)
+    defaults = transformers.AutoConfig.for_model(cfg.model_type)
     for key, value in overrides.items():
+        saved = getattr(cfg, key, None)
+        if key in WEIGHT_SHAPES and value != saved:
+            if value == getattr(defaults, key, None):  # a preset's size (the architecture's default): the folder's wins
+                log.info("config.%s=%s: the pretrained model at %s has %s=%s; using its own", key, value, path, key, saved)
+                continue
+            raise ValueError(f"config.{key}: {value} differs from the pretrained model at {path} ({key}={saved}), whose "
+                             f"weights have that size; allowed: {saved}, or no model.path (random weights)")
         setattr(cfg, key, value)
     saved_vocab = getattr(cfg, "vocab_size", None)
     if tokenizer is not None:
@@ -138,6 +149,12 @@ def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab
     if max_length is not None:
         _check_positions(cfg, max_length, f"path: the model at {path} has")
     return cfg
+
+
+# config keys that size a pretrained model's weights: a different value would re-initialise them at random
+WEIGHT_SHAPES = {"dim", "n_layers", "n_heads", "hidden_dim", "max_position_embeddings", "vocab_size", "hidden_size",
+                 "num_hidden_layers", "num_attention_heads", "intermediate_size", "n_embd", "n_layer", "n_head",
+                 "n_positions", "n_inner", "num_key_value_heads", "type_vocab_size", "head_dim"}
 
 
 def _check_tokenizer(path: str, tokenizer: Any, saved_vocab: Optional[int]) -> None:

@@ -208,6 +208,9 @@ class WindowProfiler(AddOn):
         if self.skip < self.asked_skip:
             text += (f"\n(skipped the first {self.skip} steps, not trainer.profile_skip_steps={self.asked_skip}: "
                      f"the run has too few steps)")
+        if self.figures.steps < self.want:  # the window past the run's end: what was measured, said so
+            text += (f"\n(profiled {self.figures.steps} steps, not trainer.profile_steps={self.want}: the run ended "
+                     f"first)")
         text += f"\ntrace: {trace} (open it in https://ui.perfetto.dev or TensorBoard's profiler plugin)"
         log.info("%s", text)
         (out / "profile_report.txt").write_text(text + "\n")
@@ -232,6 +235,9 @@ class WindowProfiler(AddOn):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:  # kineto's own lines on a CPU (USDT profiler_start/stop, "ERROR ... gpuGetDeviceCount failed"): noise
+            # there, read when the profiler first starts; a KINETO_LOG_LEVEL the user set wins
+            os.environ.setdefault("KINETO_LOG_LEVEL", "9")
         self.prof = torch.profiler.profile(activities=activities)
         self.prof.start()
         self.sync()

@@ -3,12 +3,17 @@
 A table of the runs sorted by their objective (the `objective` metric every run logs, ordered by its
 `objective.direction` param), with status, duration and, as columns, only the params that differ between
 them. `--plot val/loss` saves a chart of that metric over steps for those runs.
+
+A sweep's size stays readable: the best `--top` runs only (default 20; the rest counted), each line
+within the terminal's width (the param columns that do not fit continue in further blocks, each
+starting with the run's #), and the chart's legend beside the axes, never over the curves.
 """
 from __future__ import annotations
 
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,8 @@ from runner.spec.run import SpecError
 
 # params that differ between any two runs without changing what was trained
 _NOT_COMPARED = ("run_dir", "trial.", "tracking.", "trainer.resume", "trainer.progress_bar")
-_WIDTH = 24  # a param value longer than this is cut in the table
+_WIDTH = 24  # a param value (or a run name) longer than this is cut in the table
+TOP = 20     # runs shown by default: a sweep's best
 
 
 def select_runs(client: Any, targets: list[str], uri: str) -> list[Any]:
@@ -74,17 +80,38 @@ def differing_params(runs: list[Any]) -> list[str]:
     return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
 
 
-def table(runs: list[Any]) -> list[str]:
+def table(runs: list[Any], width: int | None = None) -> list[str]:
+    """The runs' rows, in blocks no wider than `width` (the terminal's): the fixed columns and the params that
+    fit, then the params that did not, each further block led by the run's #."""
+    width = width or shutil.get_terminal_size((120, 24)).columns
     columns = differing_params(runs)
-    header = ["#", "run", "run id", "status", "duration", "objective", *columns]
+    fixed = ["#", "run", "run id", "status", "duration", "objective"]
     rows = []
     for i, run in enumerate(runs, 1):
         objective = run.data.metrics.get("objective")
-        rows.append([str(i), run.info.run_name or "", run.info.run_id[:12], run.data.tags.get("runner.outcome",
+        rows.append([str(i), _cut(run.info.run_name or ""), run.info.run_id[:12], run.data.tags.get("runner.outcome",
                      run.info.status).lower(), _duration(run), "-" if objective is None else f"{objective:.6g}",
                      *[_cut(run.data.params.get(k, "-")) for k in columns]])
+    header = [*fixed, *columns]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    blocks, lead, start = [], list(range(len(fixed))), len(fixed)
+    while True:
+        used, chosen = sum(widths[i] + 2 for i in lead), list(lead)
+        # a further block takes at least one param, however wide: else a too-wide one would never be shown
+        while start < len(header) and (used + widths[start] <= width or (len(chosen) == len(lead) and blocks)):
+            chosen.append(start)
+            used += widths[start] + 2
+            start += 1
+        blocks.append(chosen)
+        if start >= len(header):
+            break
+        lead = [0]
+    lines = []
+    for n, chosen in enumerate(blocks):
+        if n:
+            lines.append("")
+        lines += ["  ".join(str(row[i]).ljust(widths[i]) for i in chosen).rstrip() for row in [header, *rows]]
+    return lines
 
 
 def _duration(run: Any) -> str:
@@ -101,8 +128,19 @@ def _cut(value: str) -> str:
 def plot(client: Any, runs: list[Any], metric: str, out: Path) -> Path:
     histories = {run.info.run_id: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
                  for run in runs}
+    import matplotlib.pyplot as plt
+
+    fig = draw(histories, runs, metric)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, bbox_inches="tight")  # tight: the legend beside the axes is kept in the file
+    plt.close(fig)
+    return out
+
+
+def draw(histories: dict[str, list[tuple[int, float]]], runs: list[Any], metric: str) -> Any:
+    """The chart: one curve per run, the legend outside the axes (at a sweep's size it would cover them)."""
     import matplotlib
-    import matplotlib.ticker
+    import matplotlib.ticker as ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,16 +150,13 @@ def plot(client: Any, runs: list[Any], metric: str, out: Path) -> Path:
         points = histories[run.info.run_id]
         if points:
             ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 30 else None,
-                    label=f"{run.info.run_name} ({run.info.run_id[:8]})")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
+                    label=f"{_cut(run.info.run_name or '')} ({run.info.run_id[:8]})")
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     ax.grid(alpha=0.3)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the MLflow store (default: {DEFAULT_URI}; tracking.uri=... works too)")
     parser.add_argument("--plot", metavar="METRIC", help="save a chart of this metric over steps, e.g. val/loss")
     parser.add_argument("--out", help="the chart's file (default: outputs/compare/<metric>.png)")
+    parser.add_argument("--top", type=int, default=TOP, metavar="N",
+                        help=f"show the best N runs, in the table and the chart (default {TOP}; 0: all)")
     args = parse(parser, argv)
     try:
         client = open_store(args.uri)
@@ -140,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot and not any(args.plot in r.data.metrics for r in runs):  # before any output: one line only
             held = sorted({k for r in runs for k in r.data.metrics})
             raise SpecError(f"--plot: {args.plot}: none of these runs logged it; they log {', '.join(held)}")
+        if args.top < 0:
+            raise SpecError(f"--top: {args.top}; allowed: a number of runs >= 1, or 0 for all")
+        left_out = len(runs) - args.top if args.top and len(runs) > args.top else 0
+        runs = runs[:len(runs) - left_out]
         for line in table(runs):
             print(line)
+        if left_out:
+            print(f"... and {left_out} more run{'s' if left_out > 1 else ''}, not as good (--top 0 shows all)")
         if args.plot:
             out = Path(args.out or f"outputs/compare/{re.sub(r'[^A-Za-z0-9_.-]+', '_', args.plot)}.png")
             print(f"chart of {args.plot}: {plot(client, runs, args.plot, out).resolve()}")

@@ -131,6 +131,7 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
     started = time.perf_counter()
     try:  # from here on, whatever fails ends the K-fold run's MLflow run FAILED (or KILLED), never RUNNING
         tracker.set_tags({"cv.folds": str(cv.folds), "cv.stratified": str(stratified).lower()})
+        _log_unlogged_folds(tracker, run_dir, metric, {k: done[k] for k in finished})
         reporter = open_trial(spec)
         for k in range(cv.folds):
             if k not in done or k in stale:
@@ -183,6 +184,17 @@ def _log_fold(tracker: Any, run_dir: Path, metric: str, k: int, fold: dict[str, 
 
         client.log_batch(child_file.read_text().strip(), metrics=[Metric("cv/fold", k, int(time.time() * 1000), 0)],
                          tags=[RunTag("cv.fold", str(k))])
+
+
+def _log_unlogged_folds(tracker: Any, run_dir: Path, metric: str, done: dict[int, dict[str, Any]]) -> None:
+    """The recorded folds whose results the K-fold run's MLflow run lacks, logged now: a kill between a fold's
+    record and its logging would otherwise lose them for good (the resume skips a recorded fold)."""
+    client = getattr(tracker, "client", None)  # None with tracking=none
+    if client is None or not done:
+        return
+    logged = {m.step for m in client.get_metric_history(tracker.run_id, f"cv/{metric}")}
+    for k in sorted(set(done) - logged):
+        _log_fold(tracker, run_dir, metric, k, done[k])
 
 
 def _log_results(tracker: Any, metrics: dict[str, float], step: int) -> None:

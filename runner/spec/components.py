@@ -36,10 +36,14 @@ def load_target(group: str, target: str) -> Callable:
     module_name, _, attr = target.rpartition(".")
     try:
         module = importlib.import_module(module_name)
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise SpecError(f"{group}._target_: cannot import {target!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
                         "give a dotted path to a class or function importable from here") from None
+    if not callable(found):  # named the key typed, not the call's "'int' object is not callable"
+        raise SpecError(f"{group}._target_: {target!r} is not a class or function (it is {type(found).__name__} "
+                        f"{str(found)[:40]}); give a dotted path to a class or function importable from here")
+    return found
 
 
 def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = frozenset()) -> dict[str, Any]:
@@ -181,8 +185,21 @@ def check_model_reads(spec: RunSpec, data_gives: str | None) -> None:
     reads = model_reads(spec.model.target)
     if data_gives is not None and reads is not None and reads != data_gives:
         what = "vocab_size" if reads == "token ids" else "input_shape"
+        dataset_key = _typed_dataset_key(spec.overrides)
+        if dataset_key is not None:  # the dataset was what the user changed: their key, the dataset to change
+            raise SpecError(f"{dataset_key}: dataset {spec.dataset.target} gives {data_gives}, but model "
+                            f"{spec.model.target} reads {reads} (it takes {what}); choose a dataset of {reads} or "
+                            f"another model")
         raise SpecError(f"model: {spec.model.target} reads {reads} (it takes {what}), but dataset "
                         f"{spec.dataset.target} gives {data_gives}; choose a model for {data_gives} or another dataset")
+
+
+def _typed_dataset_key(overrides: tuple[str, ...]) -> str | None:
+    """The dataset key typed (dataset=..., dataset.root=...) when no model key was: the one to name."""
+    keys = [o.lstrip("+~").partition("=")[0] for o in overrides if "=" in o]
+    if any(k == "model" or k.startswith("model.") for k in keys):
+        return None
+    return next((k for k in keys if k == "dataset" or k.startswith("dataset.")), None)
 
 
 # --- the training parts: task, optimizer, schedule ------------------------------------------------

@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import tempfile
@@ -240,23 +241,40 @@ def experiment_page(base_url: str, experiment_id: str, view: str | None = RUNS_V
     return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType={MACHINE_LEARNING}{shared}"
 
 
-def saved_views(columns: list[str], maximize: bool) -> dict[str, dict[str, Any]]:
-    """runner's two saved views (view id -> the UI's state): the metrics `columns` shown, newest
-    first or best first (descending objective when it is maximized, ascending when minimized)."""
+def best_view(metric: str) -> str:
+    """The id of the "best first" view of the runs whose objective is `metric`: one view per objective, so a
+    language model's run never turns the classifiers' view (its order, its columns) into its own."""
+    return f"{BEST_VIEW}-{re.sub(r'[^A-Za-z0-9]+', '-', metric).strip('-').lower()}"
+
+
+def saved_views(columns: list[str], maximize: bool, metric: str | None = None) -> dict[str, dict[str, Any]]:
+    """runner's saved views (view id -> the UI's state): the metrics `columns` shown, newest first, or
+    best first among the runs of the objective `metric` (descending objective when it is maximized,
+    ascending when minimized; without a metric, BEST_VIEW over every run)."""
     shown = [f"metrics.`{name}`" for name in dict.fromkeys(columns)]
+    best = {"orderByKey": "metrics.`objective`", "orderByAsc": not maximize, "selectedColumns": shown}
+    if metric is None:
+        return {RUNS_VIEW: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": shown},
+                BEST_VIEW: best}
     return {RUNS_VIEW: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": shown},
-            BEST_VIEW: {"orderByKey": "metrics.`objective`", "orderByAsc": not maximize, "selectedColumns": shown}}
+            best_view(metric): {**best, "searchFilter": f"params.`objective.metric` = '{metric}'"}}
 
 
 def store_views(client: Any, experiment_id: str, views: dict[str, dict[str, Any]]) -> None:
     """Write runner's saved views to the experiment where they differ from what it holds (the last run
     to start sets them: its metrics, its objective's direction). Never raises: a view is a convenience."""
     names = {RUNS_VIEW: "runner: newest first", BEST_VIEW: "runner: best objective first"}
+    for view, state in views.items():
+        if view.startswith(BEST_VIEW + "-"):
+            names[view] = f"runner: best {state['searchFilter'].split(chr(39))[1]} first"
     try:
         tags, now = client.get_experiment(experiment_id).tags, int(time.time() * 1000)
         for order, (view, state) in enumerate(views.items()):
+            held = _view_state(tags.get(VIEW_TAG_PREFIX + view))
+            if view == RUNS_VIEW and held is not None:  # every objective's columns: earlier runs' stay shown
+                before = json.loads(held).get("selectedColumns", [])
+                state = {**state, "selectedColumns": list(dict.fromkeys([*before, *state["selectedColumns"]]))}
             key, text = VIEW_TAG_PREFIX + view, json.dumps(state, sort_keys=True)
-            held = _view_state(tags.get(key))
             if held == text:
                 continue
             created = now - order if held is None else json.loads(tags[key])["createdAt"]  # the menu: newest on top

@@ -104,7 +104,7 @@ class MlflowTracker:
         self.client = open_client(self.uri)
         self.experiment_id = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
         maximize = spec.objective.direction == "maximize"
-        store_views(self.client, self.experiment_id, saved_views(main_metrics(spec), maximize))
+        store_views(self.client, self.experiment_id, saved_views(main_metrics(spec), maximize, spec.objective.metric))
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and run_exists(self.client, resume_run_id):

@@ -230,3 +230,28 @@ def test_a_model_directory_without_tokenizer_files_checks_the_vocabulary_size(tm
     with pytest.raises(ValueError, match=r"^tokenizer: the data's token ids are not those of the pretrained model at .* "
                                          r"\(the data's tokenizer has 40 tokens, it embeds 50 and keeps no tokenizer\)"):
         hf_model(path=str(tmp_path / "saved"), num_classes=3, tokenizer=other, **{**DATA, "vocab_size": 40})
+
+
+def test_a_pretrained_folder_keeps_its_own_sizes_under_the_presets_config_and_a_typed_mismatch_is_refused(
+        tmp_path: Path) -> None:
+    """experiment=imdb_distilbert's config is DistilBERT's 768 x 6: with model.path=<a 32-wide, 2-layer folder>
+    the folder's sizes win and its weights load as saved (before: a 768 x 6 model, every weight re-initialised
+    at random, shown only by transformers' mismatch table); a size that differs from the folder's is one line."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.conftest import compose_spec
+
+    model_dir = pretrained_dir(tmp_path / "distilbert")
+    preset = compose_spec(["experiment=imdb_distilbert", f"model.path={model_dir}"], tmp_path / "run")
+    config = preset.model.params["config"]
+    assert (config["dim"], config["n_layers"]) == (768, 6)
+    data = {"vocab_size": 80, "max_length": 32, "pad_token_id": 0, "num_classes": 2}
+    model = hf_model(path=str(model_dir), config=config, **data).model
+    assert (model.config.dim, model.config.n_layers, model.config.dropout) == (32, 2, config["dropout"])
+    saved = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name  # every weight as saved, the head included (2 classes)
+    with pytest.raises(ValueError) as info:
+        hf_model(path=str(model_dir), config={**config, "dim": 64}, **data)
+    assert str(info.value) == (f"config.dim: 64 differs from the pretrained model at {model_dir} (dim=32), whose weights "
+                               "have that size; allowed: 32, or no model.path (random weights)")

@@ -4,7 +4,9 @@ itself at the N-th time it reaches POINT: a real kill at a chosen moment, for th
 
 POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
 final_eval (during the validation of the last step), finish_training (after the last step, before
-the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended).
+the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended),
+fold_recorded (a k-fold run's fold is in its record, its results not yet logged to MLflow),
+pbt_exploit (a PBT sweep between rounds, ranking its members: outside any member's training).
 """
 import os
 import runpy
@@ -45,6 +47,14 @@ elif point == "finish_training":
     wrap(engine.Engine, "_finish_training")
 elif point == "after_final_checkpoint":
     wrap(monitor.Monitor, "finish")
+elif point == "fold_recorded":
+    from runner.search import cross_validation
+
+    wrap(cross_validation, "_log_fold")
+elif point == "pbt_exploit":
+    from runner.search.pbt.population import Population
+
+    wrap(Population, "_exploit_and_explore")
 elif point == "save":
     import torch
 

@@ -241,8 +241,13 @@ CASES = [
          "accepted keys: inplace, negative_slope"),
     case(["model._target_=tests.user_pkg.blocks.Tower", "model.hidden=[8]"], "error: model.hidden: [8] is not an integer"),
     # --- issue 13 (helper `data`): built-ins complain as a user's code does; mistakes refused in one line
-    case("dataset=imdb", "error: model: runner.models.mlp.MLP reads tensors (it takes input_shape), but dataset "
-         "runner.data.text.imdb gives token ids; choose a model for token ids or another dataset"),
+    # the key the user typed is the one named (issue 26, section 2): they changed the dataset, not the model
+    case("dataset=imdb", "error: dataset: dataset runner.data.text.imdb gives token ids, but model "
+         "runner.models.mlp.MLP reads tensors (it takes input_shape); choose a dataset of tensors or another model"),
+    case("model._target_=logging.DEBUG", "error: model._target_: 'logging.DEBUG' is not a class or function (it is "
+         "int 10); give a dotted path to a class or function importable from here", RUN),
+    case("dataset._target_=math.pi", "error: dataset._target_: 'math.pi' is not a class or function (it is float "
+         "3.141592653589793)", RUN),
     case("model=gpt", "error: model: runner.models.gpt.GPT reads token ids (it takes vocab_size), but dataset "
          "runner.data.digits.build gives tensors; choose a model for tensors or another dataset", RUN),
     case("task=regression", "error: task: regression learns from real values, but dataset runner.data.digits.build "
@@ -298,6 +303,17 @@ CASES = [
          "exist", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.storage=nosql://host/db", "error: hydra.sweeper.storage: "
          "'nosql://host/db' has an unknown scheme 'nosql://'", RUN),
+    # an Optuna journal on a read-only or full disk (issue 26, section 2): Optuna's traceback before
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage={readonly}/journal.log", "error: hydra.sweeper.storage: "
+         "cannot write the journal file {readonly}/journal.log (", RUN),
+    case("-m hparams_search=digits_optuna hydra.sweeper.storage={full}/journal.log", "error: hydra.sweeper.storage: "
+         "cannot write the journal file {full}/journal.log (No space left on device); free space, or name a journal "
+         "file on a writable disk with hydra.sweeper.storage=<file>", RUN),
+    # a read-only sweep directory, for either sweeper
+    case("-m hparams_search=digits_optuna hydra.sweep.dir={readonly}/sweep", "error: hydra.sweep.dir: cannot write "
+         "the run directory {readonly}/sweep ("),
+    case("-m hparams_search=digits_pbt hydra.sweep.dir={readonly}/sweep", "error: hydra.sweep.dir: cannot write "
+         "the run directory {readonly}/sweep ("),
     case("-m hparams_search=digits_optuna hydra.sweeper.n_jobs=0", "error: hydra.sweeper.n_jobs: 0 is out of range; "
          "allowed: an integer >= 1, or -1", RUN),
     case("-m hparams_search=digits_optuna hydra.sweeper.max_failure_rate=2", "error: hydra.sweeper.max_failure_rate: "

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from runner.cli import process_state
 from runner.spec.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
+SWEEP_PID_ENV = "RUNNER_PBT_SWEEP_PID"  # the sweep process that started this member: it stops when that is gone
 
 
 def run_job(job_file: Path) -> dict[str, Any]:
@@ -54,8 +58,10 @@ def run_job(job_file: Path) -> dict[str, Any]:
         client = getattr(engine.tracker, "client", None)
         if client is not None and engine.tracker.run_id:
             now = int(time.time() * 1000)
-            # the values in force from the step after `start` on, logged at the step they changed
-            metrics = [Metric(f"pbt/{mlflow_key(k)}", float(v), now, start) for k, v in job.get("hparams", {}).items()]
+            # the values in force from the step after the round's start on, logged at the step they changed: the
+            # round's start, also when this attempt resumed a round stopped later (a signal's checkpoint)
+            changed_at = job.get("round_start", start)
+            metrics = [Metric(f"pbt/{mlflow_key(k)}", float(v), now, changed_at) for k, v in job.get("hparams", {}).items()]
             client.log_batch(engine.tracker.run_id, metrics=metrics, tags=[_tag(k, v) for k, v in tags.items()])
     history = engine.monitor.history.get(spec.objective.metric, [])
     if result is None:
@@ -75,8 +81,24 @@ def _tag(key: str, value: Any):
     return RunTag(key, str(value)[:5000])
 
 
+def watch_sweep(sweep_pid: int, every_s: float = 0.5) -> threading.Thread:
+    """A thread that sends this process SIGTERM once the sweep that started it is gone (killed, even by
+    SIGKILL): the member then stops as a signalled run does, its checkpoint written and its run KILLED,
+    rather than training on with nobody to read its result."""
+    def watch() -> None:
+        while os.getppid() == sweep_pid:
+            time.sleep(every_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="pbt-sweep-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if os.environ.get(SWEEP_PID_ENV):
+        watch_sweep(int(os.environ[SWEEP_PID_ENV]))
     try:
         run_job(Path(argv[0]))
     except SpecError as e:

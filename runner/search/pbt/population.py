@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ import yaml
 from runner.engine import checkpoint, run_weights
 from runner.files import atomic_write
 from runner.search.pbt import explore
+from runner.search.pbt.member import SWEEP_PID_ENV
 from runner.spec.fields import set_dotted
 from runner.spec.run import RunSpec, SpecError
 
@@ -167,7 +171,8 @@ class Population:
                 tags.update({"pbt.copied_member": str(lineage["from"]), "pbt.copied_at_step": str(lineage["step"])})
             new = _new_this_round(member, r, self.boundaries)
             job = {"spec": self._member_spec(member, r, boundary).to_yaml(), "parent_run_id": self.parent_run_id,
-                   "hparams": member["hparams"] if new else {}, "tags": tags, "result": str(result)}
+                   "hparams": member["hparams"] if new else {}, "tags": tags, "result": str(result),
+                   "round_start": self.boundaries[r - 1] if r else 0}
             path = job_dir / f"job-{boundary:08d}.json"
             path.write_text(json.dumps(job))
             jobs.append((path, result))
@@ -179,9 +184,14 @@ class Population:
                 _run_in_process(path)
         else:
             with ThreadPoolExecutor(self.settings.n_jobs) as pool:
-                for code, path in pool.map(_run_subprocess, [p for p, _ in todo]):
-                    if code != 0:
-                        raise RuntimeError(f"PBT member job {path} failed (exit code {code}); see its runner.log")
+                try:
+                    for code, path in pool.map(_run_subprocess, [p for p, _ in todo]):
+                        if code != 0:
+                            raise RuntimeError(f"PBT member job {path} failed (exit code {code}); see its runner.log")
+                except KeyboardInterrupt:  # Ctrl-C, SIGTERM/SIGHUP: the members stop with the sweep (at a step
+                    # boundary, their checkpoint written, their runs KILLED) before the pool is left
+                    _stop_members()
+                    raise
         return [json.loads(res.read_text()) for _, res in jobs]
 
     def _exploit_and_explore(self, state: dict[str, Any], r: int, boundary: int) -> None:
@@ -259,10 +269,33 @@ def _run_in_process(job: Path) -> None:
     run_job(job)
 
 
+_running: set[subprocess.Popen] = set()  # the member processes of this sweep now (n_jobs > 1)
+_running_lock = threading.Lock()
+
+
 def _run_subprocess(job: Path) -> tuple[int, Path]:
+    # the member watches this process: it stops (as on SIGTERM) when the sweep dies, even by SIGKILL
+    env = {**os.environ, SWEEP_PID_ENV: str(os.getpid())}
     with open(job.with_suffix(".log"), "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "runner.search.pbt.member", str(job)], stdout=out, stderr=subprocess.STDOUT)
-    return proc.returncode, job
+        proc = subprocess.Popen([sys.executable, "-m", "runner.search.pbt.member", str(job)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+        with _running_lock:
+            _running.add(proc)
+        try:
+            code = proc.wait()
+        finally:
+            with _running_lock:
+                _running.discard(proc)
+    return code, job
+
+
+def _stop_members() -> None:
+    """SIGTERM to every member process still running: each stops as a signalled run does."""
+    with _running_lock:
+        procs = list(_running)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
 
 def _rng_to_json(rng: random.Random) -> list:

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.engine import preemption
 from runner.search.pbt import explore
 from runner.search.pbt.explore import mlflow_key
 from runner.search.pbt.population import Population, Settings, ranked
@@ -55,7 +56,11 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     parent = _open_parent(cfg, sweep_dir, base, pbt, space)
     status = "FAILED"
     try:
-        state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round).run()
+        # SIGTERM/SIGHUP between members' training (ranking, exploit, waiting on member processes) stop the
+        # sweep as Ctrl-C does: members stopped, the parent KILLED, one line; inside an in-process member's
+        # training its own handler stops it at a step boundary first
+        with preemption.handled():
+            state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round).run()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

@@ -50,5 +50,54 @@ def open_storage(url: str) -> "BaseStorage":
     if "://" in url or url.startswith(tuple(s + ":" for s in _RDB_SCHEMES)):
         return optuna.storages.RDBStorage(url)
     path = Path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return journal.JournalStorage(journal.JournalFileBackend(str(path)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JournalNotWritable(path, e) from None
+    return journal.JournalStorage(_journal_file(str(path)))
+
+
+class JournalNotWritable(SweepConfigError):
+    """The journal file cannot be made or appended to (a read-only or full disk): one line, not Optuna's traceback."""
+
+    def __init__(self, path: Path | str, error: OSError) -> None:
+        super().__init__(f"hydra.sweeper.storage: cannot write the journal file {path} ({error.strerror or error}); "
+                         "free space, or name a journal file on a writable disk with hydra.sweeper.storage=<file>")
+
+
+def _journal_file(path: str):
+    """Optuna's journal file backend, its write errors raised as JournalNotWritable."""
+    return _journal_class()(path)
+
+
+_classes: dict[str, type] = {}
+
+
+def _journal_class() -> type:
+    """The backend class, made on first use (optuna is imported only when a sweep runs); a module attribute
+    (`_Journal`, see __getattr__) so that a storage pickled into another process finds it there."""
+    if "_Journal" not in _classes:
+        from optuna.storages.journal import JournalFileBackend
+
+        class _Journal(JournalFileBackend):
+            def __init__(self, file_path: str, *args, **kwargs) -> None:
+                try:
+                    super().__init__(file_path, *args, **kwargs)
+                except OSError as e:
+                    raise JournalNotWritable(file_path, e) from None
+
+            def append_logs(self, logs: list) -> None:
+                try:
+                    super().append_logs(logs)
+                except OSError as e:
+                    raise JournalNotWritable(self._file_path, e) from None
+
+        _Journal.__module__, _Journal.__qualname__ = __name__, "_Journal"
+        _classes["_Journal"] = _Journal
+    return _classes["_Journal"]
+
+
+def __getattr__(name: str):
+    if name == "_Journal":
+        return _journal_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -182,3 +182,26 @@ def test_profiled_steps_and_the_profilers_own_work_are_not_throughput(tmp_path: 
         window = len(timed_steps[step]) * 64 / samples_per_s  # the seconds its timed steps took, as logged
         steps = sum(step_seconds[s - 1] for s in timed_steps[step])
         assert steps <= window < steps + 50, (step, window, steps)
+
+
+def test_profiling_on_a_cpu_prints_no_kineto_lines(tmp_path: Path) -> None:
+    """Before: every CPU profile printed kineto's USDT profiler_start/stop lines and "ERROR ... gpuGetDeviceCount
+    failed with code 35" around runner's report; a real process, since kineto writes to the fd itself."""
+    proc = run_cli(["model.hidden=[16]", "trainer.max_steps=3", "trainer.profile=true", "trainer.profile_skip_steps=1",
+                    "trainer.profile_steps=2", *FAST, "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "profile of 2 optimizer step(s)" in out
+    assert "gpuGetDeviceCount" not in out and "USDT:" not in out and "ERROR" not in out
+
+
+def test_a_window_past_the_runs_end_profiles_what_there_is_and_says_so(tmp_path: Path) -> None:
+    """trainer.profile_skip_steps=5 trainer.profile_steps=10 on a 4-step run (issue 26, section 2: accepted
+    silently): the 4 steps are profiled, and the report says which settings it could not follow and why."""
+    spec = compose_spec(["model.hidden=[8]", "trainer.max_steps=4", "trainer.profile=true", "trainer.profile_skip_steps=5",
+                         "trainer.profile_steps=10", *FAST], tmp_path / "run")
+    Engine(spec, NullTracker()).fit()
+    report = report_of(tmp_path / "run")
+    assert report.startswith("profile of 4 optimizer step(s) (steps 1-4")
+    assert "(skipped the first 0 steps, not trainer.profile_skip_steps=5: the run has too few steps)" in report
+    assert "(profiled 4 steps, not trainer.profile_steps=10: the run ended first)" in report

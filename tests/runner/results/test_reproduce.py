@@ -239,3 +239,35 @@ def test_reproduce_and_compare_without_arguments_say_what_is_missing_in_one_line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {main.__module__.split('.')[-1]}: the following arguments "
                                                    f"are required: {missing}; usage: runner ")
+
+
+def test_compare_stays_readable_at_a_sweeps_size(tmp_path: Path, store: str, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 trials with long names and 12 differing params (before: 1,407-character lines, every run, a legend over
+    the chart): the best 20 in lines within the terminal's 100 columns, the params that do not fit in further
+    blocks led by the run's #, the rest counted; the chart's legend beside the axes."""
+    client = MlflowClient(store)
+    experiment = client.create_experiment("big")
+    keys = [f"model.config.some_rather_long_key_{i}" for i in range(12)]
+    for n in range(40):
+        run_id = client.create_run(experiment, run_name=f"trial {n} " + ",".join(f"{k}={n}" for k in keys)).info.run_id
+        client.log_batch(run_id, metrics=[Metric("objective", n / 100, 0, 1), Metric("val/loss", 1 - n / 100, 0, 1)],
+                         params=[Param(k, str(n * 1000 + i)) for i, k in enumerate(keys)]
+                         + [Param("objective.direction", "maximize")])
+        client.set_terminated(run_id)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert compare.main(["big", "--uri", store]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    blocks = [b.splitlines() for b in "\n".join(lines[:-1]).split("\n\n")]
+    assert len(blocks) > 1 and all(len(b) == 21 for b in blocks)  # a header and the best 20 in each block
+    assert [row.split()[0] for row in blocks[0][1:]] == [str(i) for i in range(1, 21)]
+    assert [row.split()[2] for row in blocks[0][1:]] == [f"{n}" for n in range(39, 19, -1)]  # "trial 39 ..." first
+    assert sorted(k for b in blocks for k in b[0].split() if k.startswith("model.")) == sorted(keys)
+    assert lines[-1] == "... and 20 more runs, not as good (--top 0 shows all)"
+
+    runs = compare.ranked(compare.select_runs(client, ["big"], store))[:20]
+    fig = compare.draw({r.info.run_id: [(0, 1.0), (1, 0.5)] for r in runs}, runs, "val/loss")
+    fig.canvas.draw()
+    legend, axes = fig.axes[0].get_legend().get_window_extent(), fig.axes[0].get_window_extent()
+    assert legend.x0 >= axes.x1  # beside the axes, not over the curves

@@ -258,6 +258,28 @@ def test_a_killed_k_fold_run_resumes_at_the_killed_fold_from_the_command_line(tm
     record = read_record(run_dir)
     assert statistics.fmean(record[k]["objective"] for k in (0, 1)) == pytest.approx(
         runs(db)[parent_id]["metrics"][f"cv/{METRIC}_mean"][0][1])
+    # fold 0's results on the K-fold run, logged before the kill, each fold once: the kill loses none
+    assert runs(db)[parent_id]["metrics"][f"cv/{METRIC}"] == [(k, pytest.approx(record[k]["objective"])) for k in (0, 1)]
+
+
+@pytest.mark.slow
+def test_a_k_fold_run_killed_between_a_folds_record_and_its_logging_logs_it_on_resume(tmp_path: Path) -> None:
+    """A SIGKILL right after fold 0 is recorded, before its cv/* reach the K-fold run's MLflow run: the resume
+    skips fold 0 (recorded) and logs its results then, each fold's once, at step = fold."""
+    db, run_dir = tmp_path / "mlflow.db", tmp_path / "cv"
+    args = ["trainer.cross_validation.folds=2", "trainer.max_steps=2", "trainer.progress_bar=off",
+            "trainer.memory_estimate=false", f"tracking.uri=sqlite:///{db}", f"hydra.run.dir={run_dir}"]
+    killed = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "kill_at.py"), "fold_recorded", "1",
+                             *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    parent_id = (run_dir / "mlflow_run_id").read_text().strip()
+    assert list(read_record(run_dir)) == [0] and f"cv/{METRIC}" not in runs(db)[parent_id]["metrics"]
+    resumed = run_cli([f"trainer.resume={run_dir}", "trainer.progress_bar=off", f"tracking.uri=sqlite:///{db}"],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record, parent = read_record(run_dir), runs(db)[parent_id]
+    assert parent["metrics"][f"cv/{METRIC}"] == [(k, pytest.approx(record[k]["objective"])) for k in (0, 1)]
+    assert [k["metrics"]["cv/fold"] for k in children(db, parent_id)] == [[(0, 0.0)], [(0, 1.0)]]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from runner.search.pbt import explore
 from runner.search.pbt.mutable import is_mutable
 from runner.search.pbt.population import Population, Settings
 from runner.spec.run import SpecError
-from tests.conftest import compose_spec
+from tests.conftest import compose_spec, run_cli
 
 BASE = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.device=cpu", "trainer.eval_every_epoch=false",
         "trainer.memory_estimate=false", "trainer.limit_val=0.3", "trainer.limit_test=0.1", "dataset.batch_size=32"]
@@ -249,3 +249,164 @@ def test_a_population_whose_every_member_diverged_stops_in_one_line(tmp_path: Pa
     with pytest.raises(SpecError, match=r"^hydra.sweeper.params: every member diverged by step 3 \(a NaN val/acc\); "
                                         r"narrow the space toward smaller lrs, or clip gradients$"):
         pop.run()
+
+
+# --- signals to a sweep whose members train in their own processes (n_jobs=2), as a user's kill sends them
+
+def _pbt_command(tmp_path: Path, *extra: str) -> list[str]:
+    return ["hparams_search=digits_pbt", "hydra.sweeper.population=2", "hydra.sweeper.quantile=0.5",
+            "trainer.log_every_n_steps=1", "trainer.progress_bar=off", "trainer.memory_estimate=false",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.artifact_root={tmp_path / 'art'}", *extra]
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (Linux's /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _runs_by_name(db: Path) -> dict[str, str]:
+    import sqlite3
+
+    with sqlite3.connect(db, timeout=5) as con:
+        return dict(con.execute("select name, status from runs"))
+
+
+def _start_sweep_and_wait_for_training_members(tmp_path: Path):
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "runner", "-m", *_pbt_command(tmp_path, "trainer.max_steps=4000",
+                                                                 "hydra.sweeper.ready=2000", "hydra.sweeper.n_jobs=2")]
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and sweep.poll() is None:  # both members have logged a step of training
+        try:
+            with sqlite3.connect(tmp_path / "mlflow.db", timeout=1) as con:
+                (training,) = con.execute("select count(distinct run_uuid) from metrics where key = 'train/loss'").fetchone()
+        except sqlite3.Error:
+            training = 0
+        if training == 2:
+            break
+        time.sleep(0.1)
+    assert sweep.poll() is None, sweep.communicate()[1][-3000:]
+    members = _children(sweep.pid)
+    assert len(members) == 2
+    return sweep, members
+
+
+def _gone_within(pids: set[int], seconds: float) -> bool:
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.slow  # two member processes: ~40 s
+def test_pbt_members_stop_when_their_sweep_is_sigkilled(tmp_path: Path) -> None:
+    """A SIGKILL of the sweep process alone (not its group): its n_jobs=2 members notice within a second, stop
+    at a step boundary with their checkpoint, and end their MLflow runs KILLED, never left RUNNING."""
+    import os
+    import signal
+
+    sweep, members = _start_sweep_and_wait_for_training_members(tmp_path)
+    try:
+        os.kill(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+        assert _gone_within(members, 15)
+    finally:
+        for pid in members:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    statuses = _runs_by_name(tmp_path / "mlflow.db")
+    assert [statuses[f"pbt member {i}"] for i in (0, 1)] == ["KILLED", "KILLED"]
+    for i in (0, 1):
+        assert list((tmp_path / "sweep" / f"member-{i}" / "checkpoints").glob("step-*")), f"member {i}: no checkpoint"
+
+
+@pytest.mark.slow  # two member processes: ~40 s
+def test_a_sigtermed_pbt_sweep_stops_its_members_and_ends_killed_in_one_line(tmp_path: Path) -> None:
+    """SIGTERM to the sweep process alone while its members train: it stops them, marks its parent run and
+    theirs KILLED, says so in one line and exits 143 (128 + SIGTERM), no traceback."""
+    import os
+    import signal
+
+    sweep, members = _start_sweep_and_wait_for_training_members(tmp_path)
+    try:
+        os.kill(sweep.pid, signal.SIGTERM)
+        _, err = sweep.communicate(timeout=120)
+        assert _gone_within(members, 15)
+    finally:
+        for pid in (sweep.pid, *members):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert sweep.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == \
+        "runner: stopped by SIGTERM; the run was marked KILLED"
+    statuses = _runs_by_name(tmp_path / "mlflow.db")
+    assert [statuses[f"pbt member {i}"] for i in (0, 1)] == ["KILLED", "KILLED"]
+    assert [s for name, s in statuses.items() if name.startswith("pbt ") and "member" not in name] == ["KILLED"]
+
+
+@pytest.mark.slow  # ~40 s
+def test_a_sigterm_between_rounds_ends_the_sweep_killed_in_one_line(tmp_path: Path) -> None:
+    """SIGTERM while the sweep ranks its members (no member training, n_jobs=2): one line, exit 143, the parent
+    KILLED (not RUNNING), the members' runs paused at the boundary as every round leaves them."""
+    import subprocess
+    import sys
+
+    killed = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "kill_at.py"), "pbt_exploit:TERM", "1",
+                             "-m", *_pbt_command(tmp_path, "trainer.max_steps=4", "hydra.sweeper.ready=2",
+                                                 "hydra.sweeper.n_jobs=2")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert "Traceback" not in killed.stderr
+    assert killed.stderr.strip().splitlines()[-1] == "runner: stopped by SIGTERM; the run was marked KILLED"
+    statuses = _runs_by_name(tmp_path / "mlflow.db")
+    assert "RUNNING" not in statuses.values()
+    assert [s for name, s in statuses.items() if name.startswith("pbt ") and "member" not in name] == ["KILLED"]
+
+
+@pytest.mark.slow  # a SIGTERM and a rerun: ~40 s
+def test_after_a_sigterm_mid_member_its_explored_values_are_logged_at_the_rounds_start(tmp_path: Path) -> None:
+    """SIGTERM in member 0's 3rd step of round 2 (steps 11-20; it copied member 1 at step 10): the member writes a
+    step-13 checkpoint and the rerun resumes from it; its pbt/optimizer.lr is still logged at step 10, where its
+    explored values took over, not at 13 where the rerun began."""
+    import subprocess
+    import sys
+
+    args = _pbt_command(tmp_path, "trainer.max_steps=20", "hydra.sweeper.ready=10", "hydra.sweeper.n_jobs=1")
+    # train steps in the sweep's process: member 0's 1-10, member 1's 1-10, member 0's 11-20, ...
+    killed = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "kill_at.py"), "step:TERM", "23", "-m",
+                             *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert list((tmp_path / "sweep" / "member-0" / "checkpoints").glob("step-*13*"))
+    again = run_cli(["-m", *args], cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    state = json.loads((tmp_path / "sweep" / "pbt_state.json").read_text())
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    copier, source = copier_and_source(state)
+    assert copier["id"] == 0
+    assert set(history(store, copier["run_id"], "pbt/optimizer.lr")) == {0, 10}
+    assert set(history(store, source["run_id"], "pbt/optimizer.lr")) == {0}

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner.tracking.mlflow_store import (BEST_VIEW, EXPERIMENT_KIND_TAG, MODEL_TRAINING, RUNS_VIEW, VIEW_TAG_PREFIX,
+from runner.tracking.mlflow_store import (BEST_VIEW, best_view, EXPERIMENT_KIND_TAG, MODEL_TRAINING, RUNS_VIEW, VIEW_TAG_PREFIX,
                                  experiment_page)
 from runner.spec.objective import ObjectiveSpec
 from runner.spec.run import RunSpec
@@ -194,7 +194,7 @@ def test_sorting_by_objective_puts_the_best_run_first(ui: dict[str, Any], experi
     assert all(m[best_key(metric)] == objectives[name] for name, m in logged.items())
     truly_best = (max if direction == "maximize" else min)(objectives, key=objectives.get)
     page = fresh_page(ui)
-    page.goto(experiment_page(ui["base"], ui["ids"][experiment], BEST_VIEW))
+    page.goto(experiment_page(ui["base"], ui["ids"][experiment], best_view(metric)))
     page.wait_for_url(re.compile(r"orderByKey=metrics.%60objective%60"), timeout=WAIT_MS)
     page.get_by_role("link", name="trial-a", exact=True).wait_for(timeout=WAIT_MS)
     rows = run_rows(page)
@@ -221,16 +221,44 @@ def test_runner_stores_its_views_in_the_experiment(store: dict[str, Any]) -> Non
     and its objective's direction, and is marked as model training (MLflow before 3.17 reads that)."""
     experiment = store["client"].get_experiment(store["ids"]["ui-min"])
     assert experiment.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
-    views = {view: json.loads(experiment.tags[VIEW_TAG_PREFIX + view]) for view in (RUNS_VIEW, BEST_VIEW)}
+    best = best_view("val/loss")  # one "best first" view per objective (issue 26, section 4)
+    views = {view: json.loads(experiment.tags[VIEW_TAG_PREFIX + view]) for view in (RUNS_VIEW, best)}
     states = {view: json.loads(envelope["state"]) for view, envelope in views.items()}
-    assert states[BEST_VIEW]["orderByKey"] == "metrics.`objective`" and states[BEST_VIEW]["orderByAsc"] is True
+    assert states[best]["orderByKey"] == "metrics.`objective`" and states[best]["orderByAsc"] is True
     assert states[RUNS_VIEW]["orderByKey"] == "attributes.start_time" and states[RUNS_VIEW]["orderByAsc"] is False
     assert states[RUNS_VIEW]["selectedColumns"][:2] == ["metrics.`objective`", "metrics.`val/loss`"]
     assert {"metrics.`val/acc`", "metrics.`train/loss`"} <= set(states[RUNS_VIEW]["selectedColumns"])
-    assert views[RUNS_VIEW]["name"] and views[RUNS_VIEW]["createdAt"] > views[BEST_VIEW]["createdAt"]  # listed first
+    assert views[RUNS_VIEW]["name"] and views[RUNS_VIEW]["createdAt"] > views[best]["createdAt"]  # listed first
     maximized = json.loads(json.loads(store["client"].get_experiment(store["ids"]["ui-max"]).tags[
-        VIEW_TAG_PREFIX + BEST_VIEW])["state"])
+        VIEW_TAG_PREFIX + best_view("val/acc")])["state"])
     assert maximized["orderByAsc"] is False and maximized["selectedColumns"][1] == "metrics.`val/acc`"
     link = experiment_page("http://127.0.0.1:5000", experiment.experiment_id)
     assert link.endswith(f"/runs?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW}")
     assert link in store["runs"]["ui-min"]["told"]  # what a user is told to open
+
+
+def test_each_objective_keeps_its_own_best_first_view(tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    """A classifier's run, then a language model's in the same experiment (before: the second rewrote the one
+    "best objective first" view: ascending, worst classifier first, val/acc gone from its columns): each
+    objective's view sorts and shows its own runs; the newest-first view keeps both runs' columns."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from runner.tracking.mlflow_store import saved_views, store_views
+
+    shutil.copy(migrated_mlflow_store, tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("mixed")
+    store_views(client, experiment, saved_views(["objective", "val/acc", "train/loss"], True, "val/acc"))
+    store_views(client, experiment, saved_views(["objective", "val/loss", "val/perplexity", "train/loss"], False, "val/loss"))
+    tags = client.get_experiment(experiment).tags
+    state = {view: json.loads(json.loads(tags[VIEW_TAG_PREFIX + view])["state"])
+             for view in (RUNS_VIEW, best_view("val/acc"), best_view("val/loss"))}
+    classifiers, models = state[best_view("val/acc")], state[best_view("val/loss")]
+    assert classifiers["orderByAsc"] is False and "metrics.`val/acc`" in classifiers["selectedColumns"]
+    assert classifiers["searchFilter"] == "params.`objective.metric` = 'val/acc'"
+    assert models["orderByAsc"] is True and models["searchFilter"] == "params.`objective.metric` = 'val/loss'"
+    assert state[RUNS_VIEW]["selectedColumns"] == ["metrics.`objective`", "metrics.`val/acc`", "metrics.`train/loss`",
+                                                   "metrics.`val/loss`", "metrics.`val/perplexity`"]
+    assert json.loads(tags[VIEW_TAG_PREFIX + best_view("val/acc")])["name"] == "runner: best val/acc first"
