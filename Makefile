@@ -39,8 +39,8 @@ bench-hpo-slots: install ## 2 slots vs 1 on short trials (toy app instant / 1 s,
 bench-pbt: install      ## PBT and PB2 (4 members) vs random search, same total steps, digits MLP with SGD: best val/loss, wall time
 	$(PY) -m benchmarks.bench_pbt $(ARGS)
 
-bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA)
-	$(PY) -m benchmarks.bench_memory
+bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA); ARGS="--compile" under torch.compile
+	$(PY) -m benchmarks.bench_memory $(ARGS)
 
 bench-parallel: install ## gpt: ddp, fsdp, tp=2, pp=2 (gpipe, 1f1b), fsdp x tp (ARGS="--nproc 4"): step time beside one process, same global batch; pp bubble vs (p-1)/(m+p-1)
 	$(PY) -m benchmarks.bench_parallel $(ARGS)
