@@ -53,12 +53,15 @@ class StoreWriter:
         self.last_step = 0       # the step of the newest value handed over
         self.refusals: list[BaseException] = []
         self.call_started: float | None = None  # monotonic start of the store call in flight
-        self.waiting_step: int | None = None    # the step of the first value that call carries
+        self.call_step = 0                      # the training's step when that call began
         self.outage_step: int | None = None     # set while an announced outage lasts
+        self.outage_began = 0.0
         self._warned_memory = False
         self._said = threading.Lock()  # the main thread (no answer) and the writer (an error) may both see an outage
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="runner-mlflow-writer", daemon=True)
+        for name in _NOISY:
+            logging.getLogger(name).addFilter(_not_from_writer)
+        self._thread = threading.Thread(target=self._run, name=WRITER_THREAD, daemon=True)
         self._thread.start()
         _live.add(self)
 
@@ -76,7 +79,7 @@ class StoreWriter:
                         "metric is in %s", self.where, waiting, self.journal)
         started = self.call_started
         if started is not None and self.outage_step is None and time.monotonic() - started > _STALL_S:
-            self._outage("no answer for %.0f s" % (time.monotonic() - started))
+            self._outage(f"no answer for {time.monotonic() - started:.0f} s")
 
     def call(self, fn: Callable[[Any], Any], what: str) -> None:
         """fn(client), in order with everything else; `what` names it in messages."""
@@ -129,7 +132,7 @@ class StoreWriter:
 
         head = self._ops[0]
         if head[0] == "call":
-            self._store(lambda: head[2](self.client), head[1], head[3])
+            self._store(lambda: head[2](self.client))
             self._ops.popleft()
             self._finished(1, 0)
             return
@@ -141,7 +144,7 @@ class StoreWriter:
             metrics.extend(Metric(k, float(v), ms, step) for k, v in logged.items())
             ops, values = ops + 1, values + len(logged)
         if metrics:
-            self._store(lambda: self.client.log_batch(self.run_id, metrics=metrics), head[1], "metrics")
+            self._store(lambda: self.client.log_batch(self.run_id, metrics=metrics))
         for _ in range(ops):
             self._ops.popleft()
         self._finished(ops, values)
@@ -152,11 +155,11 @@ class StoreWriter:
             self.values_done += values
             self._progress.notify_all()
 
-    def _store(self, send: Callable[[], Any], step: int, what: str) -> None:
+    def _store(self, send: Callable[[], Any]) -> None:
         """send() until it succeeds or the store refuses it; an outage is said once, and its end."""
         delay = _BACKOFF_S[0]
         while True:
-            self.call_started, self.waiting_step = time.monotonic(), step
+            self.call_started, self.call_step = time.monotonic(), self.last_step
             try:
                 send()
             except Exception as e:  # noqa: BLE001  (sorted below: retried, or kept for the tracker to raise)
@@ -170,8 +173,8 @@ class StoreWriter:
                 continue
             self.call_started = None
             if self.outage_step is not None:
-                log.warning("MLflow at %s answers again (%s of step %d stored); the values logged during the outage "
-                            "follow in order", self.where, what, step)
+                log.warning("MLflow at %s answers again at step %d, after %.0f s; what was logged meanwhile follows in "
+                            "order", self.where, self.last_step, time.monotonic() - self.outage_began)
                 self.outage_step = None
             return
 
@@ -179,9 +182,19 @@ class StoreWriter:
         with self._said:
             if self.outage_step is not None:
                 return
-            step = self.waiting_step if self.waiting_step is not None else self.last_step
-            self.outage_step = step
-        log.warning("MLflow at %s unreachable since step %d (%s); retrying, training goes on", self.where, step, reason)
+            self.outage_step, self.outage_began = self.call_step, self.call_started or time.monotonic()
+        log.warning("MLflow at %s unreachable since step %d (%s); retrying, training goes on", self.where,
+                    self.outage_step, reason)
+
+
+# Within a call, MLflow's HTTP client retries and urllib3 says so each time; MLflow's sqlite store logs a
+# locked or full file with a traceback. From the writer's thread the outage is said once, in its own words.
+_NOISY = ("urllib3.connectionpool", "mlflow.store.db.utils", "mlflow.utils.rest_utils")
+WRITER_THREAD = "runner-mlflow-writer"
+
+
+def _not_from_writer(record: logging.LogRecord) -> bool:
+    return record.threadName != WRITER_THREAD
 
 
 _live: "weakref.WeakSet[StoreWriter]" = weakref.WeakSet()
