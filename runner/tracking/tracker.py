@@ -215,7 +215,7 @@ class MlflowTracker:
             log.info("MLflow: %d metric values the run lacked logged from %s", replayed, self._journal.path)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        values = dict(metrics)
+        values = {k: float(v) for k, v in metrics.items()}  # a copy, of plain floats (the journal writes JSON)
         if self._logged:  # a reattached run: what it holds already is not logged twice
             values = {k: v for k, v in values.items() if step not in self._logged.get(k, ())}
             if not values:

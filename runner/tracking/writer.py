@@ -136,15 +136,16 @@ class StoreWriter:
             self._ops.popleft()
             self._finished(1, 0)
             return
-        metrics, ops, values = [], 0, 0
-        for op in list(self._ops):  # a snapshot: the main thread appends at the right end meanwhile
+        metrics, ops, values, queued = [], 0, 0, len(self._ops)
+        while ops < queued:  # the main thread appends at the right end meanwhile; the left end is this thread's
+            op = self._ops[ops]
             if op[0] != "metrics" or (metrics and len(metrics) + len(op[3]) > BATCH):
                 break
             _, step, ms, logged = op
-            metrics.extend(Metric(k, float(v), ms, step) for k, v in logged.items())
+            metrics.extend(Metric(k, v, ms, step) for k, v in logged.items())
             ops, values = ops + 1, values + len(logged)
-        if metrics:
-            self._store(lambda: self.client.log_batch(self.run_id, metrics=metrics))
+        for i in range(0, len(metrics), BATCH):  # more than BATCH only when one log call held more
+            self._store(lambda batch=metrics[i:i + BATCH]: self.client.log_batch(self.run_id, metrics=batch))
         for _ in range(ops):
             self._ops.popleft()
         self._finished(ops, values)

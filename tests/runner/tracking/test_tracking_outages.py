@@ -5,7 +5,6 @@ and compared with a run logged to a plain sqlite store."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
