@@ -8,7 +8,10 @@ which the engine does before every checkpoint. So it holds every metric a checkp
 resumed run logs from it what its MLflow run lacks.
 
 One JSON line per log call: {"step": 12, "time": <ms since the epoch>, "metrics": {"train/loss": 0.31}};
-the first line names the MLflow run: {"mlflow_run_id": "<id>"}. NaN and infinities are written as
+the first line names the MLflow run: {"mlflow_run_id": "<id>"}; a run that ended adds its status last:
+{"status": "FINISHED"} (a resumed run appends after it, and is no longer ended). A run its process
+left RUNNING in the store (killed, or ended while the store was unreachable) is completed from here by
+the next runner command that opens the store (runner/tracking/mlflow_store.py, end_orphaned_runs). NaN and infinities are written as
 Python's json writes them (NaN, Infinity), which json.loads reads back.
 """
 from __future__ import annotations
@@ -47,10 +50,27 @@ class Journal:
         self._file.write("".join(json.dumps({"step": s, "time": ms, "metrics": m}) + "\n" for s, ms, m in pending))
         self._file.flush()
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
+        """Written out and closed; `status`: the run ended so."""
         if not self._file.closed:
             self.write_out()
+            if status is not None:
+                self._file.write(json.dumps({"status": status}) + "\n")
             self._file.close()
+
+
+def ended(path: Path, run_id: str) -> str | None:
+    """The status the run ended with, if its journal at path says it ended (its last line)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+            f.seek(max(0, f.seek(0, 2) - 200))
+            last = f.read().splitlines()[-1:]
+        if json.loads(first).get("mlflow_run_id") != run_id or not last:
+            return None
+        return json.loads(last[0]).get("status")
+    except (OSError, ValueError, AttributeError, IndexError):
+        return None
 
 
 def read(path: Path, run_id: str) -> list[tuple[int, int, dict[str, float]]] | None:

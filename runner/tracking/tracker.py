@@ -294,12 +294,14 @@ class MlflowTracker:
             return
         writer = self._writer
         if self._journal is not None:
-            self._journal.close()
+            self._journal.write_out()
         stored = writer.wait()
         refusals, writer.refusals[:] = list(writer.refusals), []
         if refusals:
             log.warning("MLflow: could not store the last metrics of run %s: %s", self.run_id, first_line(refusals[0]))
         run_id, ending = self.run_id, "FAILED" if refusals else status
+        if self._journal is not None:
+            self._journal.close(ending)  # a store that stays unreachable gets the run's end from here later
         writer.call(lambda client: client.set_terminated(run_id, status=ending), "the run's end")
         ended = stored and writer.wait()
         writer.close()
@@ -308,9 +310,8 @@ class MlflowTracker:
             waiting, first = writer.left()
             values = f"{waiting} metric values (from step {first}) and " if waiting else ""
             log.warning("MLflow at %s is still unreachable at the end of the run: %sthe run's end (%s) are not stored; "
-                        "%s holds every metric, and the run's MLflow record is completed when trainer.resume=%s "
-                        "runs with the store up", self.uri, values, ending, writer.journal,
-                        self.run_file.parent if self.run_file is not None else "<run dir>")
+                        "%s holds them, and the next runner command on this store (on this host) completes the "
+                        "MLflow run from it", self.uri, values, ending, writer.journal)
         if refusals and status == "FINISHED":
             raise refusals[0]  # a run whose metrics are lost did not finish; an ending failure keeps its own error
 

@@ -108,7 +108,8 @@ def test_steps_logged_while_the_store_is_locked_never_wait_and_all_arrive_after(
 
 
 # A process that logs steps first..last through the tracker, writes "checkpoints" (flush without waiting, as
-# the engine does) every 5 steps, and SIGKILLs itself at kill_at: what the writer had queued is lost with it.
+# the engine does) every 5 steps, and SIGKILLs itself at kill_at (-1: never): what the writer had queued is
+# lost with it. It starts logging when told on stdin (the test locks the store first).
 WORKER = textwrap.dedent("""
     import os, signal, sys
     from runner.spec.run import RunSpec
@@ -116,6 +117,9 @@ WORKER = textwrap.dedent("""
     from runner.tracking.tracker import build_tracker
 
     root, first, last, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if len(sys.argv) > 5:  # seconds finish waits for a store that stores nothing (30 by default)
+        import runner.tracking.tracker
+        runner.tracking.tracker._PATIENCE_S = float(sys.argv[5])
     spec = RunSpec(run_dir=f"{root}/run", tracking=TrackingSpec(uri=f"sqlite:///{root}/mlflow.db",
                                                               artifact_root=f"{root}/artifacts"))
     tracker = build_tracker(spec)
@@ -153,6 +157,28 @@ def test_a_run_killed_while_its_store_was_locked_is_completed_from_its_journal_b
     history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
     assert history == [(step, 1.0 / (step + 1)) for step in range(20)]  # each step once: 0-9 (and 10-12) from the journal
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow  # a process importing MLflow (15+ s on a loaded machine)
+def test_a_run_that_ends_while_its_store_is_locked_exits_0_and_the_next_open_of_the_store_completes_it(
+        tmp_path: Path, store: str, caplog: pytest.LogCaptureFixture) -> None:
+    from runner.tracking.mlflow_store import end_orphaned_runs
+
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), "0", "19", "-1", "2"], env=env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = worker.stdout.readline().split()[1]
+    with locked(tmp_path / "mlflow.db"):
+        _, err = worker.communicate("go\n", timeout=120)
+    assert worker.returncode == 0, err
+    assert "Traceback" not in err
+    assert err.count("still unreachable at the end of the run") == 1, err
+    client = MlflowClient(store)
+    assert client.get_run(run_id).info.status == "RUNNING" and client.get_metric_history(run_id, "loss") == []
+    assert end_orphaned_runs(client) == [run_id]  # what any runner command on the store does when it opens it
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss")) == [
+        (step, 1.0 / (step + 1)) for step in range(20)]
+    assert "ended FINISHED while this store could not be reached: completed now; 20 metric values" in caplog.text
 
 
 # --- a real MLflow server, stopped and killed ---------------------------------------------------------
