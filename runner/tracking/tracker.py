@@ -76,6 +76,16 @@ class NullTracker:
         return "tracking is off (tracking=none)"
 
 
+OPENING_THREAD = "runner-mlflow-open"
+# What opening a store says below WARNING: its migrations, and its SQL statements where the job's log levels
+# were restored (runner/cli/process_state.py) before the opening ended (a run refused while its store opened)
+_OPENING_CHATTER = ("sqlalchemy.engine.Engine", "alembic.runtime.migration", "mlflow.store.db.utils")
+
+
+def _quiet_opening(record: logging.LogRecord) -> bool:
+    return record.threadName != OPENING_THREAD or record.levelno >= logging.WARNING
+
+
 class _Opening:
     """`import mlflow`, the store opened (a fresh sqlite file created and migrated) and the experiment found or
     created: seconds of start-up, in a thread of its own when started early (`background`), so that the
@@ -86,8 +96,10 @@ class _Opening:
     def __init__(self, uri: str, experiment: str, artifact_root: str, background: bool):
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self._outcome: tuple[Any, str] | BaseException | None = None
-        self._thread = threading.Thread(target=self._open, name="runner-mlflow-open") if background else None
+        self._thread = threading.Thread(target=self._open, name=OPENING_THREAD) if background else None
         if self._thread is not None:
+            for name in _OPENING_CHATTER:
+                logging.getLogger(name).addFilter(_quiet_opening)
             self._thread.start()
 
     def _open(self) -> None:
