@@ -342,9 +342,19 @@ def _check_mlflow_tables(path: Path) -> None:
     MLflow's tables into it (the migrations run on open). Read-only: nothing is written here."""
     import sqlite3
 
+    def table_names(mode: str) -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode={mode}", uri=True)) as db:
+            return {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        try:
+            tables = table_names("ro")
+        except sqlite3.OperationalError as e:
+            # a process killed mid-transaction left a hot journal: only a writable connection rolls it back, as
+            # any sqlite reader of the file would; that writes no table
+            if "readonly" not in str(e) or not path.with_name(path.name + "-journal").exists():
+                raise
+            tables = table_names("rw")
     except sqlite3.DatabaseError as e:
         raise SpecError(f"tracking.uri: {path} cannot be read as a sqlite database ({_first_line(e)}); point "
                         "tracking.uri at another file") from None

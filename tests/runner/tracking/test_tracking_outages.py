@@ -181,6 +181,35 @@ def test_a_run_that_ends_while_its_store_is_locked_exits_0_and_the_next_open_of_
     assert "ended FINISHED while this store could not be reached: completed now; 20 metric values" in caplog.text
 
 
+# a process killed in the middle of a sqlite transaction (the writer's thread, say), leaving a hot journal
+KILLED_MID_TRANSACTION = textwrap.dedent("""
+    import os, signal, sqlite3, sys
+    con = sqlite3.connect(sys.argv[1], isolation_level=None)
+    con.execute("PRAGMA cache_size=1")  # pages spill to the file before the commit: the journal is needed
+    con.execute("BEGIN IMMEDIATE")
+    con.execute("CREATE TABLE filler (x BLOB)")
+    con.executemany("INSERT INTO filler VALUES (zeroblob(4096))", [()] * 200)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_store_left_with_a_hot_journal_by_a_killed_process_opens(tmp_path: Path, store: str) -> None:
+    from runner.tracking.mlflow_store import check_tracking
+
+    db = tmp_path / "mlflow.db"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_TRANSACTION, str(db)], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and db.with_name("mlflow.db-journal").exists()
+    check_tracking(TrackingSpec(uri=store, artifact_root=str(tmp_path / "artifacts")))  # no "cannot be read"
+    spec = spec_at(tmp_path, store)
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.log_metrics({"loss": 0.5}, 1)
+    tracker.finish("FINISHED")
+    assert [m.value for m in MlflowClient(store).get_metric_history(tracker.run_id, "loss")] == [0.5]
+    with sqlite3.connect(db) as con:  # the killed transaction rolled back
+        assert con.execute("SELECT count(*) FROM sqlite_master WHERE name = 'filler'").fetchone() == (0,)
+
+
 # --- a real MLflow server, stopped and killed ---------------------------------------------------------
 
 
