@@ -115,7 +115,8 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
 
 
 def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
-    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec))
+    # the store opens in the background while the engine builds (runner/tracking/tracker.py)
+    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec), open_now=True)
     if spec.tune.name:  # a finder's answer, applied, turns the finder off: a resume finds it on only while it
         # never finished (it runs again) or when tune.apply=false (the answer recorded in the run directory is reported)
         from runner import tune

@@ -536,8 +536,8 @@ class Engine:
         if not self.env.is_main:
             parallel.barrier()
             return None
-        # metrics up to this step are stored before the checkpoint exists: a kill after it loses none
-        self.tracker.flush()
+        # metrics up to this step are in the run's journal before the checkpoint exists: a kill after it loses none
+        self.tracker.flush(wait=False)
         state = {
             "spec": self.spec.to_yaml(),
             "model": model_state,

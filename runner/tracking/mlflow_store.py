@@ -9,7 +9,9 @@ MLflow's first open of a sqlite store behind a file lock: MLflow migrates a fres
 first open, and several processes migrating one file at once break it ("duplicate column name",
 "_alembic_tmp_metrics already exists"), sometimes for good. And it ends the runs whose process is
 gone (`end_orphaned_runs`): every run records its process in `owner_tags`, so a run whose process
-was killed (kill -9, a lost sweep) ends KILLED at the next start of any command on the store.
+was killed (kill -9, a lost sweep) ends KILLED at the next start of any command on the store, with the
+metrics its run directory's journal holds and the store lacks logged first; a run whose process ended
+while the store could not be reached ends as its journal says (FINISHED, FAILED, KILLED).
 """
 from __future__ import annotations
 
@@ -159,7 +161,8 @@ def owner_tags() -> dict[str, str]:
 
 def end_orphaned_runs(client: Any) -> list[str]:
     """End KILLED (tagged runner.outcome=killed) every RUNNING run of the store whose process, on this
-    host, is gone; the ids of those runs. Runs of other hosts, and runs without owner tags, are left
+    host, is gone; the ids of those runs. What the run's journal holds and the store lacks is logged first,
+    and a run that ended while the store could not be reached ends as its journal says (complete_from_journal). Runs of other hosts, and runs without owner tags, are left
     alone. Never raises: a store that cannot be searched must not stop a run from starting."""
     from mlflow.entities import ViewType
 
@@ -172,17 +175,49 @@ def end_orphaned_runs(client: Any) -> list[str]:
             for run in page:
                 tags = run.data.tags
                 if tags.get(PID_TAG, "").isdigit() and _gone(int(tags[PID_TAG]), tags.get(STARTED_TAG) or None):
-                    client.set_tag(run.info.run_id, "runner.outcome", "killed")
-                    client.set_terminated(run.info.run_id, status="KILLED")
+                    status, added, path = complete_from_journal(client, run)
+                    if status is None:
+                        client.set_tag(run.info.run_id, "runner.outcome", "killed")
+                    client.set_terminated(run.info.run_id, status=status or "KILLED")
                     ended.append(run.info.run_id)
-                    log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) was left RUNNING by process "
-                                f"{tags[PID_TAG]}, which is gone: ended KILLED")
+                    logged = f"; {added} metric values it lacked logged from {path}" if added else ""
+                    if status is None:
+                        log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) was left RUNNING by process "
+                                    f"{tags[PID_TAG]}, which is gone: ended KILLED{logged}")
+                    else:
+                        log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) ended {status} while this "
+                                    f"store could not be reached: completed now{logged}")
             token = page.token
             if not token:
                 break
     except Exception as e:  # noqa: BLE001
         log.warning(f"MLflow: could not look for runs left RUNNING by killed processes ({_first_line(e)})")
     return ended
+
+
+def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, Path | None]:
+    """A run its process left RUNNING: the metrics its run directory's journal holds (runner/tracking/journal.py)
+    and the store lacks, logged. Returns the status the journal says the run ended with (None: it did not
+    end, it was killed), the number of values logged, and the journal."""
+    from mlflow.entities import Metric
+
+    from runner.tracking import journal
+
+    run_id, run_dir = run.info.run_id, run.data.tags.get("run_dir")
+    path = Path(run_dir) / journal.FILE if run_dir else None
+    entries = journal.read(path, run_id) if path is not None else None
+    if entries is None:
+        return None, 0, path
+    held = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in run.data.metrics}
+    missing = []
+    for step, ms, values in entries:
+        for key, value in values.items():
+            if step not in held.setdefault(key, set()):
+                held[key].add(step)
+                missing.append(Metric(key, value, ms, step))
+    for i in range(0, len(missing), 1000):  # MLflow's limit per batch
+        client.log_batch(run_id, metrics=missing[i:i + 1000])
+    return journal.ended(path, run_id), len(missing), path
 
 
 def _started(pid: int) -> str | None:
@@ -325,9 +360,19 @@ def _check_mlflow_tables(path: Path) -> None:
     MLflow's tables into it (the migrations run on open). Read-only: nothing is written here."""
     import sqlite3
 
+    def table_names(mode: str) -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode={mode}", uri=True)) as db:
+            return {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        try:
+            tables = table_names("ro")
+        except sqlite3.OperationalError as e:
+            # a process killed mid-transaction left a hot journal: only a writable connection rolls it back, as
+            # any sqlite reader of the file would; that writes no table
+            if "readonly" not in str(e) or not path.with_name(path.name + "-journal").exists():
+                raise
+            tables = table_names("rw")
     except sqlite3.DatabaseError as e:
         raise SpecError(f"tracking.uri: {path} cannot be read as a sqlite database ({_first_line(e)}); point "
                         "tracking.uri at another file") from None

@@ -2,10 +2,14 @@
 
 MlflowClient is used rather than the fluent `mlflow.start_run` API: no process-global active run,
 so parallel trials in one process and resumed runs each address their own run id.
-Metrics cost the step loop a list append; every few seconds they go to MLflow's async logging queue
-in batches, and `flush` stores them for good (the engine calls it before writing a checkpoint, so a
-kill loses no step that a resume will not log again). A resumed run skips the (metric, step) pairs
-its MLflow run already holds, so its history has every step once.
+Tracking never makes training wait: opening the store may start in the background (`open_now`), and
+once the run exists every store call (metrics, params, tags, artifacts, the run's end) is made by one
+background thread in the order it was logged (runner/tracking/writer.py); a slow or unreachable store
+delays what MLflow shows, never a step. Each metric is also written to the run directory's journal
+(runner/tracking/journal.py), which `flush` writes out (the engine calls it before writing a checkpoint),
+so a kill loses nothing a resume does not log again: a resumed run logs from the journal what its
+MLflow run lacks and skips the (metric, step) pairs the run holds, so its history has every step once.
+`finish` waits for the writer (while the store makes progress) before it sets the run's end.
 Store checks and the store lock live in runner.tracking.mlflow_store.
 """
 from __future__ import annotations
@@ -14,13 +18,16 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from runner.spec import metric_names
 
-from runner.tracking import run_record
+from runner.tracking import journal, run_record
+from runner.tracking.journal import Journal
+from runner.tracking.writer import StoreWriter, first_line, refused
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views, store_views)
 from runner.spec.run import RunSpec, SpecError
@@ -29,8 +36,8 @@ from runner.spec.tracking import TrackingSpec
 log = logging.getLogger(__name__)
 
 RUN_FILE = "mlflow_run_id"
-_FLUSH_EVERY_S = 5.0
-_FLUSH_AT = 500  # metric values; MLflow takes at most 1000 per batch
+_FLUSH_EVERY_S = 2.0  # the writer sends what was logged this often, and at every flush
+_PATIENCE_S = 30.0    # flush and finish wait this long for a store that stores nothing, then leave it to the writer
 
 __all__ = ["Tracker", "NullTracker", "MlflowTracker", "best_key", "build_tracker", "check_tracking", "end_left_running",
            "experiment_id", "open_client", "params_of", "run_exists", "run_name_from"]
@@ -45,7 +52,7 @@ class Tracker(Protocol):
     def log_artifact(self, path: Path) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def flush(self) -> None: ...
+    def flush(self, wait: bool = True) -> None: ...
     def finish(self, status: str) -> None: ...
     def describe(self) -> str: ...
 
@@ -62,16 +69,64 @@ class NullTracker:
     def log_artifact(self, path: Path) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def flush(self) -> None: ...
+    def flush(self, wait: bool = True) -> None: ...
     def finish(self, status: str) -> None: ...
 
     def describe(self) -> str:
         return "tracking is off (tracking=none)"
 
 
+OPENING_THREAD = "runner-mlflow-open"
+# What opening a store says below WARNING: its migrations, and its SQL statements where the job's log levels
+# were restored (runner/cli/process_state.py) before the opening ended (a run refused while its store opened)
+_OPENING_CHATTER = ("sqlalchemy.engine.Engine", "alembic.runtime.migration", "mlflow.store.db.utils")
+
+
+def _quiet_opening(record: logging.LogRecord) -> bool:
+    return record.threadName != OPENING_THREAD or record.levelno >= logging.WARNING
+
+
+class _Opening:
+    """`import mlflow`, the store opened (a fresh sqlite file created and migrated) and the experiment found or
+    created: seconds of start-up, in a thread of its own when started early (`background`), so that the
+    engine builds its data and model meanwhile. Its refusals (a store MLflow cannot open, a deleted
+    experiment, an artifact location turned read-only) are raised by `result`, before the run exists.
+    The thread is no daemon: a process that exits early still finishes a migration it began."""
+
+    def __init__(self, uri: str, experiment: str, artifact_root: str, background: bool):
+        self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
+        self._outcome: tuple[Any, str] | BaseException | None = None
+        self._thread = threading.Thread(target=self._open, name=OPENING_THREAD) if background else None
+        if self._thread is not None:
+            for name in _OPENING_CHATTER:
+                logging.getLogger(name).addFilter(_quiet_opening)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
+            client = open_client(self.uri)
+            self._outcome = (client, open_experiment(client, self.experiment, self.uri, self.artifact_root))
+        except BaseException as e:  # noqa: BLE001  (raised by result(), in the thread that starts the run)
+            self._outcome = e
+
+    def result(self) -> tuple[Any, str]:
+        """(client, experiment id)."""
+        if self._thread is not None:
+            self._thread.join()
+        elif self._outcome is None:
+            self._open()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+
 class MlflowTracker:
+    """`open_now`: start opening the store at once, in the background (runner/cli/launch.py does, before
+    the engine builds its data and model); otherwise `start` opens it."""
+
     def __init__(self, uri: str, experiment: str, artifact_root: str, parent_run_id: str | None = None,
-                 run_file: Path | None = None):
+                 run_file: Path | None = None, open_now: bool = False):
         self.uri = uri
         self.client: Any = None  # opened in start, after the store is checked
         self.experiment = experiment
@@ -81,10 +136,9 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.run_name = ""
-        self._buffer: list[tuple[int, int, dict[str, float]]] = []  # (step, ms timestamp, metrics)
-        self._buffered = 0
-        self._last_send = time.monotonic()
-        self._pending: list = []
+        self._opening = _Opening(uri, experiment, artifact_root, background=open_now)
+        self._writer: StoreWriter | None = None
+        self._journal: Journal | None = None
         self._logged: dict[str, set[int]] = {}  # steps the run already held when this tracker reattached
 
     def _check_parent(self, spec: RunSpec) -> None:
@@ -100,23 +154,28 @@ class MlflowTracker:
                             "k-fold run's folds (leave trainer.cross_validation.parent_run unset)")
 
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
-        check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
-        self.client = open_client(self.uri)
-        self.experiment_id = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
+        """Creates the run (or reattaches to it) and returns: its params, spec.yaml and run record are stored
+        by the writer while the run trains."""
+        self.client, self.experiment_id = self._opening.result()
         maximize = spec.objective.direction == "maximize"
-        store_views(self.client, self.experiment_id, saved_views(main_metrics(spec), maximize, spec.objective.metric))
+        views = saved_views(main_metrics(spec), maximize, spec.objective.metric)
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
         if resume_run_id and run_exists(self.client, resume_run_id):
             self._logged = logged_steps(self.client, resume_run_id)
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
-            self.set_tags(owner_tags())  # this process keeps it RUNNING now; an earlier ending is history
+            from mlflow.entities import RunTag
+
+            # this process keeps it RUNNING now; an earlier ending is history
+            self.client.log_batch(resume_run_id, tags=[RunTag(k, v) for k, v in owner_tags().items()])
             run = self.client.get_run(resume_run_id)
             self.run_name = run.info.run_name
             if "runner.outcome" in run.data.tags:
                 self.client.delete_tag(resume_run_id, "runner.outcome")
-            self._last_send = time.monotonic()
+            self._open_writer()
+            self._replay_journal()
+            self._writer.call(lambda client: store_views(client, self.experiment_id, views), "the runs table's views")
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)",
@@ -130,72 +189,143 @@ class MlflowTracker:
             if self.run_file is not None:
                 self.run_file.parent.mkdir(parents=True, exist_ok=True)
                 self.run_file.write_text(self.run_id)
-            from mlflow.entities import Param
-
-            params = [Param(k, v) for k, v in params_of(spec).items()]
-            for i in range(0, len(params), 100):  # MLflow's limit per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
-            self.client.log_text(self.run_id, spec.to_yaml(), "spec.yaml")
-            run_record.log(self.client, self.run_id, spec)  # commit, diff, packages, hardware, data: to reproduce it
+            self._open_writer()
         except BaseException:
             self.client.set_terminated(self.run_id, status="FAILED")
             raise
-        self._last_send = time.monotonic()
+        from mlflow.entities import Param
+
+        run_id, params, text = self.run_id, [Param(k, v) for k, v in params_of(spec).items()], spec.to_yaml()
+        for i in range(0, len(params), 100):  # MLflow's limit per batch
+            self._writer.call(lambda client, batch=params[i:i + 100]: client.log_batch(run_id, params=batch), "params")
+        self._writer.call(lambda client: client.log_text(run_id, text, "spec.yaml"), "spec.yaml")
+        # commit, diff, packages, hardware, data: to reproduce it (git calls: off the training thread too)
+        self._writer.call(lambda client: run_record.log(client, run_id, spec), "the run record")
+        self._writer.call(lambda client: store_views(client, self.experiment_id, views), "the runs table's views")
+
+    def _open_writer(self) -> None:
+        where = str(self.run_file.parent / journal.FILE) if self.run_file is not None else "no local file"
+        self._writer = StoreWriter(self.client, self.run_id, self.uri, where, _FLUSH_EVERY_S, _PATIENCE_S)
+        if self.run_file is not None:
+            self._journal = Journal(self.run_file.parent / journal.FILE, self.run_id)
+
+    def _replay_journal(self) -> None:
+        """A reattached run: what the run directory's journal holds and the MLflow run lacks (queued when the
+        process was killed) is logged now, and training skips those steps as it skips the stored ones."""
+        if self._journal is None:
+            return
+        replayed = 0
+        for step, ms, values in journal.read(self._journal.path, self.run_id) or []:
+            missing = {k: v for k, v in values.items() if step not in self._logged.get(k, ())}
+            if missing:
+                self._writer.metrics(step, ms, missing)
+                replayed += len(missing)
+        for step, _, values in journal.read(self._journal.path, self.run_id) or []:
+            for key in values:
+                self._logged.setdefault(key, set()).add(step)
+        if replayed:
+            log.info("MLflow: %d metric values the run lacked logged from %s", replayed, self._journal.path)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._buffer.append((step, int(time.time() * 1000), dict(metrics)))
-        self._buffered += len(metrics)
-        if self._buffered >= _FLUSH_AT or time.monotonic() - self._last_send > _FLUSH_EVERY_S:
-            self._send(synchronous=False)
+        values = {k: float(v) for k, v in metrics.items()}  # a copy, of plain floats (the journal writes JSON)
+        if self._logged:  # a reattached run: what it holds already is not logged twice
+            values = {k: v for k, v in values.items() if step not in self._logged.get(k, ())}
+            if not values:
+                return
+        ms = int(time.time() * 1000)
+        if self._writer is None:  # the run ended: a caller adding to it stores at once
+            from mlflow.entities import Metric
+
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ms, step) for k, v in values.items()])
+            return
+        if self._journal is not None:
+            self._journal.add(step, ms, values)
+        self._writer.metrics(step, ms, values)
 
     def log_summary(self, objective: float, best: dict[str, float], step: int) -> None:
         """The runs table shows a metric's last value; these columns rank runs by their best."""
         self.log_metrics({"objective": objective, **{best_key(k): v for k, v in best.items()}}, step)
 
     def log_artifact(self, path: Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
+        run_id, local = self.run_id, str(path)
+        self._call(lambda client: client.log_artifact(run_id, local), f"the artifact {Path(path).name}")
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        """Called while a run fails (its traceback): a store error here must not hide that failure."""
-        try:
-            self.client.log_text(self.run_id, text, artifact_file)
-        except Exception as e:
-            log.warning("MLflow: could not store %s: %s", artifact_file, str(e).splitlines()[0] if str(e) else e)
+        """Called while a run fails (its traceback): a store refusing it must not hide that failure."""
+        run_id = self.run_id
+        if run_id is None:
+            return
+
+        def store(client: Any) -> None:
+            try:
+                client.log_text(run_id, text, artifact_file)
+            except Exception as e:
+                if not refused(e):
+                    raise  # the store did not answer: the writer retries
+                log.warning("MLflow: could not store %s: %s", artifact_file, first_line(e))
+
+        self._call(store, artifact_file)
+
+    def _call(self, fn: Any, what: str) -> None:
+        """fn(client) through the writer, in order; after the run ended (a caller adding to a finished run), now."""
+        if self._writer is not None:
+            self._writer.call(fn, what)
+        elif self.run_id is not None:
+            fn(self.client)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        run_id, batch = self.run_id, [RunTag(k, str(v)) for k, v in tags.items()]
+        self._call(lambda client: client.log_batch(run_id, tags=batch), "tags")
 
-    def flush(self) -> None:
-        """Store every metric logged so far, synchronously."""
-        if self.run_id is None:
+    def flush(self, wait: bool = True) -> None:
+        """Every metric logged so far to the run directory's journal (for good: a kill after this loses none
+        of them), and to the store now. `wait`: until the store holds them too, while it makes progress
+        (a store that makes none for _PATIENCE_S seconds is left to the writer: training goes on).
+        A value the store refused is raised here."""
+        if self._writer is None:
             return
-        pending, self._pending = self._pending, []
-        errors = []
-        for operation in pending:
-            try:
-                operation.wait()
-            except Exception as e:
-                errors.append(e)
-        self._send(synchronous=True)
-        if errors:
-            raise errors[0]
+        if self._journal is not None:
+            self._journal.write_out()
+        if wait:
+            self._writer.wait()
+        else:
+            self._writer.send_now()
+        self._raise_refusal()
+
+    def _raise_refusal(self) -> None:
+        if self._writer.refusals:
+            error, self._writer.refusals[:] = self._writer.refusals[0], []
+            raise error
 
     def finish(self, status: str) -> None:
-        """End the run; set_terminated is attempted even when the last metrics cannot be stored."""
-        if self.run_id is None:
+        """End the run once everything logged is stored. A value the store refused ends it FAILED (and a
+        FINISHED run raises); a store that stays unreachable is said once, and the run goes on ending."""
+        if self._writer is None:
             return
-        try:
-            self.flush()
-        except Exception as e:
-            log.warning("MLflow: could not store the last metrics of run %s: %s", self.run_id,
-                        str(e).splitlines()[0] if str(e) else e)
-            self.client.set_terminated(self.run_id, status="FAILED")
-            if status == "FINISHED":
-                raise  # a run whose metrics are lost did not finish; an ending failure keeps its own error
-            return
-        self.client.set_terminated(self.run_id, status=status)
+        writer = self._writer
+        if self._journal is not None:
+            self._journal.write_out()
+        stored = writer.wait()
+        refusals, writer.refusals[:] = list(writer.refusals), []
+        if refusals:
+            log.warning("MLflow: could not store the last metrics of run %s: %s", self.run_id, first_line(refusals[0]))
+        run_id, ending = self.run_id, "FAILED" if refusals else status
+        if self._journal is not None:
+            self._journal.close(ending)  # a store that stays unreachable gets the run's end from here later
+        writer.call(lambda client: client.set_terminated(run_id, status=ending), "the run's end")
+        ended = stored and writer.wait()
+        writer.close()
+        self._writer = None
+        if not ended:
+            waiting, first = writer.left()
+            values = f"{waiting} metric values (from step {first}) and " if waiting else ""
+            log.warning("MLflow at %s is still unreachable at the end of the run: %sthe run's end (%s) are not stored; "
+                        "%s holds them, and the next runner command on this store (on this host) completes the "
+                        "MLflow run from it", self.uri, values, ending, writer.journal)
+        if refusals and status == "FINISHED":
+            raise refusals[0]  # a run whose metrics are lost did not finish; an ending failure keeps its own error
 
     def describe(self) -> str:
         if self.uri.startswith("http"):
@@ -204,18 +334,6 @@ class MlflowTracker:
             ui = "make ui" if self.uri == DEFAULT_URI else f"python -m runner.tracking.mlflow_ui --backend-store-uri {self.uri}"
             where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
         return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
-
-    def _send(self, synchronous: bool) -> None:
-        from mlflow.entities import Metric
-
-        self._last_send = time.monotonic()
-        batch, self._buffer, self._buffered = self._buffer, [], 0
-        metrics = [Metric(k, float(v), ms, step) for step, ms, values in batch for k, v in values.items()
-                   if step not in self._logged.get(k, ())]
-        for i in range(0, len(metrics), 1000):
-            op = self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=synchronous)
-            if op is not None and not synchronous:
-                self._pending.append(op)
 
 
 def best_key(metric: str) -> str:
@@ -258,11 +376,12 @@ def _parent_key(spec: RunSpec) -> str:
             else "the sweep's MLflow parent run")
 
 
-def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None) -> Tracker:
+def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None, open_now: bool = False) -> Tracker:
+    """`open_now`: the store starts opening in the background at once (see MlflowTracker)."""
     if spec.tracking.name == "none" or rank != 0:
         return NullTracker()
     t = spec.tracking
-    return MlflowTracker(t.uri, t.experiment, t.artifact_root, parent_run_id, Path(spec.run_dir) / RUN_FILE)
+    return MlflowTracker(t.uri, t.experiment, t.artifact_root, parent_run_id, Path(spec.run_dir) / RUN_FILE, open_now)
 
 
 def end_left_running(spec: RunSpec, status: str) -> None:

@@ -1,0 +1,332 @@
+"""Tracking never makes training wait (runner/tracking/writer.py, journal.py): a store that is locked, a
+server that is stopped or killed. Real parts only: a sqlite store locked by another connection, a real
+`mlflow server` stopped with SIGSTOP or killed with SIGKILL. What arrives is read back from the store
+and compared with a run logged to a plain sqlite store."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.spec.run import RunSpec
+from runner.spec.tracking import TrackingSpec
+from runner.tracking import journal
+from runner.tracking.tracker import build_tracker
+from tests.conftest import REPO
+
+# a digits run long enough to stop a server in, with a validation line every 50 steps to follow it by
+RUN = ["trainer.max_steps=400", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=50",
+       "trainer.eval_every_epoch=false", "trainer.checkpoint_every_n_steps=100", "trainer.progress_bar=off"]
+EVAL_LINE = re.compile(r"step (\d+): val/")
+TIMING = "throughput/"  # measured, so never equal between two runs; their steps are
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def histories(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    run = client.get_run(run_id)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
+
+
+def journal_histories(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    out: dict[str, list[tuple[int, float]]] = {}
+    for step, _, values in journal.read(run_dir / journal.FILE, run_id):
+        for key, value in values.items():
+            out.setdefault(key, []).append((step, value))
+    return {key: sorted(points) for key, points in out.items()}
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    """Every metric of `want`, each step once, equal values (measured ones: the same steps)."""
+    assert sorted(got) == sorted(want)
+    for key, points in got.items():
+        steps = [s for s, _ in points]
+        assert len(steps) == len(set(steps)), f"{key}: a step logged twice"
+        if key.startswith(TIMING):
+            assert steps == [s for s, _ in want[key]], key
+        else:
+            assert points == want[key], key
+
+
+def spec_at(tmp_path: Path, uri: str) -> RunSpec:
+    return RunSpec(run_dir=str(tmp_path / "run"), tracking=TrackingSpec(uri=uri, artifact_root=str(tmp_path / "artifacts")))
+
+
+@contextlib.contextmanager
+def locked(db: Path) -> Iterator[None]:
+    """The sqlite file locked by another connection (a writer holding it): MLflow can neither read nor write it."""
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        con.execute("ROLLBACK")
+        con.close()
+
+
+# --- a sqlite store that cannot be written for a while --------------------------------------------------
+
+
+def test_steps_logged_while_the_store_is_locked_never_wait_and_all_arrive_after(tmp_path: Path, store: str) -> None:
+    spec = spec_at(tmp_path, store)
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.flush()  # the run's params and record stored: from here only this test's steps go to the store
+    logged = {}
+    with locked(tmp_path / "mlflow.db"):
+        for step in range(1, 201):  # each call returns while the store can take nothing: no call waits for it
+            logged[step] = 1.0 / step
+            tracker.log_metrics({"train/loss": logged[step], "lr": 0.1}, step)
+            if step % 50 == 0:
+                tracker.flush(wait=False)  # a checkpoint: the journal written out, the store not waited for
+        held_meanwhile = journal_histories(tmp_path / "run")
+    assert [s for s, _ in held_meanwhile["train/loss"]] == list(range(1, 201))  # on disk while the store was locked
+    tracker.finish("FINISHED")
+    client = MlflowClient(store)
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "train/loss")) == sorted(logged.items())
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "lr")] == list(range(1, 201))
+
+
+# A process that logs steps first..last through the tracker, writes "checkpoints" (flush without waiting, as
+# the engine does) every 5 steps, and SIGKILLs itself at kill_at (-1: never): what the writer had queued is
+# lost with it. It starts logging when told on stdin (the test locks the store first).
+WORKER = textwrap.dedent("""
+    import os, signal, sys
+    from runner.spec.run import RunSpec
+    from runner.spec.tracking import TrackingSpec
+    from runner.tracking.tracker import build_tracker
+
+    root, first, last, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    if len(sys.argv) > 5:  # seconds finish waits for a store that stores nothing (30 by default)
+        import runner.tracking.tracker
+        runner.tracking.tracker._PATIENCE_S = float(sys.argv[5])
+    spec = RunSpec(run_dir=f"{root}/run", tracking=TrackingSpec(uri=f"sqlite:///{root}/mlflow.db",
+                                                              artifact_root=f"{root}/artifacts"))
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.flush()
+    print("started", tracker.run_id, flush=True)
+    sys.stdin.readline()  # the test locks the store now
+    for step in range(first, last + 1):
+        tracker.log_metrics({"loss": 1.0 / (step + 1)}, step)
+        if step % 5 == 4:
+            tracker.flush(wait=False)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    tracker.finish("FINISHED")
+""")
+
+
+@pytest.mark.slow  # two processes importing MLflow (30+ s on a loaded machine); in CI: test_resume's kill at final_eval
+def test_a_run_killed_while_its_store_was_locked_is_completed_from_its_journal_by_the_resume(
+        tmp_path: Path, store: str) -> None:
+    killed = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), "0", "19", "12"], env=env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = killed.stdout.readline().split()[1]
+    with locked(tmp_path / "mlflow.db"):
+        killed.stdin.write("go\n")
+        killed.stdin.flush()
+        _, err = killed.communicate(timeout=120)  # killed at step 12, its last "checkpoint" at step 9
+    assert killed.returncode == -signal.SIGKILL, err
+    client = MlflowClient(store)
+    assert client.get_metric_history(run_id, "loss") == []  # the store got nothing of it
+    resumed = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), "10", "19", "-1"], env=env(),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = resumed.communicate("go\n", timeout=120)  # the run directory's run, from the checkpoint of step 9
+    assert resumed.returncode == 0, err
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert history == [(step, 1.0 / (step + 1)) for step in range(20)]  # each step once: 0-9 (and 10-12) from the journal
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow  # a process importing MLflow (15+ s on a loaded machine)
+def test_a_run_that_ends_while_its_store_is_locked_exits_0_and_the_next_open_of_the_store_completes_it(
+        tmp_path: Path, store: str, caplog: pytest.LogCaptureFixture) -> None:
+    from runner.tracking.mlflow_store import end_orphaned_runs
+
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), "0", "19", "-1", "2"], env=env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = worker.stdout.readline().split()[1]
+    with locked(tmp_path / "mlflow.db"):
+        _, err = worker.communicate("go\n", timeout=120)
+    assert worker.returncode == 0, err
+    assert "Traceback" not in err
+    assert err.count("still unreachable at the end of the run") == 1, err
+    client = MlflowClient(store)
+    assert client.get_run(run_id).info.status == "RUNNING" and client.get_metric_history(run_id, "loss") == []
+    assert end_orphaned_runs(client) == [run_id]  # what any runner command on the store does when it opens it
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss")) == [
+        (step, 1.0 / (step + 1)) for step in range(20)]
+    assert "ended FINISHED while this store could not be reached: completed now; 20 metric values" in caplog.text
+
+
+# a process killed in the middle of a sqlite transaction (the writer's thread, say), leaving a hot journal
+KILLED_MID_TRANSACTION = textwrap.dedent("""
+    import os, signal, sqlite3, sys
+    con = sqlite3.connect(sys.argv[1], isolation_level=None)
+    con.execute("PRAGMA cache_size=1")  # pages spill to the file before the commit: the journal is needed
+    con.execute("BEGIN IMMEDIATE")
+    con.execute("CREATE TABLE filler (x BLOB)")
+    con.executemany("INSERT INTO filler VALUES (zeroblob(4096))", [()] * 200)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_store_left_with_a_hot_journal_by_a_killed_process_opens(tmp_path: Path, store: str) -> None:
+    from runner.tracking.mlflow_store import check_tracking
+
+    db = tmp_path / "mlflow.db"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_TRANSACTION, str(db)], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and db.with_name("mlflow.db-journal").exists()
+    check_tracking(TrackingSpec(uri=store, artifact_root=str(tmp_path / "artifacts")))  # no "cannot be read"
+    spec = spec_at(tmp_path, store)
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    tracker.log_metrics({"loss": 0.5}, 1)
+    tracker.finish("FINISHED")
+    assert [m.value for m in MlflowClient(store).get_metric_history(tracker.run_id, "loss")] == [0.5]
+    with sqlite3.connect(db) as con:  # the killed transaction rolled back
+        assert con.execute("SELECT count(*) FROM sqlite_master WHERE name = 'filler'").fetchone() == (0,)
+
+
+# --- a real MLflow server, stopped and killed ---------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path, template: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`mlflow server` on a free port, its backend a sqlite store in root (a copy of a migrated one), in a
+    process group of its own (SIGSTOP and SIGKILL reach its workers too). Skips when it does not answer."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(template, root / "server.db")
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/server.db",
+                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port",
+                             str(port), "--workers", "1"], stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=5).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (root / "server.log").read_text().strip().splitlines()[-1:]
+                    pytest.skip(f"mlflow server did not start on port {port}: {tail}")
+                time.sleep(0.5)
+        yield uri, proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class Training:
+    """`python -m runner` in the background, its output lines read as they come."""
+
+    def __init__(self, args: list[str], cwd: Path, code: str | None = None):
+        command = [sys.executable, "-m", "runner"] if code is None else [sys.executable, "-c", code]
+        self.proc = subprocess.Popen([*command, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    def eval_steps(self, after: int = 0) -> list[int]:
+        return [int(m.group(1)) for line in self.lines[after:] if (m := EVAL_LINE.search(line))]
+
+    def until(self, condition, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def end(self, timeout: float = 300) -> tuple[int, str]:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return self.proc.returncode, "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> dict:
+    """RUN logged to a plain sqlite store: its metric histories."""
+    root = tmp_path_factory.mktemp("reference")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    code, out = Training([*RUN, f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_root={root}/artifacts",
+                          f"hydra.run.dir={root}/run"], root).end()
+    assert code == 0, out[-3000:]
+    return histories(MlflowClient(f"sqlite:///{root}/mlflow.db"), (root / "run" / "mlflow_run_id").read_text().strip())
+
+
+@pytest.mark.slow  # a server start (10-40 s on a loaded machine) and two runs
+def test_a_stopped_server_holds_up_no_step_and_gets_every_value_once_it_continues(
+        tmp_path: Path, migrated_mlflow_store: Path, reference: dict) -> None:
+    with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
+        run = Training([*RUN, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+        run.until(lambda: run.eval_steps())  # training: the run exists on the server
+        os.killpg(server.pid, signal.SIGSTOP)
+        stopped_at = len(run.lines)
+        run.until(lambda: len(run.eval_steps(stopped_at)) >= 3, timeout=120)
+        trained_while_stopped = run.eval_steps(stopped_at)
+        os.killpg(server.pid, signal.SIGCONT)
+        code, out = run.end()
+        assert code == 0, out[-3000:]
+        print(f"validated at steps {trained_while_stopped} while the server was stopped")
+        assert len(trained_while_stopped) >= 3  # training went on: 150 steps, 3 validations, 1 checkpoint or more
+        assert "Traceback" not in out
+        client = MlflowClient(uri)
+        run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert_same_run(histories(client, run_id), reference)
+    assert_same_run(journal_histories(tmp_path / "run"), reference)  # the run directory's copy, equally whole
+
+
+# the run with a patience of 3 s at its end (30 s by default) for a store that stores nothing
+PATIENT_3S = ("import runpy, sys; import runner.tracking.tracker as t; t._PATIENCE_S = 3.0; "
+              "sys.argv = ['runner', *sys.argv[1:]]; runpy.run_module('runner', run_name='__main__')")
+
+
+@pytest.mark.slow  # a server start (10-40 s on a loaded machine) and two runs
+def test_a_server_killed_for_good_mid_run_fails_nothing_says_so_plainly_and_the_run_dir_holds_every_metric(
+        tmp_path: Path, migrated_mlflow_store: Path, reference: dict) -> None:
+    with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
+        run = Training([*RUN, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run"], tmp_path, code=PATIENT_3S)
+        run.until(lambda: run.eval_steps())
+        os.killpg(server.pid, signal.SIGKILL)
+        code, out = run.end()
+    print(out[-2000:])
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out and "Retrying" not in out
+    about_mlflow = [line for line in out.splitlines() if uri in line and "unreachable" in line]
+    ending = [line for line in about_mlflow if "still unreachable at the end of the run" in line]
+    assert len(ending) == 1 and str(tmp_path / "run" / journal.FILE) in ending[0]
+    assert len(about_mlflow) <= 2  # the outage said at most once while training, and its end once
+    assert_same_run(journal_histories(tmp_path / "run"), reference)
