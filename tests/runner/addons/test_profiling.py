@@ -15,6 +15,7 @@ from runner.engine.engine import Engine
 from runner.tracking.tracker import NullTracker
 from tests.conftest import REPO, compose_spec, run_cli
 from tests.runner.engine.test_engine import FAST, ctrl_c_during_step
+from tests.runner.engine.test_monitor import time_each_step
 
 SEARCH = f"hydra.searchpath=[file://{REPO / 'tests' / 'user_pkg' / 'conf'}]"
 # each sample sleeps 4 ms: 32 ms of waiting for a batch of 8, against well under 1 ms of compute on a tiny MLP.
@@ -163,16 +164,7 @@ def test_profiled_steps_and_the_profilers_own_work_are_not_throughput(tmp_path: 
     monkeypatch.setattr(profiling._Timed, "__enter__", slow(profiling._Timed.__enter__))
     engine = tracked(["model.hidden=[16]", "trainer.max_steps=12", "trainer.log_every_n_steps=4", "trainer.profile=true",
                       "trainer.profile_skip_steps=6", "trainer.profile_steps=4", *FAST], tmp_path / "run", sqlite_uri)
-    real_step = engine.train_step
-    step_seconds: list[float] = []
-
-    def timed_step(batches):
-        start = time.perf_counter()
-        out = real_step(batches)
-        step_seconds.append(time.perf_counter() - start)
-        return out
-
-    monkeypatch.setattr(engine, "train_step", timed_step)
+    step_seconds = time_each_step(engine, monkeypatch)
     engine.fit()
     assert engine.profiler.figures.steps == 4 and step_seconds[6] > 100  # the profiled steps really were slow
     logged = metric_history(tmp_path / "mlflow.db")["throughput/samples_per_s"]

@@ -29,6 +29,20 @@ def test_the_logged_lr_is_the_one_each_step_used_for_every_group(tmp_path: Path,
     assert not [k for k in history if k.startswith("lr/") and k not in ("lr/x0.1", "lr/x0.5")]
 
 
+def time_each_step(engine, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The list each optimizer step's seconds go into, on whatever clock the test moves."""
+    real_step, seconds = engine.train_step, []
+
+    def timed_step(batches):
+        start = time.perf_counter()
+        out = real_step(batches)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    monkeypatch.setattr(engine, "train_step", timed_step)
+    return seconds
+
+
 def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path, sqlite_uri: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Each validation and checkpoint takes 100 s more on the clock: the logged samples/s must come from
@@ -38,14 +52,8 @@ def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset["s"])
     engine = tracked(["trainer.max_steps=12", "trainer.log_every_n_steps=4", "trainer.eval_every_n_steps=2",
                       "trainer.checkpoint_every_n_steps=3", "trainer.peak_tflops=0.5", *QUIET], tmp_path / "run", sqlite_uri)
-    real_step, real_eval, real_save = engine.train_step, engine.evaluate, engine.save_checkpoint
-    step_seconds: list[float] = []
-
-    def timed_step(batches):
-        start = time.perf_counter()
-        out = real_step(batches)
-        step_seconds.append(time.perf_counter() - start)
-        return out
+    real_eval, real_save = engine.evaluate, engine.save_checkpoint
+    step_seconds = time_each_step(engine, monkeypatch)
 
     def slow(real):
         def call(*args):
@@ -53,7 +61,6 @@ def test_throughput_does_not_count_evaluation_and_checkpoint_time(tmp_path: Path
             return real(*args)
         return call
 
-    monkeypatch.setattr(engine, "train_step", timed_step)
     monkeypatch.setattr(engine, "evaluate", slow(real_eval))
     monkeypatch.setattr(engine, "save_checkpoint", slow(real_save))
     result = engine.fit()
