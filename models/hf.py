@@ -9,9 +9,10 @@ patterns: `model.distilbert.embeddings.*`); runner.engine.finetune.load_weights 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,14 +90,48 @@ def hf_model(task: Literal["sequence_classification", "causal_lm"] = "sequence_c
         if path is None:
             model = auto.from_config(cfg)
         else:
-            model = auto.from_pretrained(path, config=cfg, local_files_only=True, ignore_mismatched_sizes=True,
-                                         dtype=torch.float32)
+            with _quiet(transformers):
+                model, loading = auto.from_pretrained(path, config=cfg, local_files_only=True, ignore_mismatched_sizes=True,
+                                                      dtype=torch.float32, output_loading_info=True)
+            _say_what_loaded(path, loading)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise ValueError(f"task: {task} is not available for architecture {cfg.model_type!r} "
                              f"(transformers has no {auto.__name__} for it); allowed: another task or architecture") from None
         raise
     return HFModel(model, task)
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers prints a progress bar and a table of every key it did not load on each load (the
+    classification head of every fine-tuning run among them); runner says the same in one line instead."""
+    tlog = transformers.utils.logging
+    verbosity, bar = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bar:
+            tlog.enable_progress_bar()
+
+
+def _say_what_loaded(path: str, loading: dict[str, Any]) -> None:
+    """One line for the weights the folder did not provide (newly initialised: a task's new head) and one
+    for the folder's weights the model has no place for; nothing when every weight matched."""
+    def names(keys: Any) -> str:
+        keys = sorted(k if isinstance(k, str) else k[0] for k in keys)  # mismatched keys come with their shapes
+        return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+    fresh = [*loading.get("missing_keys", ()), *loading.get("mismatched_keys", ())]
+    if fresh:
+        log.info("model: %d weight(s) not in %s are newly initialised: %s", len(fresh), path, names(fresh))
+    unused = loading.get("unexpected_keys", ())
+    if unused:
+        log.warning("model: %d weight(s) in %s have no place in this model and are left out: %s",
+                    len(unused), path, names(unused))
 
 
 def _fresh_config(transformers: Any, architecture: str, overrides: dict[str, Any], vocab_size: Optional[int],

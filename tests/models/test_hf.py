@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported anywhere: nothing may reach the network
@@ -88,10 +89,20 @@ def test_a_saved_model_loads_from_path_with_equal_outputs(tmp_path: Path) -> Non
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
 
 
-def test_path_with_another_number_of_classes_keeps_the_backbone_and_renews_the_head(tmp_path: Path) -> None:
+def test_path_with_another_number_of_classes_keeps_the_backbone_and_renews_the_head(
+        tmp_path: Path, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """And says so in one line, not in transformers' progress bar and table of keys (issue 26: console noise)."""
     model = tiny_classifier(num_classes=3)
-    model.model.save_pretrained(tmp_path / "saved")
-    loaded = hf_model(path=str(tmp_path / "saved"), num_classes=5, **DATA)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.model.save_pretrained(tmp_path / "saved")
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO):
+        loaded = hf_model(path=str(tmp_path / "saved"), num_classes=5, **DATA)
+    printed = "".join(capfd.readouterr())
+    assert "LOAD REPORT" not in printed and "Loading weights" not in printed and "MISSING" not in printed, printed
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("models.hf")]
+    assert said == [f"model: 2 weight(s) not in {tmp_path / 'saved'} are newly initialised: classifier.bias, "
+                    "classifier.weight"], said
     assert loaded.model.classifier.weight.shape == (5, 32)
     before = dict(model.named_parameters())
     for name, p in loaded.named_parameters():
