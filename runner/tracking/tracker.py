@@ -79,7 +79,8 @@ class NullTracker:
 OPENING_THREAD = "runner-mlflow-open"
 # What opening a store says below WARNING: its migrations, and its SQL statements where the job's log levels
 # were restored (runner/cli/process_state.py) before the opening ended (a run refused while its store opened)
-_OPENING_CHATTER = ("sqlalchemy.engine.Engine", "alembic.runtime.migration", "mlflow.store.db.utils")
+_OPENING_CHATTER = ("sqlalchemy.engine.Engine", "alembic.runtime.migration", "alembic.runtime.plugins",
+                    "mlflow.store.db.utils")
 
 
 def _quiet_opening(record: logging.LogRecord) -> bool:
@@ -103,12 +104,22 @@ class _Opening:
             self._thread.start()
 
     def _open(self) -> None:
+        # The console's handlers drop this thread's records below WARNING while it opens: MLflow's migrations
+        # reconfigure SQLAlchemy's and alembic's loggers, and a run refused meanwhile printed up to 2,000
+        # lines of their set-up under runner's INFO root (filters on the named loggers above do not reach
+        # records their children propagate).
+        handlers = list(logging.root.handlers) if self._thread is not None else []
+        for handler in handlers:
+            handler.addFilter(_quiet_opening)
         try:
             check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
             client = open_client(self.uri)
             self._outcome = (client, open_experiment(client, self.experiment, self.uri, self.artifact_root))
         except BaseException as e:  # noqa: BLE001  (raised by result(), in the thread that starts the run)
             self._outcome = e
+        finally:
+            for handler in handlers:
+                handler.removeFilter(_quiet_opening)
 
     def result(self) -> tuple[Any, str]:
         """(client, experiment id)."""
