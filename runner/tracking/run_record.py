@@ -123,7 +123,9 @@ def imported_sources() -> dict[str, dict[str, str]]:
     installation (the standard library, site-packages): runner's, the built-in models' and data's, the user's."""
     installed = _installation_dirs()
     out = {}
-    for name, module in sorted(list(sys.modules.items())):
+    # a copy, as sys.modules' documentation asks: the record is built on the tracking writer's thread while
+    # the training thread may be importing (list(sys.modules.items()) raised "dictionary changed size")
+    for name, module in sorted(sys.modules.copy().items()):
         if name in ("__main__", "__mp_main__"):  # the script itself: its module name says nothing about it later
             continue
         file = getattr(module, "__file__", None)
