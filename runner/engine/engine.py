@@ -134,10 +134,9 @@ class Engine:
             find_unused=spec.model.unfreeze_after_epochs is not None)
         if self.pipeline is not None:  # pp x fsdp: each stage sharded on dp_shard
             self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
-        self.flop_count.params = list(self.module.parameters())  # FSDP's are new: unfreezing sets requires_grad on these
-        # what clipping and the grad norm walk: walking the module each step costs ~0.5 ms of host time on GPT-2,
-        # while the GPU waits for the optimizer phase's first kernel
-        self.params = list(self.module.parameters())
+        # what clipping, the grad norm and the FLOP count walk (FSDP's are new: unfreezing sets requires_grad on
+        # these); walking the module each step costs ~0.5 ms of host time on GPT-2, while the GPU waits
+        self.params = self.flop_count.params = list(self.module.parameters())
         self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
         self.compiled = hasattr(self.model, "_orig_mod")  # torch.compile's wrapper: a ragged batch runs the model under it
         self.compiled_task = compiling.compile_loss(self.task, spec, self.device)  # None: the loss stays eager
@@ -433,19 +432,20 @@ class Engine:
             batch = tasks.Batch(inputs, labels)
         return batch
 
+    def _model_for(self, batch: tasks.Batch) -> torch.nn.Module:
+        """The model to run `batch`: under trainer.compile a ragged batch runs it uncompiled."""
+        return compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
+
     def _forward(self, batch: tasks.Batch):
-        # a ragged batch: not compiled
-        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
         with self.precision.autocast():
-            return batches.call_model(model, batch, self.pass_labels)
+            return batches.call_model(self._model_for(batch), batch, self.pass_labels)
 
     def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
         """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        # a ragged batch: not compiled
-        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
+        model = self._model_for(batch)
         with self.precision.autocast():
             output = batches.call_model(model, batch, self.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it
