@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml sweeper/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e ./sweeper -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e ./sweeper -e '.[dev,postgres,cluster]'
 	touch $@
 
 run: install            ## train the default run; pass overrides as ARGS="optimizer=adamw +accum=4"
