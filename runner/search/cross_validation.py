@@ -133,6 +133,8 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
         tracker.set_tags({"cv.folds": str(cv.folds), "cv.stratified": str(stratified).lower()})
         _log_unlogged_folds(tracker, run_dir, metric, {k: done[k] for k in finished})
         reporter = open_trial(spec)
+        if reporter is not None:
+            reporter.record_run(tracker.run_id)  # the K-fold run is the trial's run, not a fold's
         for k in range(cv.folds):
             if k not in done or k in stale:
                 result = run_one(fold_spec(spec, k, tracker.run_id))

@@ -31,11 +31,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError, SweepHook
+from hydra_plugins.runner_optuna_sweeper.storage import once_per_study
 from runner.spec.fields import SpecError
 from runner.tracking.mlflow_store import open_client, open_experiment, owner_tags
 from runner.search.sweep_summary import Job, best_job, log_jobs_table, mark_best, print_summary, run_link
 from runner.tracking.tracker import RUN_FILE, run_exists
-from runner.search.trial import PARENT_RUN_ATTR, PARENT_RUN_ENV, RUN_DIR_ATTR
+from runner.search.trial import MLFLOW_RUN_ATTR, PARENT_RUN_ATTR, PARENT_RUN_ENV, RUN_DIR_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ParentRun:
         if reuse and run_exists(self.client, reuse):
             self.run_id = reuse
             self.client.update_run(reuse, status="RUNNING")
+            if "runner.outcome" in self.client.get_run(reuse).data.tags:  # a killed sweep's ending is history now
+                self.client.delete_tag(reuse, "runner.outcome")
         else:
             experiment = open_experiment(self.client, self.experiment, self.uri, self.artifact_root)
             self.run_id = self.client.create_run(experiment, run_name=name, tags=tags).info.run_id
@@ -188,10 +191,12 @@ class RunnerSweepHook(SweepHook):
         tags = {"runner.sweeper": "optuna", "optuna.study_name": d["study_name"], "optuna.sampler": d["sampler"],
                 "optuna.pruner": d["pruner"], "optuna.storage": d["storage"], "sweep_dir": d["sweep_dir"],
                 "n_trials": str(d["n_trials"])}
-        reuse = study.user_attrs.get(PARENT_RUN_ATTR)
-        run_id = self.parent.start(name=d["study_name"], tags=tags, params=params, reuse=reuse)
-        if run_id != reuse:
-            study.set_user_attr(PARENT_RUN_ATTR, run_id)
+        # one parent per study, however many sweep processes start on it at once (the sweeper's claim)
+        run_id, made = once_per_study(study, PARENT_RUN_ATTR,
+                                      lambda: self.parent.start(name=d["study_name"], tags=tags, params=params),
+                                      usable=lambda run: run_exists(self.parent.client, run))
+        if not made:
+            self.parent.start(name=d["study_name"], tags=tags, params=params, reuse=run_id)
 
     def trial_done(self, study: Any, trial: Any, killed: bool) -> None:
         if self.parent is None or self.parent.run_id is None:
@@ -302,8 +307,11 @@ def sweep_objective(config: DictConfig) -> Any:
 
 
 def trial_run_id(trial: Any) -> Optional[str]:
-    """The trial's MLflow run: its job wrote its run directory into the trial (runner.search.trial), and
-    the run directory names its MLflow run."""
+    """The trial's MLflow run: its job wrote the run id into the trial, in the study's storage
+    (runner.search.trial), which every sweep process reads wherever the job ran; a trial of an older
+    job: its run directory names it, where that directory is on this machine."""
+    if trial.system_attrs.get(MLFLOW_RUN_ATTR):
+        return str(trial.system_attrs[MLFLOW_RUN_ATTR])
     run_dir = trial.system_attrs.get(RUN_DIR_ATTR)
     run_file = Path(run_dir) / RUN_FILE if run_dir else None
     return run_file.read_text().strip() if run_file is not None and run_file.exists() else None

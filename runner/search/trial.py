@@ -11,9 +11,9 @@ raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
 
 The pruner lives in the sweeper's config, not in the storage, so the sweeper writes its config to
 the study's user attributes (`PRUNER_ATTR`) and every job builds the same pruner from it. The job
-writes its run directory into the trial's system attributes (`RUN_DIR_ATTR`): the run directory's
-`mlflow_run_id` file then names the trial's MLflow run, so a sweep can end the run of a trial whose
-process was killed, whichever process or machine ran it.
+writes its MLflow run id (`MLFLOW_RUN_ATTR`, once the run is open) and its run directory (`RUN_DIR_ATTR`)
+into the trial's system attributes: whichever sweep process fails a stale trial (its node died, its run
+directory on that node's disk) ends the trial's MLflow run KILLED from the storage alone.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 PARENT_RUN_ENV = "RUNNER_PARENT_RUN_ID"      # MLflow parent run of the sweep this job belongs to
 PARENT_RUN_ATTR = "runner.mlflow_parent_run"  # study user attr: the sweep's MLflow parent run id
 RUN_DIR_ATTR = "runner.run_dir"               # trial system attr: the job's run directory
+MLFLOW_RUN_ATTR = "runner.mlflow_run"         # trial system attr: the job's MLflow run id
 
 
 def is_pruned(error: BaseException) -> bool:
@@ -59,11 +60,25 @@ class TrialReporter(AddOn):
         self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
         self.last: tuple[int, dict[str, float]] = (0, {})
         self.progress = Progress()
+        self.tracker: Any = None
+        self.recorded_run: str | None = None
 
     def setup(self, view: EngineView) -> None:
-        self.progress = view.progress
+        self.progress, self.tracker = view.progress, view.tracker
+
+    def on_epoch_start(self, epoch: int) -> None:
+        self.record_run(getattr(self.tracker, "run_id", None))  # the run is open once training starts
+
+    def record_run(self, run_id: str | None) -> None:
+        """Keep the MLflow run id in the trial, in the study's storage, once: the sweep that fails this trial
+        as stale may run on another machine than this job's run directory."""
+        if self.trial is None or not run_id or run_id == self.recorded_run:
+            return
+        self.trial.storage.set_trial_system_attr(self.trial._trial_id, MLFLOW_RUN_ATTR, run_id)
+        self.recorded_run = run_id
 
     def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
+        self.record_run(getattr(self.tracker, "run_id", None))  # a run resumed mid-epoch starts no epoch first
         if not metrics:  # an empty split: nothing to report
             return None
         self.report(metrics, self.progress.step)

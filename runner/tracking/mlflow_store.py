@@ -146,7 +146,7 @@ def open_client(uri: str, end_orphans: bool = True) -> Any:
         try:
             client = MlflowClient(tracking_uri=uri)
         except Exception as e:  # a broken or foreign file: MLflow's message, on one line
-            raise SpecError(f"tracking.uri: cannot open the MLflow store {uri} ({_first_line(e)}); "
+            raise SpecError(f"tracking.uri: cannot open the MLflow store {_masked(uri)} ({_first_line(e)}); "
                             f"fix or move it, or use another tracking.uri") from None
     if end_orphans and uri not in _cleaned:
         _cleaned.add(uri)
@@ -427,19 +427,19 @@ def _probe_server(uri: str) -> None:
 
 
 def _probe_database(uri: str) -> None:
-    parsed = urllib.parse.urlsplit(uri)
-    scheme = parsed.scheme.split("+", 1)[0]
-    try:
-        host, port = parsed.hostname, parsed.port or _DB_PORTS[scheme]
-    except ValueError as e:
-        raise SpecError(f"tracking.uri: {uri!r} is not a valid database uri ({e})") from None
-    if not host:
-        return  # a local socket; the driver reports it
-    try:
-        socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        raise SpecError(f"tracking.uri: no {scheme} server answers at {host}:{port} ({_first_line(e)}); "
-                        f"start it or use the local default {DEFAULT_URI}") from None
+    """The driver SQLAlchemy (MLflow's database layer, as Optuna's) needs for uri is installed, and the
+    database answers: one line each, the password masked (the sweeper's check, shared)."""
+    from hydra_plugins.runner_optuna_sweeper.storage import database_problem
+
+    problem = database_problem(uri)
+    if problem is not None:
+        raise SpecError(f"tracking.uri: {problem}")
+
+
+def _masked(uri: str) -> str:
+    from hydra_plugins.runner_optuna_sweeper.storage import masked_url
+
+    return masked_url(uri)
 
 
 def _plugin_schemes() -> set[str]:

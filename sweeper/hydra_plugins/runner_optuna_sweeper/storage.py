@@ -2,8 +2,11 @@
 job that reports to its trial), and what the sweeper writes into it for the jobs."""
 from __future__ import annotations
 
+import socket
+import time
+import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .hook import SweepConfigError
 
@@ -12,6 +15,13 @@ if TYPE_CHECKING:
 
 PRUNER_ATTR = "runner.pruner"  # study user attr: the pruner's config (a _target_ dict), for jobs to build it
 _RDB_SCHEMES = ("sqlite", "postgresql", "mysql", "oracle", "mssql", "cockroachdb")
+_DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433, "cockroachdb": 26257, "oracle": 1521}
+_CONNECT_TIMEOUT_S = 5
+# the pip package that provides a missing driver module; psycopg (3) is what SQLAlchemy 2.1 maps a plain
+# postgresql:// to, and what runner's extra runner[postgres] installs
+_DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]' (runner's extra: pip install 'runner[postgres]')",
+                    "psycopg2": "psycopg2-binary", "pymysql": "pymysql", "MySQLdb": "mysqlclient",
+                    "asyncpg": "asyncpg", "pg8000": "pg8000", "pyodbc": "pyodbc", "oracledb": "oracledb"}
 
 
 def storage_url(storage: str | Path) -> str:
@@ -38,6 +48,113 @@ def check_storage(url: str) -> None:
         if not directory.is_dir():
             raise SweepConfigError(f"hydra.sweeper.storage: {url}: the directory {directory} does not exist; create it, "
                                    "or name a journal file (a path without a scheme, made on first use)")
+    if scheme != "sqlite" and scheme in _RDB_SCHEMES:
+        problem = database_problem(url)
+        if problem is not None:
+            raise SweepConfigError(f"hydra.sweeper.storage: {problem}")
+
+
+def once_per_study(study: Any, attr: str, make: Callable[[], str], usable: Callable[[str], bool] = lambda value: True,
+                   wait_s: float = 120.0) -> tuple[str, bool]:
+    """The study's user attr `attr`, made by `make` in exactly one of the sweep processes that share the
+    study, however they race (runner's hook: the study's one MLflow parent run); (value, made here).
+
+    A user attr is read-then-written, which two processes can interleave; creating a study is atomic in
+    every storage (a unique name), so the maker is whoever creates the claim study `<study>:<attr>`: it
+    makes the value, stores it, and deletes the claim; the others wait for the value. A claim older than
+    wait_s is a claimant that died: it is deleted and claimed anew. `usable` rejects a stored value
+    that no longer works (a deleted run): it is made again, under the same claim."""
+    import optuna
+    from optuna.study import StudyDirection
+
+    storage, claim = study._storage, f"{study.study_name}:{attr}"
+    first_seen: Optional[float] = None
+    while True:
+        value = study.user_attrs.get(attr)
+        if value is not None and usable(value):
+            return value, False
+        try:
+            claim_id = storage.create_new_study([StudyDirection.MINIMIZE], claim)
+        except optuna.exceptions.DuplicatedStudyError:
+            first_seen = first_seen or time.time()
+            if time.time() - first_seen > wait_s:  # its maker died holding it
+                try:
+                    storage.delete_study(storage.get_study_id_from_name(claim))
+                except KeyError:
+                    pass  # another waiter deleted it first
+                first_seen = None
+            time.sleep(0.2)
+            continue
+        try:
+            value = study.user_attrs.get(attr)  # stored by a maker that finished between the read and the claim
+            if value is not None and usable(value):
+                return value, False
+            value = make()
+            study.set_user_attr(attr, value)
+            return value, True
+        finally:
+            storage.delete_study(claim_id)
+
+
+def masked_url(url: str) -> str:
+    """The URL with its password (if any) shown as ***, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = urllib.parse.quote(urllib.parse.unquote(parts.username or ""), safe="")
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def database_problem(url: str) -> Optional[str]:
+    """Why a SQLAlchemy database URL (an Optuna RDB storage, an MLflow store) cannot be used, as one
+    line starting with the masked URL and ending with the fix; None when a connection opens. Checks the
+    driver SQLAlchemy maps the URL to (postgresql:// is psycopg 3 under SQLAlchemy 2.1; the
+    postgresql+psycopg2:// form needs psycopg2), then that a server answers and accepts the login."""
+    import sqlalchemy
+    from sqlalchemy.engine import make_url
+
+    shown = masked_url(url)
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except sqlalchemy.exc.NoSuchModuleError:
+        return f"{shown}: SQLAlchemy has no driver {url.split('://', 1)[0]!r}; name the database as postgresql://, mysql://, ..."
+    except (sqlalchemy.exc.ArgumentError, ValueError) as e:
+        return f"{shown} is not a valid database URL ({_first_line(e)})"
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        module = (getattr(e, "name", None) or str(e).rsplit(" ", 1)[-1]).strip("'\"").split(".")[0]
+        package = _DRIVER_PACKAGES.get(module, module)
+        other = (" (or drop '+" + dialect.driver + "' to use psycopg 3: pip install 'runner[postgres]')"
+                 if parsed.get_backend_name() == "postgresql" and dialect.driver != "psycopg" else "")
+        return (f"{shown}: its driver {module!r} ({parsed.drivername}) is not installed; pip install {package}{other}")
+    host, port = parsed.host, parsed.port or _DB_PORTS.get(parsed.get_backend_name())
+    if host and port:
+        try:
+            socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            return (f"{shown}: no database server answers at {host}:{port} ({_first_line(e)}); start it, or check "
+                    "the host and port")
+    connect_args = {"connect_timeout": _CONNECT_TIMEOUT_S} if parsed.get_backend_name() in ("postgresql", "mysql") else {}
+    try:
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=connect_args)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as e:  # noqa: BLE001 - whatever the driver raises is the reason, in its first line
+        cause = getattr(e, "orig", None) or e
+        return (f"{shown}: cannot connect ({_first_line(cause)}); check that the database "
+                f"{parsed.database!r} exists and the user and password are right")
+    return None
+
+
+def _first_line(error: object) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def open_storage(url: str) -> "BaseStorage":
@@ -48,13 +165,33 @@ def open_storage(url: str) -> "BaseStorage":
     if url.startswith("redis://"):
         return journal.JournalStorage(journal.JournalRedisBackend(url))
     if "://" in url or url.startswith(tuple(s + ":" for s in _RDB_SCHEMES)):
-        return optuna.storages.RDBStorage(url)
+        return _rdb_storage(url)
     path = Path(url)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise JournalNotWritable(path, e) from None
     return journal.JournalStorage(_journal_file(str(path)))
+
+
+def _rdb_storage(url: str) -> "BaseStorage":
+    """Optuna's RDBStorage. Sweep processes started together on a fresh database all create Optuna's
+    tables at once, and all but one fail on what the winner made ("type studydirection already exists",
+    a duplicate version row): once made, the tables are simply opened, so such a process tries again."""
+    import random
+
+    import optuna
+    import sqlalchemy
+
+    for attempt in range(10):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except sqlalchemy.exc.DBAPIError as e:
+            text = str(e).lower()
+            if attempt == 9 or not any(w in text for w in ("already exists", "duplicate", "unique constraint")):
+                raise
+            time.sleep(0.1 + random.random() * 0.4)
+    raise AssertionError("unreachable")
 
 
 class JournalNotWritable(SweepConfigError):
