@@ -105,9 +105,9 @@ def test_two_objectives_report_their_pareto_front(tmp_path: Path) -> None:
 def test_the_removed_motpe_sampler_gets_one_line_naming_what_to_use(tmp_path: Path) -> None:
     proc = sweep(tmp_path, "kiln", "hydra/sweeper/sampler=motpe", check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [  # hydra-optuna-sweeper's own test looks for "motpe"
-        "error: hydra/sweeper/sampler: motpe (MOTPESampler) was removed in Optuna 4; use hydra/sweeper/sampler=tpe "
-        "(TPESampler handles several objectives) or hydra/sweeper/sampler=nsgaii"]
+    assert proc.stderr.strip().splitlines() == [  # hydra-optuna-sweeper's test: "motpe", "sampler was removed in Optuna 4.0"
+        "error: hydra/sweeper/sampler: the 'motpe' sampler was removed in Optuna 4.0; use "
+        "hydra/sweeper/sampler=tpe (TPESampler handles several objectives) or hydra/sweeper/sampler=nsgaii"]
     assert not (tmp_path / "sweep").exists()  # refused before the study was made
 
 

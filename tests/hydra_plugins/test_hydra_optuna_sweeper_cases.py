@@ -1,24 +1,27 @@
 """hydra-optuna-sweeper's own test cases, run against this sweeper.
 
 Their file, facebookresearch/hydra plugins/hydra_optuna_sweeper/tests/test_optuna_sweeper_plugin.py
-(the release that pins optuna<3, read at commit 024fb1a6ca5ba2aaa7e33e8a119532469791078f), is not copied:
-each test here carries the name of one of their cases and makes its own assertions of the same behaviour,
-on this project's own example app (apps/dartboard, a squared distance like their sphere example). Where this
-sweeper differs on purpose the test asserts this sweeper's behaviour and its docstring says how; each such
-difference is one row of the table in sweeper/README.md:
+(its current version, last changed at commit faeac7e9f8056b8ee5dd28ad419fb4dad3190e30, on Optuna 4), is not
+copied: each test here carries the name of one of their cases and makes its own assertions of the same
+behaviour, on this project's own example apps (apps/dartboard, a squared distance like their sphere example;
+apps/kiln, two objectives). Where this sweeper differs on purpose the test asserts this sweeper's behaviour and
+its docstring says how; each such difference is one row of the table in sweeper/README.md:
 
   their case                                         here
   test_discovery                                     passes
-  test_create_optuna_distribution_from_config [8]    passes; Optuna 3+ classes (IntDistribution, FloatDistribution)
   test_create_optuna_distribution_from_override [10] passes but shuffle(range(1,3)), which includes its stop here
-  test_create_params_from_overrides [4]              passes
+  test_create_params_from_overrides [6]              passes (search space, fixed values, deletions such as ~z)
   test_launch_jobs                                   passes with a task that returns a number (None: FAIL)
   test_optuna_example [2]                            passes (20 trials, TPE seed 123, sqlite storage, ~z)
   test_example_with_grid_sampler [2]                 passes
   test_optuna_multi_objective_example [2]            passes
   test_optuna_custom_search_space_example            passes (test_example_apps: orchard, its `+thinning`)
-  test_warnings [4]                                  passes
   test_failure_rate [2]                              differs: every failure is one console line; all failed: exit 1
+  test_motpe_sampler_removed                         passes (this sweeper's MOTPESamplerConfig)
+  test_example_with_removed_motpe                    passes (apps/kiln with hydra/sweeper/sampler=motpe)
+Two cases of the release that pinned optuna<3 (commit 024fb1a6ca5ba2aaa7e33e8a119532469791078f), gone from the
+current file, stay: test_create_optuna_distribution_from_config [8] (passes, in Optuna 3+ classes) and
+test_warnings [4] (passes).
 """
 from __future__ import annotations
 
@@ -38,10 +41,12 @@ from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from hydra_plugins.runner_optuna_sweeper._impl import OptunaSweeperImpl, SweeperSettings
+from hydra_plugins.runner_optuna_sweeper.config import MOTPESamplerConfig
 from hydra_plugins.runner_optuna_sweeper._search_space import distribution_from_config, distribution_from_override, parse_params
 from hydra_plugins.runner_optuna_sweeper.optuna_sweeper import OptunaSweeper
 
 DARTBOARD = Path(__file__).parent / "apps" / "dartboard" / "dartboard.py"
+KILN = Path(__file__).parent / "apps" / "kiln" / "kiln.py"
 
 
 def same(expected: BaseDistribution, actual: Any) -> None:
@@ -92,11 +97,13 @@ def test_create_optuna_distribution_from_override(override: str, expected: BaseD
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["key=choice(1,2)"], ({"key": CategoricalDistribution([1, 2])}, {})),
-    (["key=5"], ({}, {"key": "5"})),
-    (["key1=choice(1,2)", "key2=5"], ({"key1": CategoricalDistribution([1, 2])}, {"key2": "5"})),
+    (["key=choice(1,2)"], ({"key": CategoricalDistribution([1, 2])}, {}, [])),
+    (["key=5"], ({}, {"key": "5"}, [])),
+    (["key1=choice(1,2)", "key2=5"], ({"key1": CategoricalDistribution([1, 2])}, {"key2": "5"}, [])),
     (["key1=choice(1,2)", "key2=5", "key3=range(1,3)"],
-     ({"key1": CategoricalDistribution([1, 2]), "key3": IntDistribution(1, 3)}, {"key2": "5"})),
+     ({"key1": CategoricalDistribution([1, 2]), "key3": IntDistribution(1, 3)}, {"key2": "5"}, [])),
+    (["~z"], ({}, {}, ["~z"])),
+    (["~z=10"], ({}, {}, ["~z=10"])),
 ])
 def test_create_params_from_overrides(overrides: list[str], expected: tuple) -> None:
     assert parse_params(overrides) == expected
@@ -226,3 +233,21 @@ def test_failure_rate(max_failure_rate: float, tmp_path: Path) -> None:
     else:
         assert len(failures) == 20
         assert proc.stderr.strip().splitlines()[-1].startswith("error: all 20 trials this sweep ran failed; last: trial ")
+
+
+def test_motpe_sampler_removed() -> None:
+    """`motpe` instantiates to a function that says Optuna 4 removed it (the sweep says so in one line before)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    with pytest.raises(InstantiationException, match="The 'motpe' sampler was removed in Optuna 4.0"):
+        instantiate(OmegaConf.structured(MOTPESamplerConfig))
+
+
+@pytest.mark.slow  # CI: test_example_apps.py::test_the_removed_motpe_sampler_gets_one_line_naming_what_to_use
+def test_example_with_removed_motpe(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(KILN), "--multirun", f"hydra.sweep.dir={tmp_path}/sweep",
+                           "hydra/sweeper/sampler=motpe", "hydra.sweeper.n_trials=20", "hydra.sweeper.n_jobs=1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "motpe" in proc.stderr and "sampler was removed in Optuna 4.0" in proc.stderr

@@ -5,6 +5,7 @@ the shared storage holds."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -180,3 +181,56 @@ def test_four_sweep_processes_started_together_on_a_postgresql_study_share_one_m
     assert study.user_attrs["runner.mlflow_parent_run"] == parents[0].info.run_id
     assert len(children) == 8 and {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert optuna.get_all_study_names(postgres_database) == ["shared"]  # the claim is gone
+
+
+# --- defects 3 and 8: a dead node's trial, and the killed sweep's parent run reused -----------------------
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the trial dies with its sweep by Linux's parent-death signal")
+def test_a_dead_nodes_trial_ends_killed_from_the_storage_and_the_reused_parent_ends_finished_untagged(
+        tmp_path: Path, postgres_database: str) -> None:
+    """Node A's sweep is SIGKILLed mid-trial; its host is then "another machine": its run directory is
+    gone and the trial's MLflow run names another host (so no orphan clean-up on this host ends it). Node
+    B's sweep on the same PostgreSQL study fails the stale trial and must end its MLflow run KILLED from
+    the storage alone (3); the parent run that A's death left KILLED is reused and ends FINISHED without
+    runner.outcome=killed (8)."""
+    from runner.search.trial import MLFLOW_RUN_ATTR, RUN_DIR_ATTR
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["-m", "hydra/sweeper=runner_optuna", f"hydra.sweeper.storage={postgres_database}",
+            "hydra.sweeper.study_name=nodes", "hydra.sweeper.n_trials=1", "hydra.sweeper.heartbeat_interval=1",
+            "hydra.sweeper.grace_period=2", "optimizer.lr=interval(0.01, 0.1)", "trainer.max_epochs=100000",
+            f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/art"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'sweeper'}", "HYDRA_FULL_ERROR": "0"}
+    node_a = subprocess.Popen([sys.executable, "-m", "runner", *args, f"hydra.sweep.dir={tmp_path}/a"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def trial() -> optuna.trial.FrozenTrial | None:
+        try:
+            trials = optuna.load_study(study_name="nodes", storage=postgres_database).trials
+        except KeyError:
+            return None
+        return trials[0] if trials and MLFLOW_RUN_ATTR in trials[0].system_attrs else None
+    try:
+        assert wait_until(lambda: trial() is not None or node_a.poll() is not None, 300, every=0.5)
+        assert node_a.poll() is None, node_a.communicate()[1][-3000:]
+    finally:
+        node_a.kill()
+        node_a.communicate()
+    run_id, run_dir = trial().system_attrs[MLFLOW_RUN_ATTR], Path(trial().system_attrs[RUN_DIR_ATTR])
+    client = MlflowClient(uri)
+    client.set_tag(run_id, "runner.host", "node-a")  # the trial ran on the dead node: its run dir is there
+    assert (run_dir / "mlflow_run_id").read_text().strip() == run_id
+    shutil.rmtree(run_dir)
+    time.sleep(3)  # past the grace period: the trial is stale
+    node_b = subprocess.run([sys.executable, "-m", "runner", *args, f"hydra.sweep.dir={tmp_path}/b"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert node_b.returncode == 0, node_b.stderr[-3000:]
+    assert optuna.load_study(study_name="nodes", storage=postgres_database).trials[0].state.name == "FAIL"
+    child = client.get_run(run_id)
+    assert child.info.status == "KILLED" and child.data.tags["runner.outcome"] == "killed"
+    parents, _ = parents_and_children(uri)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert "runner.outcome" not in parents[0].data.tags

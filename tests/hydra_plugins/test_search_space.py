@@ -18,7 +18,7 @@ from runner.search.trial import storage_url
 
 
 def space(override: str):
-    found, fixed = parse_params([override])
+    found, fixed, _ = parse_params([override])
     return found.get(override.split("=")[0], fixed.get(override.split("=")[0]))
 
 
@@ -56,7 +56,7 @@ def test_range_values_reach_the_stop_with_every_sampler() -> None:
 
 def test_shuffled_range_is_a_choice_and_later_overrides_win() -> None:
     assert sorted(space("x=shuffle(range(1, 4))").choices) == [1, 2, 3, 4]
-    found, fixed = parse_params(["lr=interval(0, 1)", "bs=choice(1, 2)", "lr=0.1"])
+    found, fixed, _ = parse_params(["lr=interval(0, 1)", "bs=choice(1, 2)", "lr=0.1"])
     assert found == {"bs": CategoricalDistribution([1, 2])} and fixed == {"lr": "0.1"}
 
 

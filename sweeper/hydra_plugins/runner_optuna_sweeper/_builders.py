@@ -9,12 +9,14 @@ import optuna
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from .config import MOTPE_REMOVED
 from .hook import SweepConfigError
 
 
 REMOVED_SAMPLERS = {  # hydra-optuna-sweeper offered them; the installed Optuna no longer has them
-    "optuna.samplers.MOTPESampler": "motpe (MOTPESampler) was removed in Optuna 4; use hydra/sweeper/sampler=tpe "
-                                    "(TPESampler handles several objectives) or hydra/sweeper/sampler=nsgaii",
+    target: MOTPE_REMOVED
+    for target in ("optuna.samplers.MOTPESampler", "hydra_plugins.runner_optuna_sweeper.config.raise_motpe_removed",
+                   "hydra_plugins.hydra_optuna_sweeper.config.raise_motpe_removed")  # theirs, when both are installed
 }
 
 

@@ -98,7 +98,7 @@ class OptunaSweeperImpl(Sweeper):
         check_settings(self.s, self.directions)  # before anything is made: no study, no parent run
         check_sampler(self.s.sampler)
         self.custom = custom_search_space(self.s.custom_search_space)
-        self.space, self.fixed = self._search_space(arguments)
+        self.space, self.fixed, self.deletions = self._search_space(arguments)
         pruner_cfg = pruner_config(self.s.pruner, self.config)
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
         self.n_jobs = self._slot_count()
@@ -246,7 +246,7 @@ class OptunaSweeperImpl(Sweeper):
         overlap = trial.params.keys() & self.fixed.keys()
         if overlap:
             raise ValueError(f"parameters both fixed and searched: {sorted(overlap)}")
-        return [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
+        return [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()] + self.deletions
 
     def _values(self, trial: optuna.Trial, value: Any) -> list[float]:
         try:
@@ -294,9 +294,10 @@ class OptunaSweeperImpl(Sweeper):
 
     # --- configuration ---------------------------------------------------------------------------
 
-    def _search_space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
+    def _search_space(self, arguments: list[str]) -> tuple[dict[str, BaseDistribution], dict[str, str], list[str]]:
         params = [f"{k}={v}" for k, v in (self.s.params or {}).items()]
-        space, fixed = parse_params(params + list(arguments), ["hydra.sweeper.params."] * len(params) + [""] * len(arguments))
+        space, fixed, deletions = parse_params(params + list(arguments),
+                                               ["hydra.sweeper.params."] * len(params) + [""] * len(arguments))
         if self.s.search_space is not None and self.s.params is not None:  # warned as hydra-optuna-sweeper warns
             warnings.warn("Both hydra.sweeper.params and hydra.sweeper.search_space are configured: hydra.sweeper.params "
                           "defines the search space and search_space is ignored", UserWarning, stacklevel=2)
@@ -306,7 +307,7 @@ class OptunaSweeperImpl(Sweeper):
                           stacklevel=2)
             old = {str(k): distribution_from_config(v) for k, v in self.s.search_space.items() if str(k) not in fixed}
             space = {**old, **space}
-        return space, fixed
+        return space, fixed, deletions
 
     def _directions(self) -> list[str]:
         d = self.s.direction  # unset: the app's hook says (runner: objective.direction); else minimize, as there

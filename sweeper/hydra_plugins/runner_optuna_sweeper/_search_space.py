@@ -93,13 +93,18 @@ def _encoded_values(override: Override) -> list[Any]:
     return choices
 
 
-def parse_params(arguments: list[str], prefixes: list[str] | None = None) -> tuple[dict[str, BaseDistribution], dict[str, str]]:
-    """Split overrides into the search space and the fixed values; a later override of the same
-    key wins, so command-line arguments (parsed after hydra.sweeper.params) replace the config's.
+def parse_params(arguments: list[str], prefixes: list[str] | None = None) -> tuple[dict[str, BaseDistribution], dict[str, str], list[str]]:
+    """Split overrides into the search space, the fixed values and the deletions (`~key`, `~key=value`,
+    handed to every job as typed, as hydra-optuna-sweeper does); a later override of the same key wins,
+    so command-line arguments (parsed after hydra.sweeper.params) replace the config's.
     prefixes[i]: where argument i comes from, for errors ('hydra.sweeper.params.' for the config's)."""
     space: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
+    deletions: list[str] = []
     for i, override in enumerate(OverridesParser.create().parse_overrides(arguments)):
+        if override.is_delete():
+            deletions.append(arguments[i].strip())
+            continue
         key = override.get_key_element()
         value = distribution_from_override(override, (prefixes[i] if prefixes else "") + key)
         space.pop(key, None)
@@ -108,7 +113,7 @@ def parse_params(arguments: list[str], prefixes: list[str] | None = None) -> tup
             space[key] = value
         else:
             fixed[key] = value
-    return space, fixed
+    return space, fixed, deletions
 
 
 def distribution_from_config(config: Mapping[str, Any]) -> BaseDistribution:

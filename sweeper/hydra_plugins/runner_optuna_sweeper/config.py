@@ -70,12 +70,21 @@ class NSGAIISamplerConfig(SamplerConfig):
     constraints_func: Optional[Any] = None
 
 
+MOTPE_REMOVED = ("the 'motpe' sampler was removed in Optuna 4.0; use hydra/sweeper/sampler=tpe (TPESampler handles "
+                 "several objectives) or hydra/sweeper/sampler=nsgaii")
+
+
+def raise_motpe_removed(*args: Any, **kwargs: Any) -> None:
+    """What `motpe` instantiates to, as in hydra-optuna-sweeper: the sweeper says it in one line before."""
+    raise ValueError(MOTPE_REMOVED[0].upper() + MOTPE_REMOVED[1:])
+
+
 @dataclass
 class MOTPESamplerConfig(SamplerConfig):
     """hydra-optuna-sweeper's `motpe`: Optuna 4 removed MOTPESampler; choosing it stops the sweep with
     one line saying what to use instead (its old keys are accepted so that line is what users see)."""
 
-    _target_: str = "optuna.samplers.MOTPESampler"
+    _target_: str = "hydra_plugins.runner_optuna_sweeper.config.raise_motpe_removed"
     consider_prior: Optional[bool] = None
     prior_weight: Optional[float] = None
     consider_magic_clip: Optional[bool] = None
