@@ -135,6 +135,7 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
         reporter = open_trial(spec)
         if reporter is not None:
             reporter.record_run(tracker.run_id)  # the K-fold run is the trial's run, not a fold's
+            reporter.per_epoch = False  # its resource is folds: it reports at step = fold index
         for k in range(cv.folds):
             if k not in done or k in stale:
                 result = run_one(fold_spec(spec, k, tracker.run_id))

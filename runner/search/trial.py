@@ -3,8 +3,12 @@
 The sweeper hands the job three overrides, `trial.storage`, `trial.study_name` and `trial.number`;
 the job opens the study's storage itself, so reporting and pruning work whatever the launcher
 (in-process, a spawned process per slot, a SLURM job): nothing is shared in memory. After every
-evaluation the objective metric is reported to the trial at the run's optimizer step (so a resumed
-or restarted run reports new steps, never ones Optuna has seen) and the study's pruner is asked, by
+evaluation the objective metric is reported to the trial at the run's resource, the unit the pruner
+counts in: epochs done where the run evaluates once per epoch (trainer.eval_every_n_steps=0, no
+max_steps: the sweeper sets Hyperband's max_resource to trainer.max_epochs, and epochs compare
+trials whose batch size, hence steps per epoch, differ), else its optimizer step (Hyperband's
+max_resource then comes from the first finished trial, in steps). A resumed or restarted run reports
+new epochs or steps, never ones Optuna has seen. The study's pruner is asked, by
 the trial's engine add-on (`TrialReporter`, registered by runner/cli/launch.py's build_engine); a
 rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned`, and the launch
 raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
@@ -56,8 +60,9 @@ class TrialReporter(AddOn):
 
     name = "optuna_trial"
 
-    def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool):
+    def __init__(self, trial: Any, metric: str, multi_objective: bool, distributed: bool, per_epoch: bool = False):
         self.trial, self.metric, self.multi_objective, self.distributed = trial, metric, multi_objective, distributed
+        self.per_epoch = per_epoch  # report at epochs done, not at the optimizer step (module docstring)
         self.last: tuple[int, dict[str, float]] = (0, {})
         self.progress = Progress()
         self.tracker: Any = None
@@ -81,12 +86,13 @@ class TrialReporter(AddOn):
         self.record_run(getattr(self.tracker, "run_id", None))  # a run resumed mid-epoch starts no epoch first
         if not metrics:  # an empty split: nothing to report
             return None
-        self.report(metrics, self.progress.step)
+        self.report(metrics, self.progress.epoch if self.per_epoch else self.progress.step)
         verdict = self.verdict()
         return Stop(verdict, pruned=True) if verdict else None
 
     def report(self, metrics: dict[str, float], step: int) -> None:
-        """The objective at this optimizer step (Optuna prunes single objectives only)."""
+        """The objective at this resource: an epoch count, an optimizer step, a k-fold run's fold (Optuna
+        prunes single objectives only)."""
         self.last = (step, metrics)
         value = metrics.get(self.metric)
         if self.trial is not None and value is not None and math.isfinite(value) and not self.multi_objective:
@@ -100,7 +106,8 @@ class TrialReporter(AddOn):
                 raise FloatingPointError(f"the run diverged: {name} is {value} at step {step}")
         verdict = None
         if self.trial is not None and self.metric in metrics and not self.multi_objective and self.trial.should_prune():
-            verdict = f"trial {self.trial.number} pruned at step {step}: {self.metric} {metrics[self.metric]:.4f}"
+            where = f"epoch {step} (step {self.progress.step})" if self.per_epoch else f"step {step}"
+            verdict = f"trial {self.trial.number} pruned at {where}: {self.metric} {metrics[self.metric]:.4f}"
         if self.distributed:
             from runner.engine.parallel import broadcast_object
 
@@ -140,7 +147,14 @@ def open_trial(spec: "RunSpec") -> TrialReporter | None:
     storage.set_trial_system_attr(trial_id, RUN_DIR_ATTR, str(Path(spec.run_dir).resolve()))
     pruner = study.user_attrs.get(PRUNER_ATTR)
     study.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
-    return TrialReporter(optuna.trial.Trial(study, trial_id), metric, len(study.directions) > 1, distributed)
+    return TrialReporter(optuna.trial.Trial(study, trial_id), metric, len(study.directions) > 1, distributed,
+                         per_epoch=reports_per_epoch(spec))
+
+
+def reports_per_epoch(spec: "RunSpec") -> bool:
+    """Whether the run's trial counts its resource in epochs: it evaluates once per epoch and trains by
+    epochs (the sweeper's pruner_config reads the same two keys)."""
+    return spec.trainer.eval_every_n_steps == 0 and spec.trainer.max_steps is None
 
 
 def _rank() -> tuple[bool, int]:

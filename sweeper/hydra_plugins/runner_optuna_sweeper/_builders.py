@@ -43,15 +43,22 @@ def build_sampler(cfg: DictConfig, grid: Optional[dict[str, list]] = None, seed:
 
 
 def pruner_config(cfg: Optional[DictConfig], config: DictConfig) -> dict:
-    """The pruner's config as jobs will build it. Hyperband's max_resource 'auto' would wait for a
-    first trial to finish before pruning anything; runner's jobs report once per epoch, so for
-    them it is trainer.max_epochs, known from the start."""
+    """The pruner's config as jobs will build it. Hyperband's resource must be counted in the unit the
+    trials report at (runner/search/trial.py): a runner run that evaluates once per epoch reports at
+    epochs done, so max_resource is trainer.max_epochs, known from the start; a k-fold run reports at
+    its fold index, so it is the fold count. Elsewhere (mid-epoch evaluations report at optimizer steps,
+    other apps at whatever step they report) max_resource stays 'auto': Optuna takes the last step the
+    first finished trial reported, in the trials' own unit."""
     pruner = OmegaConf.to_container(cfg, resolve=True) if cfg else {"_target_": "optuna.pruners.NopPruner"}
     epochs = OmegaConf.select(config, "trainer.max_epochs", default=None)
+    folds = OmegaConf.select(config, "trainer.cross_validation.folds", default=None)
     per_epoch = (OmegaConf.select(config, "trainer.eval_every_n_steps", default=None) == 0
                  and OmegaConf.select(config, "trainer.max_steps", default=0) is None)
-    if pruner["_target_"].endswith("HyperbandPruner") and pruner.get("max_resource") == "auto" and epochs and per_epoch:
-        pruner["max_resource"] = int(epochs)
+    if pruner["_target_"].endswith("HyperbandPruner") and pruner.get("max_resource") == "auto":
+        if folds and int(folds) > 1:
+            pruner["max_resource"] = int(folds)
+        elif epochs and per_epoch:
+            pruner["max_resource"] = int(epochs)
     return pruner
 
 

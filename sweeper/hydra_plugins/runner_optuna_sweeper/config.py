@@ -161,7 +161,7 @@ class SuccessiveHalvingPrunerConfig(PrunerConfig):
 class HyperbandPrunerConfig(PrunerConfig):
     _target_: str = "optuna.pruners.HyperbandPruner"
     min_resource: int = 1
-    max_resource: Any = "auto"  # runner's jobs: trainer.max_epochs; other apps: estimated from the first finished trial
+    max_resource: Any = "auto"  # in the unit trials report at; runner: trainer.max_epochs for per-epoch runs
     reduction_factor: int = 3
     bootstrap_count: int = 0
 

@@ -54,10 +54,10 @@ def test_a_study_prunes_fails_resumes_and_reads_back_as_parent_and_children(tmp_
     trials = load(journal).trials
     assert [(t.params["optimizer.lr"], t.state) for t in trials] == [
         (0.05, TrialState.COMPLETE), (1e6, TrialState.FAIL), (1e-5, TrialState.PRUNED)]
-    assert list(trials[2].intermediate_values) == [20]  # stopped at its first evaluation (epoch 1, step 20)
+    assert list(trials[2].intermediate_values) == [1]  # stopped at its first evaluation (epoch 1, step 20)
     assert "Traceback" not in proc.stdout + proc.stderr  # the failure is one line; its traceback is in its job log
     assert "trial.storage" not in proc.stdout + proc.stderr  # job lines show the user's overrides only
-    assert (proc.stdout + proc.stderr).count("trial 2 pruned at step 20: val/acc ") == 1
+    assert (proc.stdout + proc.stderr).count("trial 2 pruned at epoch 1 (step 20): val/acc ") == 1
     table = proc.stdout[proc.stdout.index("runner: 3 jobs in "):].splitlines()
     assert [line.lstrip("* ").split()[0:2] for line in table[2:5]] == [
         ["0", "optimizer.lr=0.05"], ["1", "optimizer.lr=1000000.0"], ["2", "optimizer.lr=1e-05"]]
