@@ -180,6 +180,16 @@ def test_an_app_that_sets_no_direction_minimizes(app: Path) -> None:
     assert optuna.load_study(study_name="mechanics", storage=open_storage(str(app / "study.journal"))).direction.name == "MINIMIZE"
 
 
+def test_a_pruner_on_an_app_that_never_reports_is_warned_about_once(app: Path) -> None:
+    proc = sweep(app, "hydra.sweeper.n_trials=2", "hydra/sweeper/pruner=median")
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "prunes nothing" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "the pruner (MedianPruner) prunes nothing in this sweep: trial 0 completed without reporting a value; a job must "
+        "call trial.report(value, step) and raise optuna.TrialPruned when trial.should_prune() (sweeper/README.md, "
+        "Configuration), else use hydra/sweeper/pruner=none")
+    assert states(app) == ["COMPLETE", "COMPLETE"]
+
+
 @pytest.mark.slow  # CI budget: test_sweep_processes_sharing_a_study_propose_different_trials asserts the same of two
 # sweeps started together (every trial run once, both taking trials), with a random sampler
 def test_two_sweep_processes_share_one_study(app: Path) -> None:

@@ -82,6 +82,8 @@ class OptunaSweeperImpl(Sweeper):
         self.first_beat: dict[int, float] = {}  # other sweeps' running trials: their heartbeat when first seen
         self.last_error: Optional[str] = None  # "trial N: <one line>" of the last failed trial
         self.ran: dict[int, TrialState] = {}  # trials this process ran, and how they ended
+        self.pruner_name: Optional[str] = None  # the configured pruner, None when it is NopPruner
+        self.warned_unreported = False
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -100,6 +102,8 @@ class OptunaSweeperImpl(Sweeper):
         self.custom = custom_search_space(self.s.custom_search_space)
         self.space, self.fixed, self.deletions = self._search_space(arguments)
         pruner_cfg = pruner_config(self.s.pruner, self.config)
+        name = pruner_cfg["_target_"].split(".")[-1]
+        self.pruner_name = None if name == "NopPruner" else name
         grid = {k: grid_values(k, d) for k, d in self.space.items()} if self._is_grid() else None
         self.n_jobs = self._slot_count()
         self.spawn = self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher)
@@ -229,10 +233,22 @@ class OptunaSweeperImpl(Sweeper):
             self._tell(trial, state, values)
             self.ran[trial.number] = state
             frozen = self.storage.get_trial(trial._trial_id)
+            self._warn_if_unreported(frozen)
             self.hook.trial_done(self.study, frozen, killed=killed)
             if killed:
                 books.retry(self.study, frozen, self.s.max_retry)
             self.mine.discard(trial.number)
+
+    def _warn_if_unreported(self, trial: optuna.trial.FrozenTrial) -> None:
+        """A pruner can stop only trials that report: a job that completes without one report (a plain
+        Hydra app) makes the pruner do nothing, which is said once per sweep rather than left silent."""
+        if (self.pruner_name and not self.warned_unreported and trial.state == TrialState.COMPLETE
+                and not trial.intermediate_values and len(self.directions) == 1):
+            self.warned_unreported = True
+            log.warning(f"the pruner ({self.pruner_name}) prunes nothing in this sweep: trial {trial.number} completed "
+                        "without reporting a value; a job must call trial.report(value, step) and raise "
+                        "optuna.TrialPruned when trial.should_prune() (sweeper/README.md, Configuration), else use "
+                        "hydra/sweeper/pruner=none")
 
     # --- trials --------------------------------------------------------------------------------
 
