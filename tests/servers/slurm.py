@@ -3,8 +3,10 @@ slurmd with their own node names (node1, node2: `NodeHostname=localhost`, each o
 configured by one slurm.conf in a temporary directory that `SLURM_CONF` names. Nothing of the machine's
 own SLURM or munge setup is read or changed, and everything started here is stopped at the end.
 
-Two partitions share both nodes: `debug` (the default, jobs requeue when preempted: PreemptMode=REQUEUE
-with a grace time) and `high`, whose jobs preempt debug's, which is how a test preempts a job for real.
+Two partitions share both nodes: `debug` (the default) and `high`, whose jobs preempt debug's, which is how a
+test preempts a job for real. Preemption there is PreemptMode=CANCEL with a GraceTime, as on many clusters:
+SLURM sends SIGTERM to the job's steps (srun's tasks; not to the batch shell) at once, SIGKILL when the grace
+ends, and never requeues the job by itself.
 
 `slurm_cluster` (session scoped) skips the calling test with one line where the binaries are missing or
 the daemons do not start (.ci/run installs slurm-wlm and munge by apt).

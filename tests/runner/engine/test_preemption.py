@@ -82,3 +82,12 @@ def test_a_preemption_after_the_run_finished_leaves_it_finished_and_exits_0(tmp_
     client = MlflowClient(f"sqlite:///{db}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED"
+
+
+def test_slurm_requeue_is_a_boolean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """trainer.slurm_requeue (on by default: a stopped run inside a SLURM job requeues it) takes true or false,
+    anything else is one line before Hydra starts."""
+    from tests.runner.test_bad_input import PRE, run_in_process
+
+    code, _, err = run_in_process(["trainer.slurm_requeue=maybe"], tmp_path, PRE, monkeypatch, capsys)
+    assert (code, err.strip().splitlines()) == (2, ["error: trainer.slurm_requeue: 'maybe' is not a boolean; use true or false"])
