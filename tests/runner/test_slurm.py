@@ -114,3 +114,34 @@ def test_a_preempted_job_requeues_itself_and_finishes_bitwise_as_an_uninterrupte
     timing = {k for k in want_history if k.startswith("throughput/")}
     assert status == "FINISHED"
     assert {k: v for k, v in history.items() if k not in timing} == {k: v for k, v in want_history.items() if k not in timing}
+
+
+# --- hydra/launcher=slurm ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_slurm_launcher_defaults_run_on_a_cpu_partition_and_a_refusal_is_one_line(
+        slurm_cluster: SlurmCluster, tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    """`hydra/launcher=slurm` as shipped asks nothing a CPU partition lacks (it asked 8 GPUs per node: a
+    30-line sbatch traceback): its job trains and ends FINISHED. Asking for GPUs the partition does not
+    have is one line naming what was asked and the keys to set, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    store = _store(tmp_path, "mlflow", migrated_mlflow_store)
+    base = [sys.executable, "-m", "runner", "-m", "hydra/launcher=slurm", "trainer.max_steps=3", "trainer.progress_bar=off",
+            "trainer.memory_estimate=false", "trainer.device=cpu", *store]
+    ran = subprocess.run(base, cwd=tmp_path, env=_job_env(slurm_cluster), capture_output=True, text=True, timeout=400)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    client = MlflowClient(store[0].split("=", 1)[1])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert [r.info.status for r in children] == ["FINISHED"] and children[0].data.metrics["train/loss"] > 0
+
+    refused = subprocess.run([*base, "hydra.launcher.gpus_per_node=8"], cwd=tmp_path, env=_job_env(slurm_cluster),
+                             capture_output=True, text=True, timeout=400)
+    assert refused.returncode == 2
+    assert "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=slurm: sbatch refused the job (Invalid generic resource (gres) specification); it "
+        "asked nodes=1, tasks_per_node=1, gpus_per_node=8, timeout_min=240: set hydra.launcher.partition, "
+        "hydra.launcher.gpus_per_node, hydra.launcher.cpus_per_task and hydra.launcher.mem_gb to what the partition "
+        "has (sinfo -o '%P %D %c %m %G' lists them)")
