@@ -98,9 +98,10 @@ def test_a_preempted_job_requeues_itself_and_finishes_bitwise_as_an_uninterrupte
         if uninterrupted.poll() is None:
             uninterrupted.kill()
             uninterrupted.wait()
-    log = job_log.read_text()
+    # the run's own log (runner.log in its directory) beside the job's: the requeue ends the srun step at
+    # once, and what srun had not yet forwarded from the stopped process never reaches the job's log
+    log = job_log.read_text() + "\n" + (run_dir / "runner.log").read_text()
     assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", log
-    # (the requeue ends the srun step at once: what the process prints after it never reaches the job's log)
     assert "SIGTERM: stopped at step " in log and f"SLURM job {job} requeued: it continues this run" in log, log
     stopped_at = int(log.split("SIGTERM: stopped at step ")[1].split()[0])
     assert f"resuming at step {stopped_at} " in log, log
