@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory bench-parallel ui clean
+.PHONY: install run test test-all test-cluster bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory bench-parallel ui clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,9 @@ test: install           ## the test suite CI runs (slow tests excluded)
 
 test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q
+
+test-cluster: install   ## the tests on real servers (PostgreSQL, mlflow server, a one-host SLURM cluster) and Hydra's launchers
+	$(PY) -m pytest -q -m cluster
 
 bench: install          ## start-up times beside their targets; engine vs a hand-written loop, steps interleaved: digits MLP, CNN, the ResNet and GPT presets; ratio and us overhead
 	$(PY) -m benchmarks.bench $(ARGS)

@@ -91,7 +91,8 @@ def cli() -> None:
     try:
         main()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.engine.preemption.Stopped)
-        print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED", file=sys.stderr)
+        requeued = f"; SLURM job {e.requeued_job} requeued to continue it" if getattr(e, "requeued_job", "") else ""
+        print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED{requeued}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 130))
 
 

@@ -46,7 +46,7 @@ def run(spec: RunSpec) -> RunResult:
     new = ((spec.mode != "train" or not spec.trainer.resume) and not (Path(spec.run_dir) / "spec.yaml").exists()
            and not _in_multirun())
     try:
-        with process_state.isolated() as start_state, preemption.handled():
+        with process_state.isolated() as start_state, preemption.handled(requeue=_requeues_its_slurm_job(spec)):
             if spec.mode != "train":  # eval, predict, export: a trained run's model, in this process
                 from runner.results import modes
 
@@ -56,6 +56,18 @@ def run(spec: RunSpec) -> RunResult:
         if new and os.environ.get("RANK", "0") == "0":  # refused: nothing of the run is left to get in the way
             run_lock.remove_refused(Path(spec.run_dir))
         raise
+
+
+def _requeues_its_slurm_job(spec: RunSpec) -> bool:
+    """trainer.slurm_requeue, where the SLURM job is this run's own: a single run, or one job of Hydra's submitit
+    launcher (a SLURM job per job), not one of a multirun's jobs that share its process and its SLURM job."""
+    if not spec.trainer.slurm_requeue or "SLURM_JOB_ID" not in os.environ:
+        return False
+    if not _in_multirun():
+        return True
+    from hydra.core.hydra_config import HydraConfig
+
+    return "submitit" in str(HydraConfig.get().launcher.get("_target_", ""))
 
 
 def _in_multirun() -> bool:
@@ -181,8 +193,10 @@ def launch_workers(spec: RunSpec) -> RunResult:
         end_left_running(spec, "KILLED")
         raise
     except SignalException as e:  # the agent forwarded SIGTERM/SIGHUP; the workers stopped at a step boundary
-        end_left_running(spec, "KILLED")
-        raise preemption.Stopped(int(e.sigval)) from None
+        if not (Path(spec.run_dir) / RESULT_FILE).exists():
+            end_left_running(spec, "KILLED")
+            raise preemption.Stopped(int(e.sigval)) from None
+        log.warning("signal %d after the run finished: it stays FINISHED, nothing to stop", int(e.sigval))  # rank 0's result
     except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
         end_left_running(spec, "FAILED")
         if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
@@ -190,6 +204,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
                             f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
                             "was started") from None
         raise
+    preemption.run_finished()  # the workers ended the run: a signal now leaves it as they did
     pruned = Path(spec.run_dir) / PRUNED_FILE
     if pruned.exists():
         import optuna

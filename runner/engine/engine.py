@@ -248,6 +248,7 @@ class Engine:
                 self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
             if self.pipeline is not None and self.pipeline.bubble() is not None:  # rank 0's: the first stage's
                 self.tracker.set_tags({"pp_bubble": f"{self.pipeline.bubble():.4f}"})
+            preemption.run_finished()  # a preemption from here on leaves the run FINISHED (exit 0, no requeue)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
             self.monitor.close()

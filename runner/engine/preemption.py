@@ -10,12 +10,23 @@ step loop (building data, the final evaluation) stops it at once, as Ctrl-C does
 A second signal while stopping changes nothing: a closed terminal sends SIGHUP to the launcher and to
 its workers, and the launcher forwards its own. SIGKILL, which follows when the grace period ends,
 leaves the previous checkpoint.
+
+Inside a SLURM job the stop also requeues the job (`scontrol requeue $SLURM_JOB_ID`, as Lightning's
+auto-requeue does; `trainer.slurm_requeue=false` turns it off): SLURM ends a job that exits on its own
+after a preemption's or a time limit's SIGTERM (143) without requeueing it, so the job asks for it
+itself, once its step's checkpoint is written and its MLflow run ended KILLED. The requeued job reruns
+its command into the same run directory and continues from that step (runner/cli/run_lock.requeued).
+
+A signal after the run ended FINISHED (trained, tested, its final checkpoint written) stops nothing and
+requeues nothing: the run stays FINISHED and the process exits 0.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import subprocess
 import threading
 import time
 from typing import Iterator
@@ -29,7 +40,7 @@ from runner.engine.stopping import Stop
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-_state = {"signal": 0, "deferred": False}
+_state = {"signal": 0, "deferred": False, "finished": False}
 
 
 class Stopped(KeyboardInterrupt):
@@ -49,25 +60,60 @@ def _on_signal(signum: int, frame: object) -> None:
     if _state["signal"]:
         return  # already stopping
     _state["signal"] = signum
+    if _state["finished"]:
+        log.warning("%s after the run finished: it stays FINISHED, nothing to stop", signal.Signals(signum).name)
+        return
     if not _state["deferred"]:
         raise Stopped(signum)
 
 
+def run_finished() -> None:
+    """The run ended FINISHED: a signal from here on stops nothing (no KILLED, no exit 143, no requeue)."""
+    _state["finished"] = True
+
+
 @contextlib.contextmanager
-def handled() -> Iterator[None]:
+def handled(requeue: bool = False) -> Iterator[None]:
     """SIGTERM and SIGHUP stop the run inside cleanly; the previous handlers come back after. Signal
-    handlers belong to the main thread: elsewhere (a sweep's trial thread) nothing changes."""
+    handlers belong to the main thread: elsewhere (a sweep's trial thread) nothing changes. `requeue`:
+    a run they stop inside a SLURM job requeues the job (the caller knows the job is this run's own)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, _on_signal) for s in SIGNALS}
-    _state["signal"] = 0
+    _state["signal"], _state["finished"] = 0, False
+    requeued = False
     try:
         yield
+    except Stopped as e:
+        if requeue:
+            e.requeued_job = requeued = requeue_slurm_job()
+        raise
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
-        _state["signal"], _state["deferred"] = 0, False
+            # a requeued job's process is leaving: SLURM's own SIGTERM for the requeue must not cut its exit short
+            signal.signal(s, signal.SIG_IGN if requeued else handler)
+        _state["signal"], _state["deferred"], _state["finished"] = 0, False, False
+
+
+def requeue_slurm_job() -> str:
+    """`scontrol requeue $SLURM_JOB_ID` from the job's first process (global rank 0 of its first task);
+    the job's id when it is requeued (by this call, or already by SLURM's own preemption), else ''."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job or os.environ.get("RANK", "0") != "0" or os.environ.get("SLURM_PROCID", "0") != "0":
+        return ""
+    try:
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        reason = out.stderr.strip().splitlines()[-1] if out.returncode and out.stderr.strip() else f"exit {out.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out, reason = None, str(e)
+    if out is not None and (out.returncode == 0 or "pending" in reason.lower()):  # pending: SLURM requeued it already
+        log.warning("SLURM job %s requeued: it continues this run from its checkpoint when it runs again "
+                    "(trainer.slurm_requeue=false turns this off)", job)
+        return job
+    log.warning("SLURM job %s could not requeue itself (scontrol requeue: %s); submit it again with the same "
+                "hydra.run.dir, or continue with trainer.resume=<run dir>", job, reason)
+    return ""
 
 
 @contextlib.contextmanager

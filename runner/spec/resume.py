@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # What an override given with a resume may change: how long, where it runs, where it logs.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trainer.progress_bar",
               "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
-              "trainer.resume", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
+              "trainer.resume", "trainer.slurm_requeue", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
               "dataset.root", "dataset.download", "trainer.profile", "parallelism.", "tracking.", "trial.",
               "weights.")  # which weights leave the run (tracking.log_model's average), not what is trained
 # These may change only together, keeping the global batch (a checkpoint is portable across strategies).

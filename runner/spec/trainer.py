@@ -103,6 +103,9 @@ class TrainerSpec:
     checkpoint_every_n_steps: int = opt(0, "write a checkpoint every N optimizer steps (0: only at the end)", ge=0)
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from; latest: the newest run under outputs/runs")
+    slurm_requeue: bool = opt(True, "inside a SLURM job (SLURM_JOB_ID set), a run stopped by SIGTERM/SIGHUP requeues its "
+                                    "own job (scontrol requeue) after writing that step's checkpoint: the job comes back "
+                                    "and continues from it; false: the job ends there (runner/engine/preemption.py)")
     stop_at_step: Optional[int] = opt(None, "pause at this optimizer step: validate, write its checkpoint and stop without "
                                             "the final test; the schedule still plans the whole run (population-based "
                                             "training's rounds); a resume goes on", gt=0)

@@ -5,7 +5,7 @@ itself at the N-th time it reaches POINT: a real kill at a chosen moment, for th
 POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
 final_eval (during the validation of the last step), finish_training (after the last step, before
 the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended),
-fold_recorded (a k-fold run's fold is in its record, its results not yet logged to MLflow),
+run_finished (the run ended FINISHED, its summary not printed yet), fold_recorded (a k-fold run's fold is in its record, its results not yet logged to MLflow),
 pbt_exploit (a PBT sweep between rounds, ranking its members: outside any member's training).
 """
 import os
@@ -47,6 +47,10 @@ elif point == "finish_training":
     wrap(engine.Engine, "_finish_training")
 elif point == "after_final_checkpoint":
     wrap(monitor.Monitor, "finish")
+elif point == "run_finished":
+    from runner.cli import launch
+
+    wrap(launch, "print_summary")
 elif point == "fold_recorded":
     from runner.search import cross_validation
 

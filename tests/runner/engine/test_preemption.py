@@ -8,6 +8,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -53,3 +54,40 @@ def test_ranks_vote_every_few_steps_yet_all_stop_at_one_step_soon_after_a_signal
     # the slower rank's 2 ms steps (plus the vote) make an interval of at most 25 steps
     assert SIGNAL_AT <= ranks[0]["stop"] <= SIGNAL_AT + 26
     assert ranks[0]["collectives"] == ranks[1]["collectives"] <= ranks[0]["stop"] // 5
+
+
+@pytest.mark.slow  # a real process training (about 40 s on a loaded 2-core machine)
+def test_a_preemption_after_the_run_finished_leaves_it_finished_and_exits_0(tmp_path: Path,
+                                                                            migrated_mlflow_store: Path) -> None:
+    """SIGTERM once the run ended FINISHED (its summary not yet printed) stops nothing: exit 0, no "marked
+    KILLED" line (SLURM would mark the job FAILED), the MLflow run FINISHED, one line saying so."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import REPO
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(migrated_mlflow_store, db)
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "runner" / "kill_at.py"), "run_finished:TERM", "1",
+                          "trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_estimate=false",
+                          f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{db}",
+                          f"tracking.artifact_root={tmp_path / 'artifacts'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "KILLED" not in out.stderr + out.stdout
+    assert "SIGTERM after the run finished: it stays FINISHED, nothing to stop" in out.stderr + out.stdout
+    client = MlflowClient(f"sqlite:///{db}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"
+
+
+def test_slurm_requeue_is_a_boolean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """trainer.slurm_requeue (on by default: a stopped run inside a SLURM job requeues it) takes true or false,
+    anything else is one line before Hydra starts."""
+    from tests.runner.test_bad_input import PRE, run_in_process
+
+    code, _, err = run_in_process(["trainer.slurm_requeue=maybe"], tmp_path, PRE, monkeypatch, capsys)
+    assert (code, err.strip().splitlines()) == (2, ["error: trainer.slurm_requeue: 'maybe' is not a boolean; use true or false"])

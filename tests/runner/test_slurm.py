@@ -1,0 +1,148 @@
+"""runner on a real one-host SLURM cluster (tests/servers/slurm.py): the README's sbatch template, a job
+preempted for real that requeues itself and finishes as if never stopped, the `hydra/launcher=slurm`
+defaults on a CPU partition. One fast case (the trivial job) runs in CI; the rest are slow."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.engine import checkpoint
+from tests.conftest import REPO
+from tests.servers.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the session's cluster)
+
+pytestmark = pytest.mark.cluster
+ONE_NODE = REPO / "examples" / "slurm" / "one_node.sbatch"
+
+
+def test_the_one_host_cluster_runs_a_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """`sbatch --wait` of a trivial job: two nodes up, the job runs on one of them and exits 0."""
+    out = subprocess.run(["sbatch", "--wait", "-N1", "-o", str(tmp_path / "out.txt"), "--wrap",
+                          "echo ran on $SLURM_JOB_NODELIST"], env=slurm_cluster.env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out.txt").read_text().strip() in {f"ran on {n}" for n in slurm_cluster.nodes}
+    states = slurm_cluster.command("sinfo", "-h", "-N", "-p", "debug", "-o", "%N").stdout.split()
+    assert sorted(states) == sorted(slurm_cluster.nodes)
+
+
+# --- a preempted job requeues itself and finishes as an uninterrupted run ------------------------------
+
+RUN = ["optimizer=adamw", "scheduler=warmup_cosine", "scheduler.warmup=5", "trainer.max_steps=1000",
+       "trainer.checkpoint_every_n_steps=25", "trainer.keep_checkpoints=50", "trainer.eval_every_n_steps=100",
+       "trainer.log_every_n_steps=5", "trainer.progress_bar=off", "trainer.memory_estimate=false", "trainer.device=cpu"]
+
+
+def _job_env(cluster: SlurmCluster) -> dict:
+    return {**cluster.env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "sweeper"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _store(tmp_path: Path, name: str, template: Path) -> list[str]:
+    db = tmp_path / f"{name}.db"
+    shutil.copy(template, db)
+    return [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / name}-artifacts"]
+
+
+def _mlflow_runs(db: Path) -> list[tuple[str, dict]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    return [(run.info.status, {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                               for key in run.data.metrics})
+            for run in client.search_runs([e.experiment_id for e in client.search_experiments()])]
+
+
+def _wait_for(what: str, condition, timeout: float, job_log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout:g} s; the job's log:\n"
+                                 + (job_log.read_text() if job_log.exists() else "(none)"))
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_preempted_job_requeues_itself_and_finishes_bitwise_as_an_uninterrupted_one(
+        slurm_cluster: SlurmCluster, tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    """README's one-node template, submitted as written (--requeue, --signal=TERM@120, srun). A job of the
+    high partition preempts it for real mid-training: SLURM sends SIGTERM to the srun step, the run writes
+    that step's checkpoint, ends its MLflow run KILLED and requeues its own job (SLURM alone would end it
+    PREEMPTED/FAILED). The job comes back (SLURM_RESTART_COUNT=1), continues in the same run directory and
+    MLflow run, and ends COMPLETED with the weights and metric history of a run never stopped."""
+    uninterrupted = subprocess.Popen(
+        [sys.executable, "-m", "runner", *RUN, f"hydra.run.dir={tmp_path / 'uninterrupted'}",
+         *_store(tmp_path, "uninterrupted", migrated_mlflow_store)],
+        cwd=tmp_path, env=_job_env(slurm_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job_log, run_dir = tmp_path / "job.log", tmp_path / "preempted"
+    try:
+        job = slurm_cluster.sbatch("--cpus-per-task=1", "--time=30", "-o", str(job_log), str(ONE_NODE), *RUN,
+                                   *_store(tmp_path, "preempted", migrated_mlflow_store),
+                                   cwd=tmp_path, env={**_job_env(slurm_cluster), "RUN_DIR": str(run_dir)})
+        _wait_for("the job's first checkpoint", lambda: any((run_dir / "checkpoints").glob("step-*.pt")), 240, job_log)
+        # every CPU of both nodes: SLURM preempts the training job (PreemptMode=CANCEL, GraceTime) to run this
+        slurm_cluster.sbatch("-p", "high", "-n", str(2 * len(slurm_cluster.nodes)), "-o", "/dev/null", "--wrap", "true")
+        _wait_for("the preemption", lambda: slurm_cluster.job(job)["JobState"] not in ("RUNNING", "COMPLETING"), 120,
+                  job_log)
+        assert slurm_cluster.job(job)["JobState"] == "PENDING", job_log.read_text()  # requeued, not PREEMPTED/FAILED
+        # SLURM holds a requeued job for about two minutes before it may start again: now, for the test
+        slurm_cluster.command("scontrol", "update", f"JobId={job}", "StartTime=now")
+        final = slurm_cluster.wait(job, timeout=300)
+        assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stdout.read()
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+            uninterrupted.wait()
+    # the run's own log (runner.log in its directory) beside the job's: the requeue ends the srun step at
+    # once, and what srun had not yet forwarded from the stopped process never reaches the job's log
+    log = job_log.read_text() + "\n" + (run_dir / "runner.log").read_text()
+    assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", log
+    assert "SIGTERM: stopped at step " in log and f"SLURM job {job} requeued: it continues this run" in log, log
+    stopped_at = int(log.split("SIGTERM: stopped at step ")[1].split()[0])
+    assert f"resuming at step {stopped_at} " in log, log
+    assert 25 <= stopped_at < 1000, log
+    got, want = checkpoint.load(run_dir / "checkpoints" / "last.pt"), \
+        checkpoint.load(tmp_path / "uninterrupted" / "checkpoints" / "last.pt")
+    assert got["progress"]["step"] == 1000
+    assert all(got["model"][k].equal(want["model"][k]) for k in want["model"])
+    [(status, history)] = _mlflow_runs(tmp_path / "preempted.db")
+    [(_, want_history)] = _mlflow_runs(tmp_path / "uninterrupted.db")
+    timing = {k for k in want_history if k.startswith("throughput/")}
+    assert status == "FINISHED"
+    assert {k: v for k, v in history.items() if k not in timing} == {k: v for k, v in want_history.items() if k not in timing}
+
+
+# --- hydra/launcher=slurm ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_slurm_launcher_defaults_run_on_a_cpu_partition_and_a_refusal_is_one_line(
+        slurm_cluster: SlurmCluster, tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    """`hydra/launcher=slurm` as shipped asks nothing a CPU partition lacks (it asked 8 GPUs per node: a
+    30-line sbatch traceback): its job trains and ends FINISHED. Asking for GPUs the partition does not
+    have is one line naming what was asked and the keys to set, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    store = _store(tmp_path, "mlflow", migrated_mlflow_store)
+    base = [sys.executable, "-m", "runner", "-m", "hydra/launcher=slurm", "trainer.max_steps=3", "trainer.progress_bar=off",
+            "trainer.memory_estimate=false", "trainer.device=cpu", *store]
+    ran = subprocess.run(base, cwd=tmp_path, env=_job_env(slurm_cluster), capture_output=True, text=True, timeout=400)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    client = MlflowClient(store[0].split("=", 1)[1])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert [r.info.status for r in children] == ["FINISHED"] and children[0].data.metrics["train/loss"] > 0
+
+    refused = subprocess.run([*base, "hydra.launcher.gpus_per_node=8"], cwd=tmp_path, env=_job_env(slurm_cluster),
+                             capture_output=True, text=True, timeout=400)
+    assert refused.returncode == 2
+    assert "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=slurm: sbatch refused the job (Invalid generic resource (gres) specification); it "
+        "asked nodes=1, tasks_per_node=1, gpus_per_node=8, timeout_min=240: set hydra.launcher.partition, "
+        "hydra.launcher.gpus_per_node, hydra.launcher.cpus_per_task and hydra.launcher.mem_gb to what the partition "
+        "has (sinfo -o '%P %D %c %m %G' lists them)")
