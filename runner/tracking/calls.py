@@ -38,9 +38,7 @@ def make(client: Any, run_id: str, kind: str, args: dict) -> None:
         client.log_text(run_id, args["text"], args["file"])
     elif kind == "artifact":
         path = Path(args["path"])
-        if path.is_dir():
-            client.log_artifacts(run_id, str(path), args.get("artifact_path") or path.name)
-        elif path.exists():
+        if path.exists():  # a folder lands under its own name
             client.log_artifact(run_id, str(path), args.get("artifact_path"))
         else:
             log.warning("MLflow: %s is gone; not stored with run %s", path, run_id)
