@@ -183,8 +183,9 @@ def end_orphaned_runs(client: Any) -> list[str]:
                         client.set_tag(run.info.run_id, "runner.outcome", "killed")
                     client.set_terminated(run.info.run_id, status=status or "KILLED")
                     ended.append(run.info.run_id)
-                    logged = (f"; {added} metric values and {made} other calls ({', '.join(dict.fromkeys(made))}) it "
-                              f"lacked logged from {path}" if added or made else "")
+                    what = [f"{added} metric values"] if added else []
+                    what += [f"{len(made)} other calls ({', '.join(dict.fromkeys(made))})"] if made else []
+                    logged = f"; {' and '.join(what)} it lacked logged from {path}" if what else ""
                     if status is None:
                         log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) was left RUNNING by process "
                                     f"{tags[PID_TAG]}, which is gone: ended KILLED{logged}")

@@ -391,3 +391,91 @@ def test_a_run_that_ends_while_its_server_is_down_exits_0_and_arrives_whole_when
         assert end_orphaned_runs(client) == []  # done once: nothing is sent twice
         assert len(client.get_metric_history(run_id, "train/loss")) == 40
     assert "ended FINISHED while this store could not be reached: completed now; 44 metric values and" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def reference_with_model(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple:
+    """RUN with its last model logged, to a plain sqlite store: (metric histories, params, tag names, the model's
+    weights)."""
+    import mlflow.pytorch
+
+    root = tmp_path_factory.mktemp("reference_with_model")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    uri = f"sqlite:///{root}/mlflow.db"
+    code, out = Training([*RUN, "tracking.log_model=last", f"tracking.uri={uri}", f"tracking.artifact_root={root}/artifacts",
+                          f"hydra.run.dir={root}/run"], root).end()
+    assert code == 0, out[-3000:]
+    client = MlflowClient(uri)
+    run = client.get_run((root / "run" / "mlflow_run_id").read_text().strip())
+    (output,) = run.outputs.model_outputs
+    with _tracking_uri(uri):
+        weights = mlflow.pytorch.load_model(f"models:/{output.model_id}").state_dict()
+    return histories(client, run.info.run_id), run.data.params, set(run.data.tags), weights
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """models:/ URIs looked up in `uri` (pickled models loaded)."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+    os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "true"
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(None)
+        if before is None:
+            del os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"]
+        else:
+            os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = before
+
+
+LOCAL = ("run_dir", "tracking.")  # params that name where the run lives and logs: the two runs differ there
+
+
+@pytest.mark.slow  # two server starts and three runs: minutes on a loaded machine
+@pytest.mark.cluster
+def test_a_trained_run_whose_server_dies_for_good_mid_run_finishes_and_the_resume_sends_it_whole_once_it_is_back(
+        tmp_path: Path, migrated_mlflow_store: Path, reference_with_model: tuple) -> None:
+    import mlflow.pytorch
+    import torch
+
+    from tests.servers.mlflow import restarted, stop
+
+    want_metrics, want_params, want_tags, want_weights = reference_with_model
+    run_dir = tmp_path / "run"
+    args = [*RUN, "tracking.log_model=last", f"hydra.run.dir={run_dir}"]
+    with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
+        run = Training([*args, f"tracking.uri={uri}"], tmp_path, code=PATIENT_3S)
+        run.until(lambda: run.eval_steps())  # training: the run exists on the server
+        stop(server)  # down for good: past MLflow's retries and the tracker's wait, until after the run ended
+        code, out = run.end()
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out
+    ending = [line for line in out.splitlines() if "still unreachable at the end of the run" in line]
+    assert len(ending) == 1 and "the MLflow model 'model'" in ending[0] and str(run_dir / journal.FILE) in ending[0]
+    assert f"MLflow model 'model' kept in {run_dir / 'mlflow_model'}" in out
+    assert "runner: trained 400 optimizer steps" in out
+    port = int(uri.rsplit(":", 1)[1])
+    with restarted(tmp_path / "server", port) as (uri, _):
+        resumed = Training([*args, f"tracking.uri={uri}", f"trainer.resume={run_dir}"], tmp_path)
+        code, out = resumed.end()
+        assert code == 0, out[-3000:]
+        assert "completed now" in out
+        client = MlflowClient(uri)
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        got = client.get_run(run_id)
+        assert got.info.status == "FINISHED"
+        assert_same_run(histories(client, run_id), want_metrics)  # every train/loss and val point, the summary
+        assert {k: v for k, v in got.data.params.items() if not k.startswith(LOCAL)} == {
+            k: v for k, v in want_params.items() if not k.startswith(LOCAL)}
+        assert set(got.data.tags) >= want_tags - {"mlflow.source.name", "mlflow.source.type", "mlflow.user"}
+        assert {a.path for a in client.list_artifacts(run_id)} >= {"curves.png", "spec.yaml", "record"}
+        (output,) = got.outputs.model_outputs
+        assert output.step == 400 and str(client.get_logged_model(output.model_id).status).endswith("READY")
+        assert got.data.tags["runner.logged_model"].startswith(f"models:/{output.model_id} (")
+        with _tracking_uri(uri):
+            weights = mlflow.pytorch.load_model(f"models:/{output.model_id}").state_dict()
+        assert weights.keys() == want_weights.keys()
+        assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)  # the same model as uninterrupted
