@@ -35,6 +35,7 @@ from runner.engine import parallel, run_weights
 log = logging.getLogger(__name__)
 
 NAME = "model"         # runs:/<run id>/model, as mlflow.pytorch's own examples name it
+KEPT_DIR = "mlflow_model"  # in the run directory: the model saved while the store could not be reached
 EXAMPLE_ROWS = 2       # samples of a validation batch kept as the input example (its JSON is stored)
 _MODEL_LIBRARIES = ("torchvision", "timm", "transformers")  # pinned too where the run loaded them
 
@@ -74,14 +75,40 @@ class ModelLogger(AddOn):
         weights = run_weights.RunWeights(Path(self.spec.run_dir), which, step, average, state)
         state, source = weights.state_dict(), weights.source
         started = time.perf_counter()
-        view.tracker.flush()  # the metrics of that step are stored: MLflow links them to the model
-        info, serialization = log_model(self.spec, self.data, state, view.tracker.run_id, source, step)
-        self.model_uri = info.model_uri
-        view.tracker.set_tags({"runner.logged_model": f"{info.model_uri} ({source})"})
-        how = ("a torch.export program" if serialization == "pt2" else f"pickled: loading it needs {self.spec.model.target} "
-               "importable and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true")
-        view.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} ({how}; "
-                 f"{time.perf_counter() - started:.2f} s)")
+        # the metrics of that step stored first: MLflow links them to the model
+        info, unreachable = None, not view.tracker.flush() or getattr(view.tracker, "unreachable", False)
+        if not unreachable:
+            try:
+                info, serialization = log_model(self.spec, self.data, state, view.tracker.run_id, source, step)
+            except Exception as e:
+                from runner.tracking.writer import refused
+
+                if refused(e):
+                    raise
+                unreachable = True  # past MLflow's own retries: kept, as below
+        if info is not None:
+            self.model_uri = info.model_uri
+            view.tracker.set_tags({"runner.logged_model": f"{info.model_uri} ({source})"})
+            view.say(f"MLflow model '{NAME}' logged: {source} weights, {info.model_uri} ({_how(self.spec, serialization)}; "
+                     f"{time.perf_counter() - started:.2f} s)")
+            return
+        # the store cannot be reached: the model is saved in the run directory, and the tracker logs it to the
+        # run when the store answers (now, on resume, or at the next opening of the store)
+        kept = Path(self.spec.run_dir) / KEPT_DIR
+        serialization = save_model(self.spec, self.data, state, kept)
+        view.tracker.log_saved_model(kept, NAME, step, {**model_tags(self.spec, source, step),
+                                                        "runner.serialization": serialization}, source)
+        view.say(f"MLflow model '{NAME}' kept in {kept}: {source} weights ({_how(self.spec, serialization)}); the "
+                 "store cannot be reached, and it is logged to the run once the store answers")
+
+
+def _how(spec: Any, serialization: str) -> str:
+    return ("a torch.export program" if serialization == "pt2" else f"pickled: loading it needs {spec.model.target} "
+            "importable and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true")
+
+
+def model_tags(spec: Any, source: str, step: int) -> dict[str, str]:
+    return {"runner.weights_from": source, "runner.step": str(step), "runner.model_target": spec.model.target}
 
 
 def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step: int) -> tuple[Any, str]:
@@ -96,7 +123,7 @@ def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step:
 
     model = _rebuilt(spec, data, state)
     inputs, signature = _example(spec, data, model)
-    tags = {"runner.weights_from": source, "runner.step": str(step), "runner.model_target": spec.model.target}
+    tags = model_tags(spec, source, step)
     formats = ["pt2", "pickle"] if not isinstance(inputs, dict) else ["pickle"]  # pt2 takes positional tensors only
     with _run_store(spec.tracking.uri, run_id):
         for i, serialization in enumerate(formats):
@@ -110,12 +137,45 @@ def log_model(spec: Any, data: Any, state: dict, run_id: str, source: str, step:
                         pip_requirements=pip_requirements(spec.model.target), serialization_format=serialization,
                         tags={**tags, "runner.serialization": serialization}, **options), serialization
             except Exception as e:
-                if i == len(formats) - 1:
+                if i == len(formats) - 1 or _store_error(e):
                     raise
                 log.warning("tracking.log_model: %s does not export as a torch.export program (%s: %s); "
                             "logging it pickled", spec.model.target, type(e).__name__,
                             (str(e).strip().splitlines() or [""])[0][:200])
                 _drop_failed(mlflow.last_logged_model(), run_id)
+
+
+def save_model(spec: Any, data: Any, state: dict, path: Path) -> str:
+    """The model log_model logs, saved to the folder `path` instead (mlflow.pytorch.save_model: the same
+    files, no store needed); returns the serialization."""
+    import shutil
+
+    import mlflow.pytorch
+
+    model = _rebuilt(spec, data, state)
+    inputs, signature = _example(spec, data, model)
+    formats = ["pt2", "pickle"] if not isinstance(inputs, dict) else ["pickle"]
+    for i, serialization in enumerate(formats):
+        shutil.rmtree(path, ignore_errors=True)  # save_model refuses an existing folder (a resumed run's)
+        try:
+            with _quiet("mlflow", logging.WARNING if serialization == "pt2" else logging.ERROR):
+                mlflow.pytorch.save_model(model, str(path), signature=signature, input_example=inputs,
+                                          pip_requirements=pip_requirements(spec.model.target),
+                                          serialization_format=serialization)
+            return serialization
+        except Exception as e:
+            if i == len(formats) - 1:
+                raise
+            log.warning("tracking.log_model: %s does not export as a torch.export program (%s: %s); "
+                        "saving it pickled", spec.model.target, type(e).__name__,
+                        (str(e).strip().splitlines() or [""])[0][:200])
+    raise AssertionError("unreachable")
+
+
+def _store_error(error: BaseException) -> bool:
+    """A store that did not answer, rather than a model torch.export cannot trace."""
+    # MLflow's REST client raises "API request to <url> failed ..." once its retries are spent
+    return isinstance(error, (ConnectionError, TimeoutError)) or "API request to" in str(error)
 
 
 def _drop_failed(model: Any, run_id: str) -> None:

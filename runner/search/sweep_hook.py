@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -83,23 +84,35 @@ class ParentRun:
             self.run_id = None
 
 
+JOB_FILE = "sweep_job.json"        # a grid job's outcome, written by the process that ran the job
+MULTIRUN_ENV = "RUNNER_MULTIRUN_ID"  # names the multirun a job belongs to (a sweep directory may be reused)
+
+
 class ParentRunCallback(Callback):
     """A grid multirun (`python -m runner -m optimizer=sgd,adamw`) as one MLflow parent run with a
     child per job, and the table of its jobs at the end. The Optuna sweeper's parent and table are
-    RunnerSweepHook's, so it is skipped here."""
+    RunnerSweepHook's, so it is skipped here.
+
+    Hydra calls on_job_start/on_job_end in the process that runs the job (a joblib worker, a submitit
+    job) and the multirun's own hooks in the sweep process: each job writes its outcome to JOB_FILE in
+    its directory, and the sweep process reads them back from the sweep directory at the end. A job
+    whose process died before it could write one counts failed."""
 
     def __init__(self) -> None:
         self.parent: ParentRun | None = None
         self.grid = False
-        self.jobs: list[Job] = []
-        self.started: dict[int, float] = {}
+        self.multirun_id = ""
+        self.began = 0.0                    # wall clock: job directories older than the multirun are not its own
+        self.job_began: dict[int, float] = {}
         self.maximize: bool | None = None  # the objective's resolved direction; None where it cannot be resolved
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        target = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
-        if "runner_optuna_sweeper" in target or "runner_pbt_sweeper" in target:  # each opens its own parent
+        if not is_grid(config):  # each opens its own parent
             return
         self.grid = True
+        self.began = time.time()
+        # set before any job starts: jobs inherit it (joblib's workers, submitit's processes and SLURM jobs too)
+        self.multirun_id = os.environ[MULTIRUN_ENV] = uuid.uuid4().hex
         try:
             self.maximize = sweep_objective(config).direction == "maximize"
         except SpecError as e:  # preflight refuses this before the sweep; a job will say it again
@@ -115,42 +128,108 @@ class ParentRunCallback(Callback):
         atexit.register(self._finish_if_open, "FAILED")  # a job that raises ends the sweep before on_multirun_end
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.grid:
-            self.started[int(OmegaConf.select(config, "hydra.job.num", default=-1))] = time.monotonic()
+        if is_grid(config) and _multirun(config):
+            self.job_began[int(OmegaConf.select(config, "hydra.job.num", default=-1))] = time.monotonic()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if not self.grid:
+        """In the job's own process: its outcome to JOB_FILE in its directory."""
+        if not (is_grid(config) and _multirun(config)):
             return
         from hydra.core.utils import JobStatus
 
-        number = int(OmegaConf.select(config, "hydra.job.num", default=len(self.jobs)))
+        number = int(OmegaConf.select(config, "hydra.job.num", default=-1))
         overrides = [o for o in job_return.overrides or [] if not o.startswith("hydra.")]
         done = job_return.status == JobStatus.COMPLETED
-        run_file = Path(OmegaConf.select(config, "hydra.runtime.output_dir", default=".")) / RUN_FILE
-        self.jobs.append(Job(number, " ".join(overrides), float(job_return.return_value) if done else None,
-                             "complete" if done else "failed", time.monotonic() - self.started.get(number, time.monotonic()),
-                             run_file.read_text().strip() if run_file.exists() else None,
-                             dict(o.split("=", 1) for o in overrides if "=" in o)))
+        try:
+            objective = float(job_return.return_value) if done else None
+        except (TypeError, ValueError):  # a task function of a plain Hydra app may return anything
+            objective = None
+        began = self.job_began.pop(number, None)
+        outcome = {"multirun": os.environ.get(MULTIRUN_ENV, ""), "number": number, "overrides": overrides,
+                   "objective": objective, "status": "complete" if done else "failed",
+                   "seconds": None if began is None else time.monotonic() - began}
+        job_dir = Path(OmegaConf.select(config, "hydra.runtime.output_dir", default="."))
+        try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            (job_dir / JOB_FILE).write_text(json.dumps(outcome))
+        except OSError as e:
+            log.warning(f"the multirun's summary will count job {number} failed: cannot write {job_dir / JOB_FILE} ({e})")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.grid:
             return
         metric = str(OmegaConf.select(config, "objective.metric", default="objective"))
-        best = best_job(self.jobs, self.maximize) if self.maximize is not None else None
         sweep_dir, link = Path(str(config.hydra.sweep.dir)), None
+        jobs = grid_jobs(sweep_dir, self.multirun_id, self.began)
+        best = best_job(jobs, self.maximize) if self.maximize is not None else None
         if self.parent is not None and self.parent.run_id is not None:
             try:
-                mark_best(self.parent.client, self.parent.run_id, self.jobs, best)
-                log_jobs_table(self.parent.client, self.parent.run_id, self.jobs, metric, sweep_dir)
+                mark_best(self.parent.client, self.parent.run_id, jobs, best)
+                log_jobs_table(self.parent.client, self.parent.run_id, jobs, metric, sweep_dir)
                 link = run_link(self.parent.client, self.parent.uri, self.parent.run_id)
             except Exception as e:  # noqa: BLE001 - MLflow trouble must not hide the table
                 log.warning(f"MLflow: could not summarize the multirun on its parent run ({type(e).__name__}: {e})")
-        print_summary(self.jobs, best, metric, sweep_dir, link)
+        print_summary(jobs, best, metric, sweep_dir, link)
         self._finish_if_open("FINISHED")
+        if os.environ.get(MULTIRUN_ENV) == self.multirun_id:
+            del os.environ[MULTIRUN_ENV]
 
     def _finish_if_open(self, status: str) -> None:
         if self.parent is not None and self.parent.run_id is not None:
             self.parent.finish(status)
+
+
+def is_grid(config: DictConfig) -> bool:
+    """A multirun the ParentRunCallback summarizes: any sweeper but runner's Optuna and PBT sweepers."""
+    target = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
+    return "runner_optuna_sweeper" not in target and "runner_pbt_sweeper" not in target
+
+
+def _multirun(config: DictConfig) -> bool:
+    return str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN")
+
+
+def grid_jobs(sweep_dir: Path, multirun_id: str, began: float) -> list[Job]:
+    """The jobs of multirun `multirun_id` from their JOB_FILEs under sweep_dir; a job directory of this
+    multirun (Hydra wrote its .hydra/ after `began`) without one is a job whose process died: failed."""
+    jobs: dict[str, Job] = {}
+    for path in sweep_dir.rglob(JOB_FILE):
+        try:
+            outcome = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if outcome.get("multirun") != multirun_id:
+            continue
+        jobs[str(path.parent)] = _grid_job(path.parent, outcome["number"], outcome["overrides"], outcome["objective"],
+                                           outcome["status"], outcome["seconds"])
+    for path in sweep_dir.rglob(".hydra/overrides.yaml"):
+        job_dir = path.parent.parent
+        if str(job_dir) in jobs or _mtime(path) < began - 1.0 or (job_dir / JOB_FILE).exists():
+            continue
+        try:
+            import yaml
+
+            overrides = [o for o in yaml.safe_load(path.read_text()) or [] if not o.startswith("hydra.")]
+            number = int(yaml.safe_load((path.parent / "hydra.yaml").read_text())["hydra"]["job"]["num"])
+        except Exception:  # noqa: BLE001  (not a job directory of Hydra's making)
+            continue
+        jobs[str(job_dir)] = _grid_job(job_dir, number, overrides, None, "failed", None)
+    return sorted(jobs.values(), key=lambda j: j.number)
+
+
+def _grid_job(job_dir: Path, number: int, overrides: list[str], objective: Optional[float], status: str,
+              seconds: Optional[float]) -> Job:
+    run_file = job_dir / RUN_FILE
+    return Job(number, " ".join(overrides), objective, status, seconds,
+               run_file.read_text().strip() if run_file.exists() else None,
+               dict(o.split("=", 1) for o in overrides if "=" in o))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 class RunnerSweepHook(SweepHook):

@@ -138,7 +138,10 @@ def open_client(uri: str, end_orphans: bool = True) -> Any:
     file), so it happens under the store's lock: several runs may start at once. The first open in a
     process also ends the store's orphaned runs (end_orphans=False: a caller that ends a dead
     process's run itself, with the status it knows)."""
-    for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):  # migration steps log at INFO
+    # migration steps log at INFO; and SQLAlchemy logs every statement at INFO wherever its level is unset:
+    # MLflow sets it to WARNING once, at import, and a job's fresh process state (a reused joblib worker's
+    # second job, runner/cli/process_state.py) unsets it again, so each opening sets it
+    for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking", "sqlalchemy.engine"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from mlflow.tracking import MlflowClient
 
@@ -175,12 +178,14 @@ def end_orphaned_runs(client: Any) -> list[str]:
             for run in page:
                 tags = run.data.tags
                 if tags.get(PID_TAG, "").isdigit() and _gone(int(tags[PID_TAG]), tags.get(STARTED_TAG) or None):
-                    status, added, path = complete_from_journal(client, run)
+                    status, added, made, path = complete_from_journal(client, run)
                     if status is None:
                         client.set_tag(run.info.run_id, "runner.outcome", "killed")
                     client.set_terminated(run.info.run_id, status=status or "KILLED")
                     ended.append(run.info.run_id)
-                    logged = f"; {added} metric values it lacked logged from {path}" if added else ""
+                    what = [f"{added} metric values"] if added else []
+                    what += [f"{len(made)} other calls ({', '.join(dict.fromkeys(made))})"] if made else []
+                    logged = f"; {' and '.join(what)} it lacked logged from {path}" if what else ""
                     if status is None:
                         log.warning(f"MLflow: run '{run.info.run_name}' ({run.info.run_id}) was left RUNNING by process "
                                     f"{tags[PID_TAG]}, which is gone: ended KILLED{logged}")
@@ -195,19 +200,20 @@ def end_orphaned_runs(client: Any) -> list[str]:
     return ended
 
 
-def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, Path | None]:
+def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, list[str], Path | None]:
     """A run its process left RUNNING: the metrics its run directory's journal holds (runner/tracking/journal.py)
-    and the store lacks, logged. Returns the status the journal says the run ended with (None: it did not
-    end, it was killed), the number of values logged, and the journal."""
+    and the store lacks, logged, and the other calls (params, tags, artifacts, the model) the store never
+    confirmed, made. Returns the status the journal says the run ended with (None: it did not end, it was
+    killed), the number of values logged, the kinds of the calls made, and the journal."""
     from mlflow.entities import Metric
 
-    from runner.tracking import journal
+    from runner.tracking import calls, journal
 
     run_id, run_dir = run.info.run_id, run.data.tags.get("run_dir")
     path = Path(run_dir) / journal.FILE if run_dir else None
     entries = journal.read(path, run_id) if path is not None else None
     if entries is None:
-        return None, 0, path
+        return None, 0, [], path
     held = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in run.data.metrics}
     missing = []
     for step, ms, values in entries:
@@ -217,7 +223,16 @@ def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, Path 
                 missing.append(Metric(key, value, ms, step))
     for i in range(0, len(missing), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=missing[i:i + 1000])
-    return journal.ended(path, run_id), len(missing), path
+    made = []
+    for op, kind, args in journal.calls(path, run_id):
+        try:
+            calls.make(client, run_id, kind, args)
+            made.append(kind)
+        except Exception as e:  # noqa: BLE001  (the store answers: this call's own trouble, a file gone, say)
+            log.warning(f"MLflow: run {run_id}: could not make its {kind} call from {path} ({_first_line(e)}); "
+                        "left out")
+        journal.confirm(path, op)
+    return journal.ended(path, run_id), len(missing), made, path
 
 
 def _started(pid: int) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -25,11 +26,11 @@ from typing import Any, Protocol
 
 from runner.spec import metric_names
 
-from runner.tracking import journal, run_record
+from runner.tracking import calls, journal
 from runner.tracking.journal import Journal
 from runner.tracking.writer import StoreWriter, first_line, refused
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
-                                  saved_views, store_views)
+                                  saved_views)
 from runner.spec.run import RunSpec, SpecError
 from runner.spec.tracking import TrackingSpec
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 RUN_FILE = "mlflow_run_id"
 _FLUSH_EVERY_S = 2.0  # the writer sends what was logged this often, and at every flush
 _PATIENCE_S = 30.0    # flush and finish wait this long for a store that stores nothing, then leave it to the writer
+PATIENCE_ENV = "RUNNER_TRACKING_PATIENCE_S"  # that wait in seconds, where set (a test of an outage: a second or two)
 
 __all__ = ["Tracker", "NullTracker", "MlflowTracker", "best_key", "build_tracker", "check_tracking", "end_left_running",
            "experiment_id", "open_client", "params_of", "run_exists", "run_name_from"]
@@ -52,7 +54,7 @@ class Tracker(Protocol):
     def log_artifact(self, path: Path) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def flush(self, wait: bool = True) -> None: ...
+    def flush(self, wait: bool = True) -> bool: ...
     def finish(self, status: str) -> None: ...
     def describe(self) -> str: ...
 
@@ -69,7 +71,9 @@ class NullTracker:
     def log_artifact(self, path: Path) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def flush(self, wait: bool = True) -> None: ...
+    def flush(self, wait: bool = True) -> bool:
+        return True
+
     def finish(self, status: str) -> None: ...
 
     def describe(self) -> str:
@@ -186,7 +190,7 @@ class MlflowTracker:
                 self.client.delete_tag(resume_run_id, "runner.outcome")
             self._open_writer()
             self._replay_journal()
-            self._writer.call(lambda client: store_views(client, self.experiment_id, views), "the runs table's views")
+            self._send("views", {"experiment_id": self.experiment_id, "views": views}, "the runs table's views")
             return
         self.run_name = spec.tracking.run_name or run_name_from(spec.overrides)
         tags = {"overrides": " ".join(spec.overrides) or "(none)",
@@ -204,19 +208,52 @@ class MlflowTracker:
         except BaseException:
             self.client.set_terminated(self.run_id, status="FAILED")
             raise
-        from mlflow.entities import Param
+        self._send("params", {"params": params_of(spec)}, "params")
+        self._send("text", {"text": spec.to_yaml(), "file": "spec.yaml"}, "spec.yaml")
+        self._send_record(spec)  # commit, diff, packages, hardware, data: to reproduce it
+        self._send("views", {"experiment_id": self.experiment_id, "views": views}, "the runs table's views")
 
-        run_id, params, text = self.run_id, [Param(k, v) for k, v in params_of(spec).items()], spec.to_yaml()
-        for i in range(0, len(params), 100):  # MLflow's limit per batch
-            self._writer.call(lambda client, batch=params[i:i + 100]: client.log_batch(run_id, params=batch), "params")
-        self._writer.call(lambda client: client.log_text(run_id, text, "spec.yaml"), "spec.yaml")
-        # commit, diff, packages, hardware, data: to reproduce it (git calls: off the training thread too)
-        self._writer.call(lambda client: run_record.log(client, run_id, spec), "the run record")
-        self._writer.call(lambda client: store_views(client, self.experiment_id, views), "the runs table's views")
+    def _send(self, kind: str, args: dict, what: str, op: str | None = None) -> None:
+        """A store call (runner/tracking/calls.py) through the writer, in order, and in the journal until the
+        store confirms it; after the run ended (a caller adding to a finished run), now. A text the store
+        refuses is said, not raised: it may be the traceback of a run that is failing."""
+        run_id = self.run_id
+
+        def make(client: Any) -> None:
+            try:
+                calls.make(client, run_id, kind, args)
+            except Exception as e:
+                if kind != "text" or not refused(e):
+                    raise  # the store did not answer: the writer retries; a refusal is the tracker's to raise
+                log.warning("MLflow: could not store %s: %s", args["file"], first_line(e))
+
+        if self._writer is None:
+            if run_id is not None:
+                make(self.client)
+            return
+        held = self._journal
+        if held is not None:
+            op = held.call(kind, args, op)
+        self._writer.call(make, what, None if held is None else lambda: held.stored(op))
+
+    def _send_record(self, spec: RunSpec) -> None:
+        """The run record, built on the writer's thread (git calls, packages: seconds), and written to the
+        journal once built, so that a store that cannot take it gets what this run recorded."""
+        run_id, held, args = self.run_id, self._journal, {}
+        op = held.call("record", args) if held is not None else None
+
+        def store(client: Any) -> None:
+            if "tags" not in args:
+                args.update(calls.record_args(spec))
+                if held is not None:
+                    held.call("record", args, op)
+            calls.make(client, run_id, "record", args)
+
+        self._writer.call(store, "the run record", None if held is None else lambda: held.stored(op))
 
     def _open_writer(self) -> None:
         where = str(self.run_file.parent / journal.FILE) if self.run_file is not None else "no local file"
-        self._writer = StoreWriter(self.client, self.run_id, self.uri, where, _FLUSH_EVERY_S, _PATIENCE_S)
+        self._writer = StoreWriter(self.client, self.run_id, self.uri, where, _FLUSH_EVERY_S, _patience())
         if self.run_file is not None:
             self._journal = Journal(self.run_file.parent / journal.FILE, self.run_id)
 
@@ -234,8 +271,12 @@ class MlflowTracker:
         for step, _, values in journal.read(self._journal.path, self.run_id) or []:
             for key in values:
                 self._logged.setdefault(key, set()).add(step)
-        if replayed:
-            log.info("MLflow: %d metric values the run lacked logged from %s", replayed, self._journal.path)
+        unconfirmed = journal.calls(self._journal.path, self.run_id)
+        for op, kind, args in unconfirmed:
+            self._send(kind, args, f"{kind} (from {self._journal.path})", op)
+        if replayed or unconfirmed:
+            log.info("MLflow: %d metric values and %d other calls the run lacked logged from %s", replayed,
+                     len(unconfirmed), self._journal.path)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items()}  # a copy, of plain floats (the journal writes JSON)
@@ -258,52 +299,44 @@ class MlflowTracker:
         self.log_metrics({"objective": objective, **{best_key(k): v for k, v in best.items()}}, step)
 
     def log_artifact(self, path: Path) -> None:
-        run_id, local = self.run_id, str(path)
-        self._call(lambda client: client.log_artifact(run_id, local), f"the artifact {Path(path).name}")
+        self._send("artifact", {"path": str(Path(path).resolve()), "artifact_path": None}, f"the artifact {Path(path).name}")
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Called while a run fails (its traceback): a store refusing it must not hide that failure."""
-        run_id = self.run_id
-        if run_id is None:
-            return
+        if self.run_id is not None:
+            self._send("text", {"text": text, "file": artifact_file}, artifact_file)
 
-        def store(client: Any) -> None:
-            try:
-                client.log_text(run_id, text, artifact_file)
-            except Exception as e:
-                if not refused(e):
-                    raise  # the store did not answer: the writer retries
-                log.warning("MLflow: could not store %s: %s", artifact_file, first_line(e))
-
-        self._call(store, artifact_file)
-
-    def _call(self, fn: Any, what: str) -> None:
-        """fn(client) through the writer, in order; after the run ended (a caller adding to a finished run), now."""
-        if self._writer is not None:
-            self._writer.call(fn, what)
-        elif self.run_id is not None:
-            fn(self.client)
+    def log_saved_model(self, directory: Path, name: str, step: int, tags: dict[str, str], source: str) -> None:
+        """A model saved by mlflow.pytorch.save_model in `directory` while the store could not be reached:
+        logged as the run's model named `name` (at `step`) once it answers (runner/tracking/calls.py)."""
+        self._send("model", {"dir": str(Path(directory).resolve()), "name": name, "step": step, "tags": tags,
+                             "source": source}, f"the MLflow model '{name}'")
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
+        self._send("tags", {"tags": {k: str(v) for k, v in tags.items()}}, "tags")
 
-        run_id, batch = self.run_id, [RunTag(k, str(v)) for k, v in tags.items()]
-        self._call(lambda client: client.log_batch(run_id, tags=batch), "tags")
+    @property
+    def unreachable(self) -> bool:
+        """The store has not answered lately (an outage said and not over)."""
+        return self._writer is not None and self._writer.unreachable
 
-    def flush(self, wait: bool = True) -> None:
+    def flush(self, wait: bool = True) -> bool:
         """Every metric logged so far to the run directory's journal (for good: a kill after this loses none
         of them), and to the store now. `wait`: until the store holds them too, while it makes progress
         (a store that makes none for _PATIENCE_S seconds is left to the writer: training goes on).
-        A value the store refused is raised here."""
+        A value the store refused is raised here. Returns whether the store holds everything now (False
+        without `wait`)."""
         if self._writer is None:
-            return
+            return True
         if self._journal is not None:
             self._journal.write_out()
+        stored = False
         if wait:
-            self._writer.wait()
+            stored = self._writer.wait()
         else:
             self._writer.send_now()
         self._raise_refusal()
+        return stored
 
     def _raise_refusal(self) -> None:
         if self._writer.refusals:
@@ -330,11 +363,13 @@ class MlflowTracker:
         writer.close()
         self._writer = None
         if not ended:
-            waiting, first = writer.left()
-            values = f"{waiting} metric values (from step {first}) and " if waiting else ""
-            log.warning("MLflow at %s is still unreachable at the end of the run: %sthe run's end (%s) are not stored; "
-                        "%s holds them, and the next runner command on this store (on this host) completes the "
-                        "MLflow run from it", self.uri, values, ending, writer.journal)
+            waiting, first, whats = writer.left()
+            values = f"{waiting} metric values (from step {first}), " if waiting else ""
+            others = "".join(f"{what}, " for what in dict.fromkeys(whats) if what != "the run's end")
+            log.warning("MLflow at %s is still unreachable at the end of the run: %s%sthe run's end (%s) are not "
+                        "stored; %s holds them (and the files they name), and `trainer.resume` of this run or the next "
+                        "runner command on this store (on this host) completes the MLflow run from it", self.uri,
+                        values, others, ending, writer.journal)
         if refusals and status == "FINISHED":
             raise refusals[0]  # a run whose metrics are lost did not finish; an ending failure keeps its own error
 
@@ -345,6 +380,13 @@ class MlflowTracker:
             ui = "make ui" if self.uri == DEFAULT_URI else f"python -m runner.tracking.mlflow_ui --backend-store-uri {self.uri}"
             where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
         return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
+
+
+def _patience() -> float:
+    try:
+        return float(os.environ[PATIENCE_ENV])
+    except (KeyError, ValueError):
+        return _PATIENCE_S
 
 
 def best_key(metric: str) -> str:

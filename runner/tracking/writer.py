@@ -43,7 +43,7 @@ class StoreWriter:
     def __init__(self, client: Any, run_id: str, where: str, journal: str, send_every_s: float, patience_s: float):
         self.client, self.run_id, self.where, self.journal = client, run_id, where, journal
         self.send_every_s, self.patience_s = send_every_s, patience_s
-        self._ops: collections.deque = collections.deque()  # ("metrics", step, ms, values) | ("call", step, fn, what)
+        self._ops: collections.deque = collections.deque()  # ("metrics", step, ms, values) | ("call", step, fn, what, stored)
         self._wake = threading.Event()
         self._progress = threading.Condition()
         self.queued = 0          # ops handed over (main thread)
@@ -81,10 +81,16 @@ class StoreWriter:
         if started is not None and self.outage_step is None and time.monotonic() - started > _STALL_S:
             self._outage(f"no answer for {time.monotonic() - started:.0f} s")
 
-    def call(self, fn: Callable[[Any], Any], what: str) -> None:
-        """fn(client), in order with everything else; `what` names it in messages."""
-        self._ops.append(("call", self.last_step, fn, what))
+    def call(self, fn: Callable[[Any], Any], what: str, stored: Callable[[], None] | None = None) -> None:
+        """fn(client), in order with everything else; `what` names it in messages; `stored()` once the store
+        holds it (the journal's confirmation)."""
+        self._ops.append(("call", self.last_step, fn, what, stored))
         self.queued += 1
+
+    @property
+    def unreachable(self) -> bool:
+        """An outage has been said and has not ended."""
+        return self.outage_step is not None
 
     def send_now(self) -> None:
         self._wake.set()
@@ -110,10 +116,11 @@ class StoreWriter:
         self._wake.set()
         _live.discard(self)
 
-    def left(self) -> tuple[int, int | None]:
-        """Metric values not stored yet, and the step of the first of them."""
-        first = next((op[1] for op in list(self._ops) if op[0] == "metrics"), None)
-        return self.values_queued - self.values_done, first
+    def left(self) -> tuple[int, int | None, list[str]]:
+        """Metric values not stored yet, the step of the first of them, and what the other calls left store."""
+        ops = list(self._ops)
+        first = next((op[1] for op in ops if op[0] == "metrics"), None)
+        return self.values_queued - self.values_done, first, [op[3] for op in ops if op[0] == "call"]
 
     # --- the writer thread ------------------------------------------------------------------------------
 
@@ -132,7 +139,8 @@ class StoreWriter:
 
         head = self._ops[0]
         if head[0] == "call":
-            self._store(lambda: head[2](self.client))
+            if self._store(lambda: head[2](self.client)) and head[4] is not None:
+                head[4]()
             self._ops.popleft()
             self._finished(1, 0)
             return
@@ -156,8 +164,8 @@ class StoreWriter:
             self.values_done += values
             self._progress.notify_all()
 
-    def _store(self, send: Callable[[], Any]) -> None:
-        """send() until it succeeds or the store refuses it; an outage is said once, and its end."""
+    def _store(self, send: Callable[[], Any]) -> bool:
+        """send() until it succeeds (True) or the store refuses it (False); an outage is said once, and its end."""
         delay = _BACKOFF_S[0]
         while True:
             self.call_started, self.call_step = time.monotonic(), self.last_step
@@ -167,7 +175,7 @@ class StoreWriter:
                 self.call_started = None
                 if refused(e):
                     self.refusals.append(e)
-                    return
+                    return False
                 self._outage(first_line(e))
                 time.sleep(delay)
                 delay = min(delay * 2, _BACKOFF_S[1])
@@ -177,7 +185,7 @@ class StoreWriter:
                 log.warning("MLflow at %s answers again at step %d, after %.0f s; what was logged meanwhile follows in "
                             "order", self.where, self.last_step, time.monotonic() - self.outage_began)
                 self.outage_step = None
-            return
+            return True
 
     def _outage(self, reason: str) -> None:
         with self._said:

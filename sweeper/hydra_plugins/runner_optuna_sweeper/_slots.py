@@ -152,13 +152,18 @@ class _DropOverrides(logging.Filter):
         return True
 
 
+# the loggers of the launchers' job lines: Hydra's basic one, its joblib and submitit plugins
+_JOB_LINE_LOGGERS = ("hydra._internal.core_plugins.basic_launcher", "hydra_plugins.hydra_joblib_launcher._core",
+                     "hydra_plugins.hydra_submitit_launcher.submitit_launcher")
+
+
 @contextlib.contextmanager
 def job_line_without(hidden: Sequence[str]) -> Iterator[None]:
     """Hydra's launchers log each job as `#N : <overrides>` (hydra.* ones left out): leave these out too."""
     if not hidden:
         yield
         return
-    loggers = [logging.getLogger(n) for n in ("hydra._internal.core_plugins.basic_launcher",)]
+    loggers = [logging.getLogger(n) for n in _JOB_LINE_LOGGERS]
     drop = _DropOverrides(hidden)
     for logger in loggers:
         logger.addFilter(drop)

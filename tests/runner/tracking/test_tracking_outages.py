@@ -9,14 +9,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +26,7 @@ from runner.spec.tracking import TrackingSpec
 from runner.tracking import journal
 from runner.tracking.tracker import build_tracker
 from tests.conftest import REPO
+from tests.servers.mlflow import mlflow_server
 
 # a digits run long enough to stop a server in, with a validation line every 50 steps to follow it by
 RUN = ["trainer.max_steps=400", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=50",
@@ -213,43 +212,6 @@ def test_a_store_left_with_a_hot_journal_by_a_killed_process_opens(tmp_path: Pat
 # --- a real MLflow server, stopped and killed ---------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def mlflow_server(root: Path, template: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`mlflow server` on a free port, its backend a sqlite store in root (a copy of a migrated one), in a
-    process group of its own (SIGSTOP and SIGKILL reach its workers too). Skips when it does not answer."""
-    root.mkdir(parents=True, exist_ok=True)
-    shutil.copy(template, root / "server.db")
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/server.db",
-                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port",
-                             str(port), "--workers", "1"], stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"),
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (root / "server.log").read_text().strip().splitlines()[-1:]
-                    pytest.skip(f"mlflow server did not start on port {port}: {tail}")
-                time.sleep(0.5)
-        yield uri, proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGCONT)
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 class Training:
     """`python -m runner` in the background, its output lines read as they come."""
 
@@ -330,3 +292,190 @@ def test_a_server_killed_for_good_mid_run_fails_nothing_says_so_plainly_and_the_
     assert len(ending) == 1 and str(tmp_path / "run" / journal.FILE) in ending[0]
     assert len(about_mlflow) <= 2  # the outage said at most once while training, and its end once
     assert_same_run(journal_histories(tmp_path / "run"), reference)
+
+
+# --- a server down past every retry, through the end of the run, and back later -------------------------
+
+# A run's whole tracking while its server is down: everything after the start is logged with the server
+# killed (metrics, the summary, tags, an artifact, a model saved in the run directory), and the run ends.
+# Retries and waits are seconds: from the outage on, MLflow's HTTP client tries once; the tracker waits 1 s.
+OUTAGE_WORKER = textwrap.dedent("""
+    import logging, os, sys
+    from pathlib import Path
+    import mlflow.pytorch, torch
+    logging.getLogger().setLevel(logging.WARNING)  # as runner's CLI has it (an import above left it at ERROR)
+    from runner.spec.run import RunSpec
+    from runner.spec.tracking import TrackingSpec
+    from runner.tracking.tracker import build_tracker
+
+    run_dir, uri = Path(sys.argv[1]), sys.argv[2]
+    spec = RunSpec(run_dir=str(run_dir), overrides=("optimizer.lr=0.1",), tracking=TrackingSpec(uri=uri))
+    tracker = build_tracker(spec)
+    tracker.start(spec)
+    while not tracker.flush():  # the start's calls stored (the run record takes seconds), whatever the wait
+        pass
+    print("started", tracker.run_id, flush=True)
+    sys.stdin.readline()  # the test kills the server now
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5")  # read at each request
+    for step in range(1, 41):
+        tracker.log_metrics({"train/loss": 1.0 / step}, step)
+        if step % 20 == 0:
+            tracker.log_metrics({"val/acc": step / 100}, step)
+            tracker.flush(wait=False)
+    tracker.log_summary(0.4, {"val/acc": 0.4}, 40)
+    tracker.set_tags({"world_size": "1", "runner.outcome": "trained"})
+    (run_dir / "curves.png").write_bytes(b"a plot")
+    tracker.log_artifact(run_dir / "curves.png")
+    torch.manual_seed(0)
+    mlflow.pytorch.save_model(torch.nn.Linear(3, 2), str(run_dir / "mlflow_model"), serialization_format="pickle")
+    tracker.log_saved_model(run_dir / "mlflow_model", "model", 40, {"runner.step": "40"}, "last@step 40")
+    tracker.finish("FINISHED")
+""")
+SHORT_WAIT = {"RUNNER_TRACKING_PATIENCE_S": "1"}
+
+
+@pytest.mark.slow  # two server starts and a process importing torch and MLflow: 60-190 s on this loaded machine
+@pytest.mark.cluster
+def test_a_run_that_ends_while_its_server_is_down_exits_0_and_arrives_whole_when_the_store_is_next_opened(
+        tmp_path: Path, migrated_mlflow_store: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from runner.tracking.mlflow_store import end_orphaned_runs
+    from tests.servers.mlflow import restarted, stop
+
+    run_dir = tmp_path / "run"
+    with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
+        worker = subprocess.Popen([sys.executable, "-c", OUTAGE_WORKER, str(run_dir), uri], env={**env(), **SHORT_WAIT},
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = next(line for line in worker.stdout if line.startswith("started") or not line)  # MLflow prints too
+        run_id = started.split()[1]
+        client = MlflowClient(uri)
+        params = client.get_run(run_id).data.params  # stored before the outage (flush)
+        stop(server)
+        _, err = worker.communicate("go\n", timeout=180)
+    assert worker.returncode == 0, err
+    assert "Traceback" not in err
+    ending = [line for line in err.splitlines() if "still unreachable at the end of the run" in line]
+    assert len(ending) == 1, err[-3000:]
+    ending = ending[0]
+    assert "44 metric values (from step 1)" in ending and "the MLflow model 'model'" in ending and str(run_dir / journal.FILE) in ending
+    assert (run_dir / "mlflow_model" / "MLmodel").exists()  # the model kept in the run directory
+    port = int(uri.rsplit(":", 1)[1])
+    with restarted(tmp_path / "server", port) as (uri, _):
+        client = MlflowClient(uri)
+        assert client.get_run(run_id).info.status == "RUNNING"  # as the process left it
+        assert end_orphaned_runs(client) == [run_id]  # what any runner command on the store does when it opens it
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        assert run.data.params == params and "optimizer.lr" in params
+        assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")) == [
+            (step, 1.0 / step) for step in range(1, 41)]
+        assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/acc")] == [(20, 0.2), (40, 0.4)]
+        assert run.data.metrics["objective"] == 0.4 and run.data.metrics["best_val_acc"] == 0.4
+        assert run.data.tags["world_size"] == "1" and run.data.tags["runner.outcome"] == "trained"
+        assert "git_commit" in run.data.tags and "version.torch" in run.data.tags  # the run record
+        assert {a.path for a in client.list_artifacts(run_id)} >= {"curves.png", "spec.yaml", "record"}
+        (output,) = run.outputs.model_outputs
+        assert output.step == 40
+        model = client.get_logged_model(output.model_id)
+        assert model.source_run_id == run_id and str(model.status).endswith("READY")
+        assert run.data.tags["runner.logged_model"] == f"models:/{model.model_id} (last@step 40)"
+        monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "true")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # where models:/ is looked up
+        import mlflow.pytorch
+        import torch
+
+        torch.manual_seed(0)
+        want = torch.nn.Linear(3, 2).state_dict()
+        got = mlflow.pytorch.load_model(f"models:/{model.model_id}").state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert end_orphaned_runs(client) == []  # done once: nothing is sent twice
+        assert len(client.get_metric_history(run_id, "train/loss")) == 40
+    assert "ended FINISHED while this store could not be reached: completed now; 44 metric values and" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def reference_with_model(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: Path) -> tuple:
+    """RUN with its last model logged, to a plain sqlite store: (metric histories, params, tag names, the model's
+    weights)."""
+    import mlflow.pytorch
+
+    root = tmp_path_factory.mktemp("reference_with_model")
+    shutil.copy(migrated_mlflow_store, root / "mlflow.db")
+    uri = f"sqlite:///{root}/mlflow.db"
+    code, out = Training([*RUN, "tracking.log_model=last", f"tracking.uri={uri}", f"tracking.artifact_root={root}/artifacts",
+                          f"hydra.run.dir={root}/run"], root).end()
+    assert code == 0, out[-3000:]
+    client = MlflowClient(uri)
+    run = client.get_run((root / "run" / "mlflow_run_id").read_text().strip())
+    (output,) = run.outputs.model_outputs
+    with _tracking_uri(uri):
+        weights = mlflow.pytorch.load_model(f"models:/{output.model_id}").state_dict()
+    return histories(client, run.info.run_id), run.data.params, set(run.data.tags), weights
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """models:/ URIs looked up in `uri` (pickled models loaded)."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+    os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "true"
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(None)
+        if before is None:
+            del os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"]
+        else:
+            os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = before
+
+
+LOCAL = ("run_dir", "tracking.")  # params that name where the run lives and logs: the two runs differ there
+
+
+@pytest.mark.slow  # two server starts and three runs: minutes on a loaded machine
+@pytest.mark.cluster
+def test_a_trained_run_whose_server_dies_for_good_mid_run_finishes_and_the_resume_sends_it_whole_once_it_is_back(
+        tmp_path: Path, migrated_mlflow_store: Path, reference_with_model: tuple) -> None:
+    import mlflow.pytorch
+    import torch
+
+    from tests.servers.mlflow import restarted, stop
+
+    want_metrics, want_params, want_tags, want_weights = reference_with_model
+    run_dir = tmp_path / "run"
+    args = [*RUN, "tracking.log_model=last", f"hydra.run.dir={run_dir}"]
+    with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
+        run = Training([*args, f"tracking.uri={uri}"], tmp_path, code=PATIENT_3S)
+        run.until(lambda: run.eval_steps())  # training: the run exists on the server
+        stop(server)  # down for good: past MLflow's retries and the tracker's wait, until after the run ended
+        code, out = run.end()
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out
+    ending = [line for line in out.splitlines() if "still unreachable at the end of the run" in line]
+    assert len(ending) == 1 and "the MLflow model 'model'" in ending[0] and str(run_dir / journal.FILE) in ending[0]
+    assert f"MLflow model 'model' kept in {run_dir / 'mlflow_model'}" in out
+    assert "runner: trained 400 optimizer steps" in out
+    port = int(uri.rsplit(":", 1)[1])
+    with restarted(tmp_path / "server", port) as (uri, _):
+        resumed = Training([*args, f"tracking.uri={uri}", f"trainer.resume={run_dir}"], tmp_path)
+        code, out = resumed.end()
+        assert code == 0, out[-3000:]
+        assert "completed now" in out
+        client = MlflowClient(uri)
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        got = client.get_run(run_id)
+        assert got.info.status == "FINISHED"
+        assert_same_run(histories(client, run_id), want_metrics)  # every train/loss and val point, the summary
+        assert {k: v for k, v in got.data.params.items() if not k.startswith(LOCAL)} == {
+            k: v for k, v in want_params.items() if not k.startswith(LOCAL)}
+        assert set(got.data.tags) >= want_tags - {"mlflow.source.name", "mlflow.source.type", "mlflow.user"}
+        assert {a.path for a in client.list_artifacts(run_id)} >= {"curves.png", "spec.yaml", "record"}
+        (output,) = got.outputs.model_outputs
+        assert output.step == 400 and str(client.get_logged_model(output.model_id).status).endswith("READY")
+        assert got.data.tags["runner.logged_model"].startswith(f"models:/{output.model_id} (")
+        with _tracking_uri(uri):
+            weights = mlflow.pytorch.load_model(f"models:/{output.model_id}").state_dict()
+        assert weights.keys() == want_weights.keys()
+        assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)  # the same model as uninterrupted
