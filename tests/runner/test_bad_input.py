@@ -142,7 +142,7 @@ CASES = [
     # in this process: a refusal at the run stage from a real process is the tf32 case's (a run) and n_trials' (a sweep)
     case("model.hidden=[0,128]", "error: model.hidden: [0, 128] is not allowed; every width must be > 0", RUN),
     case("model.hidden=[-5]", "error: model.hidden: [-5] is not allowed", RUN),
-    case("model.hidden=[99999999999]", "error: model: building MLP failed (", RUN),
+    case("model.hidden=[99999999999]", "error: model.hidden: building MLP with model.hidden=[99999999999] failed (", RUN),
     case("model.hidden=128", "error: model.hidden: 128 is not a list"),
     case("model=cnn model.channels=[32,0]", "error: model.channels: [32, 0] is not allowed", RUN),
     case("model.dropout=1", "error: model.dropout: 1.0 is out of range; allowed: 0 <= dropout < 1", RUN),
@@ -218,7 +218,7 @@ CASES = [
     case("optimizer=sgd optimizer.momentum=0 optimizer.nesterov=true", "error: optimizer.nesterov: SGD refuses it "
          "(Nesterov momentum requires a momentum", RUN),
     case("scheduler=warmup_cosine scheduler.warmup=100000", "error: scheduler.warmup: 100000", RUN),
-    case("dataset=mnist dataset.root={tmp}/datasets", "error: dataset.download: mnist not found in", RUN),
+    case("dataset=mnist dataset.root={tmp}/datasets", "error: dataset.root: mnist not found in", RUN),
     case("trainer.resume={foreign_ckpt}", "error: trainer.resume: ", RUN),
     case("trainer.resume={empty_ckpt}", "error: trainer.resume: ", RUN),
     case("trainer.resume={garbage_ckpt}", "error: trainer.resume: ", RUN),
@@ -263,6 +263,32 @@ CASES = [
     case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
          "dataset.max_length=32 dataset.tokenizer=null", "error: dataset.tokenizer: the data's token ids are not "
          "those of the pretrained model at {pretrained} (the data's tokenizer has ", RUN),
+    # the key the user typed, not the one their value reached (issue 26, section 2): a size, a model's folder, a
+    # data folder, the data's length against a pretrained model's
+    case("dataset=fashion_mnist dataset.root={tmp}/datasets", "error: dataset.root: fashion_mnist not found in {tmp}/"
+         "datasets/FashionMNIST/raw (idx ubyte files); set download=true to fetch it, or root=<the folder holding "
+         "FashionMNIST/raw>", RUN),
+    case("model=hf model.path={tmp}/nowhere dataset=text_classification dataset.train_file={reviews}", "error: "
+         "model.path: '{tmp}/nowhere' does not exist; allowed: a local directory written by save_pretrained (the model "
+         "and its tokenizer; nothing is downloaded)", RUN),
+    case("model=hf model.path={file} dataset=text_classification dataset.train_file={reviews}", "error: model.path: "
+         "'{file}' is a file, not a directory; allowed: a local directory written by save_pretrained", RUN),
+    case("model=hf model.path={tmp} dataset=text_classification dataset.train_file={reviews}", "error: model.path: "
+         "{tmp} holds no tokenizer (no tokenizer.json or vocabulary files); save the model's tokenizer there with "
+         "tokenizer.save_pretrained, or give a tokenizer.json (the data reads the model's tokenizer from model.path)", RUN),
+    case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
+         "dataset.max_length=100000", "error: dataset.max_length: the data's sequences of 100000 tokens are longer than "
+         "the 64 positions of the pretrained model at {pretrained}; allowed: at most 64", RUN),
+    # a schedule class that fails its first steps or gives a negative lr: a traceback after step 1, or training at -lr
+    case("scheduler._target_=torch.optim.lr_scheduler.StepLR +scheduler.step_size=0", "error: scheduler.step_size: "
+         "StepLR fails at its step 1 (ZeroDivisionError: integer modulo by zero); allowed: settings StepLR can step "
+         "with", RUN),
+    case("scheduler._target_=torch.optim.lr_scheduler.ExponentialLR +scheduler.gamma=-1", "error: scheduler.gamma: "
+         "ExponentialLR gives the learning rate -0.001 at step 1; allowed: settings whose learning rate stays finite "
+         "and >= 0", RUN),
+    # an architecture made for 224x224 images on 8x8 digits: torch's traceback at the first step before
+    case("model=timm model.name=vit_tiny_patch16_224", "error: model.name: 'vit_tiny_patch16_224' cannot read this "
+         "data's 1x8x8 images (AssertionError: ", RUN),
     # --- the PBT sweeper's inputs (helper pbt): refused before any member or the MLflow parent run exists
     case("-m hparams_search=digits_pbt scheduler.warmup=interval(0,10)", "error: scheduler.warmup: interval(0,10): "
          "population-based training changes only hyperparameters that may change in the middle of a run; allowed: "
