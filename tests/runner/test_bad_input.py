@@ -848,3 +848,32 @@ def test_the_corrected_command_runs_in_the_directory_a_refused_run_named(
     code, _, err = run_in_process(common, tmp_path, RUN, monkeypatch, capsys)
     assert code == 0, err[-2000:]
     assert (run_dir / "spec.yaml").exists() and list((run_dir / "checkpoints").glob("*.pt"))
+
+
+@pytest.mark.slow  # five runs; in CI the matrix asserts no refused run leaves a directory, and
+# tests/runner/addons/test_best_weights.py that latest passes over an eval/predict run's spec.yaml
+def test_resume_latest_goes_on_with_the_newest_training_run_past_predict_eval_and_refused_runs_and_says_which(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Issue 26, section 3. Before: after a mode=predict run, resume=latest restarted training from step 0 in the
+    predict run's folder and logged its steps into the MLflow run named predict; a refused run's folder was a run."""
+    from runner.engine import checkpoint
+
+    runs = tmp_path / "outputs" / "runs"
+    common = [f"tracking.uri=sqlite:///{store}", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+    code, _, err = run_in_process([f"hydra.run.dir={runs / 'trained'}", "trainer.max_steps=2", *common], tmp_path, RUN,
+                                  monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    for mode in ("predict", "eval"):  # each written after the training run (export writes no spec.yaml)
+        code, _, err = run_in_process([f"mode={mode}", f"trainer.resume={runs / 'trained'}",
+                                       f"hydra.run.dir={runs / mode}", *common], tmp_path, RUN, monkeypatch, capsys)
+        assert code == 0 and (runs / mode / "spec.yaml").is_file(), err[-2000:]
+    code, _, _ = run_in_process([f"hydra.run.dir={runs / 'refused'}", "precision=tf32", "trainer.device=cpu", *common],
+                                tmp_path, RUN, monkeypatch, capsys)
+    assert code == 2 and not (runs / "refused").exists()
+    code, out, err = run_in_process(["trainer.resume=latest", "trainer.max_steps=3", *common], tmp_path, RUN,
+                                    monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    newest = sorted((runs / "trained" / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)[-1]
+    assert f"trainer.resume=latest: {runs / 'trained'}, the newest run (its checkpoints/" in out + err
+    assert checkpoint.load(newest)["progress"]["step"] == 3  # trained on from step 2, in its own directory
+    assert not any((runs / mode / "checkpoints").exists() for mode in ("predict", "eval"))
