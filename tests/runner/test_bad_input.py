@@ -229,6 +229,9 @@ CASES = [
     case("tracking.uri=sqlite:////proc/runner-test/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=sqlite:///{readonly}/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=http://127.0.0.1:1", "error: tracking.uri: ", RUN),
+    # a store in a folder that does not exist (issue 26, 1.5): made silently before, as only outputs/ may be
+    case("tracking.uri=sqlite:///{tmp}/no/such/dir/mlflow.db", "error: tracking.uri: the folder {tmp}/no/such/dir does "
+         "not exist; create it (mkdir -p {tmp}/no/such/dir)", RUN),
     # --- cli (issue 13): options of every group from the user's search path, and their unknown names
     case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "optimizer=my_sdg"],
          "error: optimizer: unknown option 'my_sdg'; did you mean my_sgd? choose one of adafactor, adagrad, adam, adamw, "
