@@ -282,6 +282,9 @@ CASES = [
     case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
          "dataset.max_length=100000", "error: dataset.max_length: the data's sequences of 100000 tokens are longer than "
          "the 64 positions of the pretrained model at {pretrained}; allowed: at most 64", RUN),
+    # a key of a mapping left empty (the HF config's settings): "did you mean model.config? keys under model.config: "
+    case("model=hf model.config.dim=64", "error: model.config.dim: model.config holds no keys yet, so a new one is "
+         "added with a plus: +model.config.dim=<value>"),
     # a schedule class that fails its first steps or gives a negative lr: a traceback after step 1, or training at -lr
     case("scheduler._target_=torch.optim.lr_scheduler.StepLR +scheduler.step_size=0", "error: scheduler.step_size: "
          "StepLR fails at its step 1 (ZeroDivisionError: integer modulo by zero); allowed: settings StepLR can step "
