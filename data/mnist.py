@@ -20,8 +20,8 @@ def _load(kind_name: str, name: str, root: str, download: bool, val_fraction: fl
     except RuntimeError as error:  # torchvision's "Dataset not found" when download is false
         if download:
             raise
-        raise ValueError(f"download: {name} not found in {raw.resolve()} (idx ubyte files); "
-                         f"set download=true to fetch it") from error
+        raise ValueError(f"root: {name} not found in {raw.resolve()} (idx ubyte files); set download=true to fetch "
+                         f"it, or root=<the folder holding {kind_name}/raw>") from error
     images = [d.data.unsqueeze(1) for d in (train, test)]  # uint8 (N, 1, 28, 28)
     labels = [torch.as_tensor(d.targets).long() for d in (train, test)]
     return from_train_test(images[0], labels[0], images[1], labels[1], num_classes=10, val_fraction=val_fraction,

@@ -181,8 +181,10 @@ def _saved_config(transformers: Any, path: str, overrides: dict[str, Any], vocab
     if vocab_size is not None and saved_vocab is not None and vocab_size > saved_vocab:
         raise ValueError(f"vocab_size: the data's tokenizer has {vocab_size} tokens, the model at {path} embeds "
                          f"{saved_vocab}; allowed: at most {saved_vocab} (use the model's own tokenizer)")
-    if max_length is not None:
-        _check_positions(cfg, max_length, f"path: the model at {path} has")
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if max_length is not None and isinstance(positions, int) and positions < max_length:  # the data's length to lower
+        raise ValueError(f"max_length: the data's sequences of {max_length} tokens are longer than the {positions} "
+                         f"positions of the pretrained model at {path}; allowed: at most {positions}")
     return cfg
 
 

@@ -45,6 +45,7 @@ def torchvision_model(
         _adapt_first_conv(model, channels, name)
     if weights is not None:
         _load_weights(model, weights)
+    _check_reads(model, name, input_shape, "image_size")
     return model
 
 
@@ -75,7 +76,27 @@ def timm_model(
     model = timm.create_model(name, pretrained=False, num_classes=num_classes, in_chans=input_shape[0], **kwargs)
     if weights is not None:
         _load_weights(model, weights)
+    _check_reads(model, name, input_shape, "img_size")
     return model
+
+
+def _check_reads(model: nn.Module, name: str, input_shape: tuple[int, ...], size_key: str) -> None:
+    """One sample of the data's size through the model: an architecture made for another image size (a ViT's
+    fixed 224x224 patch grid) fails here in one line, not in torch's traceback at the first step. In eval mode
+    and without gradients, so the model's state (BatchNorm's statistics) and the RNG are left as they were."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape))
+    except (AssertionError, RuntimeError, ValueError, TypeError, IndexError) as error:
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"name: {name!r} cannot read this data's {'x'.join(map(str, input_shape))} images "
+                         f"({type(error).__name__}: {first[:200]}); allowed: a model for this size (e.g. "
+                         f"+model.{size_key}={input_shape[-1]} where the architecture takes it), or data resized "
+                         "to what it reads") from None
+    finally:
+        model.train(was_training)
 
 
 def _check_common(num_classes: int, input_shape: tuple[int, ...]) -> None:

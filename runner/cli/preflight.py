@@ -288,6 +288,8 @@ def unknown_key_message(key: str, cfg: DictConfig) -> str:
             return f"{key}: {parent}={plain[parent].get('name')} has no {leaf} ({meta['help']})"
     hint = peer_hint(key) or did_you_mean(key, list(_dotted(plain)))
     node = OmegaConf.select(cfg, parent) if parent else None
+    if isinstance(node, DictConfig) and not node:  # a free mapping left empty (model.config: {}): it takes new keys
+        return f"{key}: {parent} holds no keys yet, so a new one is added with a plus: +{key}=<value>"
     if isinstance(node, DictConfig):
         return f"{key}: unknown key; {hint}keys under {parent}: {', '.join(sorted(str(k) for k in node))}"
     return f"{key}: unknown key; {hint.strip().rstrip(';') or 'python -m runner --cfg job shows every key'}"

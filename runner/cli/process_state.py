@@ -17,7 +17,7 @@ import torch
 
 
 def snapshot() -> dict[str, Any]:
-    loggers = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+    loggers = {name: logger.level for name, logger in list(logging.root.manager.loggerDict.items())
                if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET}
     return {
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
@@ -48,7 +48,8 @@ def restore(state: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(state["environ"])
     logging.root.setLevel(state["root_log_level"])
-    for name, logger in logging.root.manager.loggerDict.items():
+    # a copy: the tracking store opens on another thread, whose libraries make loggers meanwhile
+    for name, logger in list(logging.root.manager.loggerDict.items()):
         if isinstance(logger, logging.Logger):
             logger.setLevel(state["log_levels"].get(name, logging.NOTSET))
 

@@ -145,7 +145,8 @@ class Engine:
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
         tensor_parallel.fit_optimizer(self.optimizer)
         self.progress = Progress()
-        schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps)
+        schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps,
+                                   tuple(components.typed_keys_under(spec.overrides, "scheduler")))
         # handed over to SWALR at SWA's first epoch when trainer.swa.lr is set
         self.schedule = averaging.swa_schedule(spec.trainer.swa, schedule, self.optimizer, self.progress, self.steps_per_epoch)
         # one process: the window's sums are read as they are, with no tensors built for a reduction

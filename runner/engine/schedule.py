@@ -98,8 +98,10 @@ class Schedule:
                 self.scheduler.step()
 
 
-def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, total_steps: int) -> Schedule:
-    """The schedule `spec.target` for a run of `total_steps` optimizer steps."""
+def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, total_steps: int,
+                    typed: tuple[str, ...] = ()) -> Schedule:
+    """The schedule `spec.target` for a run of `total_steps` optimizer steps (`typed`: the scheduler keys the
+    user typed, named where a schedule class fails its first steps)."""
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     fn = load_target("scheduler", spec.target)
@@ -120,19 +122,53 @@ def build_scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer, total
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
 
-    def make() -> Any:
+    def make(on: torch.optim.Optimizer = optimizer) -> Any:
         if not is_class:
-            return LambdaLR(optimizer, _with_warmup(_factor(spec, total_steps, warmup), warmup))
+            return LambdaLR(on, _with_warmup(_factor(spec, total_steps, warmup), warmup))
         # a mode left null is the task's direction (components.resolved_spec fills it in); a bare spec never
         # resolved against a task takes the class's own default
         params = {k: v for k, v in spec.params.items() if not (k == "mode" and v is None)}
-        shape = build_component("scheduler", spec.target, params, {"total_steps": total_steps - warmup}, optimizer)
+        shape = build_component("scheduler", spec.target, params, {"total_steps": total_steps - warmup}, on)
         if not warmup:
             return shape
-        ramp = LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-        return SequentialLR(optimizer, [ramp, shape], [warmup])  # one flat sequence: torch cannot nest them
+        ramp = LinearLR(on, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+        return SequentialLR(on, [ramp, shape], [warmup])  # one flat sequence: torch cannot nest them
 
+    if is_class and not by_evaluation:
+        _first_steps(make, optimizer, spec, name, total_steps, typed)
     return Schedule(make, optimizer, total_steps, spec.monitor, constant_from=warmup if fn is constant else None)
+
+
+def _first_steps(make: Callable[[torch.optim.Optimizer], Any], optimizer: torch.optim.Optimizer, spec: SchedulerSpec,
+                 name: str, total_steps: int, typed: tuple[str, ...], steps: int = 2) -> None:
+    """A schedule class named by _target_ (torch's own, a user's) stepped a few times on a stand-in of the
+    optimizer's groups: one that fails at its first steps (StepLR's step_size=0 divides by zero) or gives a
+    negative or non-finite lr (ExponentialLR's gamma=-1) is one line naming the key, before the run starts,
+    not a traceback after its first step or a run trained at a negative lr."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [torch.zeros(1, requires_grad=True)]}
+              for g in optimizer.param_groups]
+    stand_in = type(optimizer)(groups) if type(optimizer).__module__.startswith("torch.") else torch.optim.SGD(groups)
+    own = [k.partition(".")[2] for k in typed if k != "scheduler._target_"]  # what the user set: where the mistake is
+    at = 0
+    try:
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": a rehearsal, not a step
+            warnings.simplefilter("ignore", UserWarning)
+            schedule = make(stand_in)
+            for at in range(1, min(steps, total_steps) + 1):
+                schedule.step()
+                bad = [float(g["lr"]) for g in stand_in.param_groups if not (math.isfinite(g["lr"]) and g["lr"] >= 0)]
+                if bad:
+                    key = f"scheduler.{own[0]}" if own else "scheduler"
+                    raise SpecError(f"{key}: {name} gives the learning rate {bad[0]:g} at step {at}; allowed: "
+                                    "settings whose learning rate stays finite and >= 0")
+    except SpecError:
+        raise
+    except (ArithmeticError, ValueError, TypeError, IndexError, KeyError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        named = next((k for k in spec.params if k in first), None) or (own[0] if own else None)
+        key = f"scheduler.{named}" if named else "scheduler"
+        raise SpecError(f"{key}: {name} fails at its step {at} ({type(e).__name__}: {first}); allowed: settings "
+                        f"{name} can step with") from None
 
 
 def _factor(spec: SchedulerSpec, total_steps: int, warmup: int) -> Callable[[int], float]:

@@ -18,6 +18,7 @@ import logging
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Callable
 
 from runner.engine import fit_checks
@@ -271,13 +272,33 @@ def build_data(spec: RunSpec) -> Any:
     """The dataset's splits, refused in one line where the model cannot read them or the task cannot
     learn from their labels; a builder that declares token data is refused before it runs."""
     builder = load_target("dataset", spec.dataset.target)
-    data = _call("dataset", builder, spec.dataset.params)
+    try:
+        data = _call("dataset", builder, spec.dataset.params)
+    except SpecError as e:
+        raise SpecError(_as_model_path(spec, str(e))) from None
     from runner.search import folds  # late: torch and scikit-learn, which the spec checks before the run do without
 
     data = folds.for_run(spec, data)  # a k-fold run's fold: its own train and val, the same test
     check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
     fit_checks.check_task_labels(spec, data)
     return data
+
+
+def _as_model_path(spec: RunSpec, message: str) -> str:
+    """A text dataset reads a pretrained model's own tokenizer from model.path (dataset.tokenizer's default):
+    where the user typed model.path and not dataset.tokenizer, a complaint about the tokenizer is one about
+    the model.path they typed."""
+    path = spec.model.params.get("path")
+    head = "dataset.tokenizer: "
+    if (not message.startswith(head) or path is None or spec.dataset.params.get("tokenizer") != path
+            or "dataset.tokenizer" in typed_keys_under(spec.overrides, "dataset")):
+        return message
+    folder = Path(str(path)).expanduser()
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is a file, not a directory"
+        return (f"model.path: {path!r} {what}; allowed: a local directory written by save_pretrained (the model and "
+                "its tokenizer; nothing is downloaded)")
+    return f"model.path: {message.removeprefix(head)} (the data reads the model's tokenizer from model.path)"
 
 
 def build_task(spec: TaskSpec, num_classes: int | None) -> Any:
@@ -305,10 +326,11 @@ def build_model(spec: RunSpec, data: Any) -> Any:
         raise SpecError(f"model.{missing[0]}: {spec.model.target} needs it and the dataset ({spec.dataset.target}) "
                         f"does not provide it; choose a dataset that does" +
                         ("" if decided else f", or set +model.{missing[0]}=..."))
-    return _call("model", fn, kwargs, dataset_keys=set(spec.dataset.params))
+    return _call("model", fn, kwargs, dataset_keys=set(spec.dataset.params), typed=typed_keys_under(spec.overrides, "model"))
 
 
-def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[str] = frozenset()) -> Any:
+def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[str] = frozenset(),
+          typed: list[str] = ()) -> Any:
     """The component built; its plain complaint (ValueError, TypeError, a file it cannot find), a
     built-in's or a user's alike, becomes the one line `<group>.<its key>: ...`."""
     kwargs = {k: _instantiated(v, f"{group}.{k}") for k, v in kwargs.items()}
@@ -321,11 +343,28 @@ def _call(group: str, fn: Callable, kwargs: dict[str, Any], dataset_keys: set[st
     except FileNotFoundError as e:
         raise SpecError(f"{group}: {_name(fn)} could not open {e.filename} ({e.strerror})") from None
     except (RuntimeError, MemoryError) as e:  # e.g. a layer too big to allocate: the config asked for it
-        raise SpecError(f"{group}: building {_name(fn)} failed ({_first_line(e)[:200]}); check its sizes") from None
+        why = re.sub(r"^\[enforce fail at [^]]*\] err == 0\. ", "", _first_line(e))[:200]  # c10's allocator prefix
+        sizes = [k for k in typed if _is_size(kwargs.get(k.partition(".")[2]))]
+        if sizes:  # the sizes the user typed: the key to change is theirs
+            named = ", ".join(f"{k}={_plain(kwargs[k.partition('.')[2]])}" for k in sizes)
+            raise SpecError(f"{sizes[0]}: building {_name(fn)} with {named} failed ({why}); allowed: sizes that fit "
+                            "in memory") from None
+        raise SpecError(f"{group}: building {_name(fn)} failed ({why}); check its sizes") from None
     except Exception as e:  # a user's builder failing its own way (KeyError, OSError, ...): what it said, on one line
         first = str(e).splitlines()[0] if str(e) else ""
         raise SpecError(f"{group}._target_: {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} raised "
                         f"{type(e).__name__}{f' ({first[:200]})' if first else ''}; fix it or name another") from None
+
+
+def typed_keys_under(overrides: tuple[str, ...], group: str) -> list[str]:
+    """The keys of `group` the user typed (model.hidden from `model.hidden=[...]`), in their order."""
+    keys = [o.lstrip("+~").partition("=")[0] for o in overrides if "=" in o]
+    return list(dict.fromkeys(k for k in keys if k.startswith(group + ".")))
+
+
+def _is_size(value: Any) -> bool:
+    numbers = value if isinstance(value, (list, tuple)) else [value]
+    return bool(numbers) and all(isinstance(n, int) and not isinstance(n, bool) for n in numbers)
 
 
 def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
@@ -336,6 +375,8 @@ def _keyed(group: str, message: str, dataset_keys: set[str]) -> str:
         return f"{group}: {message}"
     if key in DATA_DECIDED and key in dataset_keys:
         group = "dataset"
+    elif key == "max_length" and "block_size" in dataset_keys:  # a token corpus's sequence length is its block_size
+        return f"dataset.block_size{message[len(key):]}"
     return f"{group}.{message}"
 
 

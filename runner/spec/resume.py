@@ -63,10 +63,15 @@ def plan(spec: RunSpec) -> RunSpec:
     _check_global_batch(saved, resumed)
     cv = saved.trainer.cross_validation
     k_fold = cv.folds is not None and cv.fold is None  # its folds hold the checkpoints; it says what they do
-    log.info("%s %s", ("continuing the k-fold run in" if k_fold else "continuing the run in") if in_place
-             else "starting a new run from", target)
+    fold = cv.fold if cv.folds is not None else None  # one fold of a k-fold run, resumed by that run
+    log.info("%s %s", ("continuing the k-fold run in" if k_fold else f"continuing fold {fold} in" if fold is not None
+                       else "continuing the run in") if in_place else "starting a new run from", target)
     if starts_over(target) and not k_fold:  # the engine then loads no checkpoint
-        log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
+        if fold is not None:  # the k-fold run goes on at this fold, the folds before it kept
+            log.info("fold %d holds no checkpoint yet: it starts over from its step 0 (the k-fold run goes on at "
+                     "fold %d)", fold, fold)
+        else:
+            log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
     return resumed
 
 

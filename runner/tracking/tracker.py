@@ -205,6 +205,9 @@ class MlflowTracker:
                 self.run_file.parent.mkdir(parents=True, exist_ok=True)
                 self.run_file.write_text(self.run_id)
             self._open_writer()
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM/SIGHUP, a sweep's death: killed, as anywhere later in the run
+            self.client.set_terminated(self.run_id, status="KILLED")
+            raise
         except BaseException:
             self.client.set_terminated(self.run_id, status="FAILED")
             raise

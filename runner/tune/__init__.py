@@ -48,6 +48,7 @@ class Finding:
     metrics: dict[str, float] = field(default_factory=dict)
     plot: Path | None = None
     changes: dict[str, Any] = field(default_factory=dict)  # the found values by dotted key: what `applied` changed
+    said_live: int = 0  # the report's first lines, which the search said on the console as it went (not twice)
 
 
 def run_finder(spec: RunSpec, env: DistEnv, tracker: Tracker) -> tuple[RunSpec | None, Tracker]:
@@ -67,7 +68,7 @@ def run_finder(spec: RunSpec, env: DistEnv, tracker: Tracker) -> tuple[RunSpec |
             write_finding(spec, finding)
     recording = RecordingTracker(tracker, finding)
     if env.is_main:
-        print("\n".join(finding.lines), file=sys.stdout, flush=True)
+        print("\n".join(finding.lines if recorded else finding.lines[finding.said_live:]), file=sys.stdout, flush=True)
         if recorded:
             log.info("tune: the finding recorded in %s (the finder had finished before the run stopped); not searched "
                      "again", Path(spec.run_dir) / FINDING_FILE)
@@ -109,7 +110,8 @@ def find(engine: Engine, tune: TuneSpec) -> Finding:
     return Finding(_off(applied), lines, _tags(tune, suggestion, f"dataset.batch_size={spec.dataset.batch_size} "
                                                                   f"accumulation.steps={spec.accumulation.steps}"),
                    points, metrics, changes={"dataset.batch_size": applied.dataset.batch_size,
-                                             "accumulation.steps": applied.accumulation.steps})
+                                             "accumulation.steps": applied.accumulation.steps},
+                   said_live=1)  # each candidate's samples/s, logged as it was timed
 
 
 class RecordingTracker:

@@ -152,7 +152,9 @@ def test_bad_settings_fail_in_one_line_naming_the_parameter(kwargs: dict, messag
 
 def test_a_saved_model_too_short_or_too_small_for_the_data_is_refused(tmp_path: Path) -> None:
     hf_model(config=TINY_DISTILBERT, num_classes=3, **DATA).model.save_pretrained(tmp_path / "saved")
-    with pytest.raises(ValueError, match=r"^path: the model at .* has 12 positions, fewer than .* \(20 tokens\)"):
+    # the data's length is what to lower (dataset.max_length, or a corpus's block_size): the key the message leads with
+    with pytest.raises(ValueError, match=r"^max_length: the data's sequences of 20 tokens are longer than the 12 "
+                                         r"positions of the pretrained model at .*; allowed: at most 12$"):
         hf_model(path=str(tmp_path / "saved"), num_classes=3, vocab_size=50, max_length=20)
     with pytest.raises(ValueError, match=r"^vocab_size: the data's tokenizer has 60 tokens, the model at .* embeds 50"):
         hf_model(path=str(tmp_path / "saved"), num_classes=3, vocab_size=60, max_length=12)

@@ -183,3 +183,15 @@ def test_model_option_instantiates_with_what_the_data_decides(option: str, data:
     model = instantiate(cfg, **data)
     out = model(batch)
     assert out.shape == ((2, 16, 50) if option == "gpt" else (2, 10))
+
+
+@pytest.mark.parametrize("build, name, size_key", [
+    pytest.param(torchvision_model, "vit_b_16", "image_size", marks=pytest.mark.slow),  # 86M parameters, twice
+    (timm_model, "vit_tiny_patch16_224", "img_size")])
+def test_an_architecture_made_for_another_image_size_is_refused_when_built(build, name: str, size_key: str) -> None:
+    """Issue 26, section 2: torch's traceback at the first step before; one line naming the key and the size now."""
+    with pytest.raises(ValueError, match=rf"^name: '{name}' cannot read this data's 3x32x32 images \(AssertionError: "
+                                         rf".*\); allowed: a model for this size \(e.g. \+model.{size_key}=32 "):
+        build(name, num_classes=10, input_shape=(3, 32, 32))
+    model = build(name, num_classes=10, input_shape=(3, 32, 32), **{size_key: 32})  # what the line suggests
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10) and model.training

@@ -142,7 +142,7 @@ CASES = [
     # in this process: a refusal at the run stage from a real process is the tf32 case's (a run) and n_trials' (a sweep)
     case("model.hidden=[0,128]", "error: model.hidden: [0, 128] is not allowed; every width must be > 0", RUN),
     case("model.hidden=[-5]", "error: model.hidden: [-5] is not allowed", RUN),
-    case("model.hidden=[99999999999]", "error: model: building MLP failed (", RUN),
+    case("model.hidden=[99999999999]", "error: model.hidden: building MLP with model.hidden=[99999999999] failed (", RUN),
     case("model.hidden=128", "error: model.hidden: 128 is not a list"),
     case("model=cnn model.channels=[32,0]", "error: model.channels: [32, 0] is not allowed", RUN),
     case("model.dropout=1", "error: model.dropout: 1.0 is out of range; allowed: 0 <= dropout < 1", RUN),
@@ -218,7 +218,7 @@ CASES = [
     case("optimizer=sgd optimizer.momentum=0 optimizer.nesterov=true", "error: optimizer.nesterov: SGD refuses it "
          "(Nesterov momentum requires a momentum", RUN),
     case("scheduler=warmup_cosine scheduler.warmup=100000", "error: scheduler.warmup: 100000", RUN),
-    case("dataset=mnist dataset.root={tmp}/datasets", "error: dataset.download: mnist not found in", RUN),
+    case("dataset=mnist dataset.root={tmp}/datasets", "error: dataset.root: mnist not found in", RUN),
     case("trainer.resume={foreign_ckpt}", "error: trainer.resume: ", RUN),
     case("trainer.resume={empty_ckpt}", "error: trainer.resume: ", RUN),
     case("trainer.resume={garbage_ckpt}", "error: trainer.resume: ", RUN),
@@ -229,6 +229,9 @@ CASES = [
     case("tracking.uri=sqlite:////proc/runner-test/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=sqlite:///{readonly}/mlflow.db", "error: tracking.uri: ", RUN),
     case("tracking.uri=http://127.0.0.1:1", "error: tracking.uri: ", RUN),
+    # a store in a folder that does not exist (issue 26, 1.5): made silently before, as only outputs/ may be
+    case("tracking.uri=sqlite:///{tmp}/no/such/dir/mlflow.db", "error: tracking.uri: the folder {tmp}/no/such/dir does "
+         "not exist; create it (mkdir -p {tmp}/no/such/dir)", RUN),
     # --- cli (issue 13): options of every group from the user's search path, and their unknown names
     case([f"hydra.searchpath=[file://{Path(__file__).parents[1] / 'user_pkg' / 'conf'}]", "optimizer=my_sdg"],
          "error: optimizer: unknown option 'my_sdg'; did you mean my_sgd? choose one of adafactor, adagrad, adam, adamw, "
@@ -263,6 +266,35 @@ CASES = [
     case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
          "dataset.max_length=32 dataset.tokenizer=null", "error: dataset.tokenizer: the data's token ids are not "
          "those of the pretrained model at {pretrained} (the data's tokenizer has ", RUN),
+    # the key the user typed, not the one their value reached (issue 26, section 2): a size, a model's folder, a
+    # data folder, the data's length against a pretrained model's
+    case("dataset=fashion_mnist dataset.root={tmp}/datasets", "error: dataset.root: fashion_mnist not found in {tmp}/"
+         "datasets/FashionMNIST/raw (idx ubyte files); set download=true to fetch it, or root=<the folder holding "
+         "FashionMNIST/raw>", RUN),
+    case("model=hf model.path={tmp}/nowhere dataset=text_classification dataset.train_file={reviews}", "error: "
+         "model.path: '{tmp}/nowhere' does not exist; allowed: a local directory written by save_pretrained (the model "
+         "and its tokenizer; nothing is downloaded)", RUN),
+    case("model=hf model.path={file} dataset=text_classification dataset.train_file={reviews}", "error: model.path: "
+         "'{file}' is a file, not a directory; allowed: a local directory written by save_pretrained", RUN),
+    case("model=hf model.path={tmp} dataset=text_classification dataset.train_file={reviews}", "error: model.path: "
+         "{tmp} holds no tokenizer (no tokenizer.json or vocabulary files); save the model's tokenizer there with "
+         "tokenizer.save_pretrained, or give a tokenizer.json (the data reads the model's tokenizer from model.path)", RUN),
+    case("model=hf model.path={pretrained} dataset=text_classification dataset.train_file={reviews} "
+         "dataset.max_length=100000", "error: dataset.max_length: the data's sequences of 100000 tokens are longer than "
+         "the 64 positions of the pretrained model at {pretrained}; allowed: at most 64", RUN),
+    # a key of a mapping left empty (the HF config's settings): "did you mean model.config? keys under model.config: "
+    case("model=hf model.config.dim=64", "error: model.config.dim: model.config holds no keys yet, so a new one is "
+         "added with a plus: +model.config.dim=<value>"),
+    # a schedule class that fails its first steps or gives a negative lr: a traceback after step 1, or training at -lr
+    case("scheduler._target_=torch.optim.lr_scheduler.StepLR +scheduler.step_size=0", "error: scheduler.step_size: "
+         "StepLR fails at its step 1 (ZeroDivisionError: integer modulo by zero); allowed: settings StepLR can step "
+         "with", RUN),
+    case("scheduler._target_=torch.optim.lr_scheduler.ExponentialLR +scheduler.gamma=-1", "error: scheduler.gamma: "
+         "ExponentialLR gives the learning rate -0.001 at step 1; allowed: settings whose learning rate stays finite "
+         "and >= 0", RUN),
+    # an architecture made for 224x224 images on 8x8 digits: torch's traceback at the first step before
+    case("model=timm model.name=vit_tiny_patch16_224", "error: model.name: 'vit_tiny_patch16_224' cannot read this "
+         "data's 1x8x8 images (AssertionError: ", RUN),
     # --- the PBT sweeper's inputs (helper pbt): refused before any member or the MLflow parent run exists
     case("-m hparams_search=digits_pbt scheduler.warmup=interval(0,10)", "error: scheduler.warmup: interval(0,10): "
          "population-based training changes only hyperparameters that may change in the middle of a run; allowed: "
@@ -822,3 +854,32 @@ def test_the_corrected_command_runs_in_the_directory_a_refused_run_named(
     code, _, err = run_in_process(common, tmp_path, RUN, monkeypatch, capsys)
     assert code == 0, err[-2000:]
     assert (run_dir / "spec.yaml").exists() and list((run_dir / "checkpoints").glob("*.pt"))
+
+
+@pytest.mark.slow  # five runs; in CI the matrix asserts no refused run leaves a directory, and
+# tests/runner/addons/test_best_weights.py that latest passes over an eval/predict run's spec.yaml
+def test_resume_latest_goes_on_with_the_newest_training_run_past_predict_eval_and_refused_runs_and_says_which(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Issue 26, section 3. Before: after a mode=predict run, resume=latest restarted training from step 0 in the
+    predict run's folder and logged its steps into the MLflow run named predict; a refused run's folder was a run."""
+    from runner.engine import checkpoint
+
+    runs = tmp_path / "outputs" / "runs"
+    common = [f"tracking.uri=sqlite:///{store}", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+    code, _, err = run_in_process([f"hydra.run.dir={runs / 'trained'}", "trainer.max_steps=2", *common], tmp_path, RUN,
+                                  monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    for mode in ("predict", "eval"):  # each written after the training run (export writes no spec.yaml)
+        code, _, err = run_in_process([f"mode={mode}", f"trainer.resume={runs / 'trained'}",
+                                       f"hydra.run.dir={runs / mode}", *common], tmp_path, RUN, monkeypatch, capsys)
+        assert code == 0 and (runs / mode / "spec.yaml").is_file(), err[-2000:]
+    code, _, _ = run_in_process([f"hydra.run.dir={runs / 'refused'}", "precision=tf32", "trainer.device=cpu", *common],
+                                tmp_path, RUN, monkeypatch, capsys)
+    assert code == 2 and not (runs / "refused").exists()
+    code, out, err = run_in_process(["trainer.resume=latest", "trainer.max_steps=3", *common], tmp_path, RUN,
+                                    monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    newest = sorted((runs / "trained" / "checkpoints").glob("*.pt"), key=lambda p: p.stat().st_mtime)[-1]
+    assert f"trainer.resume=latest: {runs / 'trained'}, the newest run (its checkpoints/" in out + err
+    assert checkpoint.load(newest)["progress"]["step"] == 3  # trained on from step 2, in its own directory
+    assert not any((runs / mode / "checkpoints").exists() for mode in ("predict", "eval"))

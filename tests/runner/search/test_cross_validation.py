@@ -398,3 +398,32 @@ def test_resume_latest_after_a_killed_k_fold_run_goes_on_at_the_killed_fold(tmp_
     assert runs(db)[parent_id]["status"] == "FINISHED"
     assert runs(db)[parent_id]["metrics"][f"cv/{METRIC}_mean"][-1][1] == pytest.approx(
         statistics.fmean(record[k]["objective"] for k in (0, 1)))
+
+
+def test_resuming_a_k_fold_run_says_it_goes_on_at_its_fold_not_that_it_starts_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26, 1.6: the resume of a k-fold run killed before its next fold's first checkpoint printed
+    "... starts over from step 0" while it went on at that fold, fold 0 kept."""
+    run_dir = tmp_path / "cv"
+    overrides = [*TINY, "trainer.max_steps=1", "trainer.cross_validation.folds=2"]
+    train_step, stop = Engine.train_step, [True]
+
+    def killed_in_fold_1(self, micro_batches):
+        if Path(self.spec.run_dir).name == "fold-1" and stop:  # fold 1's first step: it has no checkpoint yet
+            stop.clear()
+            raise KeyboardInterrupt
+        return train_step(self, micro_batches)
+
+    monkeypatch.setattr(Engine, "train_step", killed_in_fold_1)
+    with pytest.raises(KeyboardInterrupt):
+        launch.run(compose_spec(overrides, run_dir))
+    assert list(read_record(run_dir)) == [0] and (run_dir / "fold-1" / "spec.yaml").is_file()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        launch.run(compose_spec([f"trainer.resume={run_dir}"], tmp_path / "unused"))
+    said = caplog.text
+    assert f"continuing the k-fold run in {run_dir}" in said
+    assert "starts over from step 0" not in said, said
+    assert "folds 0 done already" in said and f"continuing fold 1 in {run_dir / 'fold-1'}" in said
+    assert "fold 1 holds no checkpoint yet: it starts over from its step 0 (the k-fold run goes on at fold 1)" in said
+    assert sorted(read_record(run_dir)) == [0, 1]

@@ -176,6 +176,24 @@ def test_finish_ends_the_run_failed_even_when_its_last_metrics_cannot_be_stored(
     assert run.info.status == "FAILED"
 
 
+def test_a_run_interrupted_while_its_start_sets_up_ends_killed_not_failed(tmp_path: Path, store: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's trial gets SIGTERM (a KeyboardInterrupt) when its sweep dies; one that came just after the
+    run's mlflow_run_id file was written, while the writer started, ended the run FAILED (the flaky
+    test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree waits for exactly that file)."""
+    spec = spec_at(tmp_path)
+    tracker = build_tracker(spec)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt("signal 15: the sweep is gone")
+
+    monkeypatch.setattr(tracker, "_open_writer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.start(spec)
+    assert (tmp_path / "run" / "mlflow_run_id").read_text() == tracker.run_id
+    assert MlflowClient(spec.tracking.uri).get_run(tracker.run_id).info.status == "KILLED"
+
+
 # --- 4. bad tracking input: one line, quickly --------------------------------------------------------
 
 
