@@ -10,6 +10,7 @@ ranks last and copies a better member, as a failed trial is recorded rather than
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.engine import preemption
+from runner.engine import checkpoint, preemption
 
 from runner.cli import process_state
 from runner.spec.run import RunSpec, SpecError
@@ -43,6 +44,8 @@ def run_job(job_file: Path) -> dict[str, Any]:
     job = json.loads(Path(job_file).read_text())
     spec = RunSpec.from_yaml(job["spec"])
     run_dir = Path(spec.run_dir)
+    if not spec.trainer.resume and checkpoint.has_checkpoint(run_dir):  # a job run again (a requeued SLURM job)
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     with process_state.isolated(), preemption.handled():
