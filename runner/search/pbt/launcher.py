@@ -37,6 +37,7 @@ JOB_KEY = "pbt_job"   # the override naming a member's job file
 BEAT_S = 1.0          # the sweep rewrites its alive file this often
 STALE_S = 60.0        # a beat that stood still this long, seen from another host: the sweep is gone
 STOP_WAIT_S = 60.0    # a stopped sweep waits this long for its members to stop (write a checkpoint, end KILLED)
+RELAUNCHES = 3        # a member stopped by a signal of its own (a preemption) is launched again this often
 
 
 class MemberFailed(RuntimeError):
@@ -136,15 +137,29 @@ class LauncherMembers:
         return {"sweep": self.alive.identity()}
 
     def __call__(self, jobs: Sequence[Path]) -> None:
-        for start in range(0, len(jobs), self.n_jobs):
-            self._launch(list(jobs[start:start + self.n_jobs]))
+        """A member stopped by a signal of its own while the sweep runs (a SLURM preemption, a node drained) is
+        launched again, RELAUNCHES times at most: its job goes on from the checkpoint the stop wrote."""
+        todo = list(jobs)
+        for attempt in range(RELAUNCHES + 1):
+            stopped = []
+            for start in range(0, len(todo), self.n_jobs):
+                stopped += self._launch(todo[start:start + self.n_jobs])
+            if not stopped:
+                return
+            for job, why in stopped:
+                if attempt == RELAUNCHES:
+                    raise MemberFailed(f"PBT member {_member_of(job)} was stopped {RELAUNCHES + 1} times before the end "
+                                       f"of its round (last: {why}); the same command on the same hydra.sweep.dir goes "
+                                       "on from its checkpoint")
+                log.warning("PBT: member %s was stopped (%s); launching it again from its checkpoint", _member_of(job), why)
+            todo = [job for job, _ in stopped]
 
     def _overrides(self, job: Path) -> list[str]:
         # the job's Hydra directory (its .hydra/ and runner.log) beside its job file, not in the member's run dir
         subdir = job.parent.relative_to(self.alive.path.parent) / job.stem
         return [*self.fixed, f"+{JOB_KEY}={_quote(str(job))}", f"hydra.sweep.subdir={_quote(str(subdir))}"]
 
-    def _launch(self, jobs: list[Path]) -> None:
+    def _launch(self, jobs: list[Path]) -> list[tuple[Path, str]]:
         """The launcher's `launch` runs in a thread: a Ctrl-C or SIGTERM of the sweep (raised in this, the main
         thread) then stops the members through the alive file and waits for them, rather than interrupting the
         launcher (joblib's abort would SIGKILL its workers, leaving their MLflow runs RUNNING)."""
@@ -170,19 +185,17 @@ class LauncherMembers:
         if failure:
             raise MemberFailed(f"the launcher {type(self.launcher).__name__} could not run the members "
                                f"({type(failure[0]).__name__}: {_first_line(failure[0])})") from None
-        for job, ret in zip(jobs, returns):
-            _raise_if_failed(job, ret)
+        return [(job, why) for job, ret in zip(jobs, returns) if (why := _stopped(job, ret))]
 
 
-def _raise_if_failed(job: Path, ret: Any) -> None:
+def _stopped(job: Path, ret: Any) -> str | None:
+    """Why the member's job stopped before the end of its round (a signal), None when it finished; raises
+    MemberFailed for a job that failed."""
     from hydra.core.utils import JobStatus
 
     if ret.status == JobStatus.COMPLETED:
         value = ret.return_value
-        if isinstance(value, dict) and "stopped" in value:
-            raise MemberFailed(f"PBT member {_member_of(job)} was stopped ({value['stopped']}) before the end of its "
-                               f"round; the same command on the same hydra.sweep.dir goes on from its checkpoint")
-        return
+        return value["stopped"] if isinstance(value, dict) and "stopped" in value else None
     error = ret._return_value
     log_file = Path(str(ret.hydra_cfg.hydra.runtime.output_dir)) / f"{ret.hydra_cfg.hydra.job.name}.log"
     raise MemberFailed(f"PBT member {_member_of(job)} failed ({type(error).__name__}: {_first_line(error)}); "

@@ -1,5 +1,6 @@
 """One member's round: train from where the member is to the round's boundary (trainer.stop_at_step),
-or to its end in the last round, in this process or as `python -m runner.search.pbt.member <job.json>`.
+or to its end in the last round, in this process, as `python -m runner.search.pbt.member <job.json>`, or as
+a job of the Hydra launcher the user chose (runner/search/pbt/launcher.py's member_task).
 
 The job file names the member's spec (its run directory, its hyperparameters, `trainer.resume` after
 the first round), the population's MLflow parent run, the hyperparameters to log as metrics at the step

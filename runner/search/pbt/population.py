@@ -49,7 +49,8 @@ class Settings:
     explore: str = "pbt"                    # pbt | pb2
     perturb: tuple[float, ...] = (0.8, 1.2)
     resample_probability: float = 0.25
-    n_jobs: int = 1                         # members trained at once (each in its own process when > 1)
+    n_jobs: int = 1                         # members trained at once (each in its own process when > 1, or
+                                            # handed together to the Hydra launcher: runner/search/pbt/launcher.py)
     seed: int = 0
     pb2_kappa: float = 2.0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_a_population_through_a_launcher_ends_as_through_the_local_path(name: st
         for step in (3, 6):
             job = sweep / f"member-{member}" / "pbt" / f"job-{step:08d}"
             assert f"step {step}: val/acc" in (job / "runner.log").read_text()
-            assert f"+pbt_job={job}.json" in (job / ".hydra" / "overrides.yaml").read_text()
+            assert f"+pbt_job='{job}.json'" in (job / ".hydra" / "overrides.yaml").read_text()
     if name == "submitit_local":
         assert len([d for d in (sweep / ".submitit").iterdir() if d.name != "%j"]) == 4  # 2 members x 2 rounds
     assert not (sweep / members_launcher.ALIVE_FILE).exists()
@@ -252,3 +253,55 @@ def test_a_sigkilled_sweep_stops_its_launchers_members_and_reruns_to_the_uninter
                     cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert outcome(tmp_path) == local_population["outcome"]  # each metric once per step, as uninterrupted
+
+
+def _process_writing(log: Path) -> int | None:
+    """The process that holds `log` open (a member job's Hydra file handler keeps its runner.log open)."""
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == str(log) for fd in fd_dir.iterdir()):
+                return int(fd_dir.parent.name)
+        except OSError:
+            continue
+    return None
+
+
+def _max_step(where: Path, run_name: str) -> int:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(where / "mlflow.db", timeout=1) as con:
+            (top,) = con.execute("select max(m.step) from metrics m join runs r on m.run_uuid = r.run_uuid where "
+                                 "m.key = 'train/loss' and r.name = ?", (run_name,)).fetchone()
+    except sqlite3.Error:
+        return 0
+    return top or 0
+
+
+@pytest.mark.slow  # ~3 min
+@pytest.mark.cluster
+def test_a_member_preempted_by_its_own_signal_is_launched_again_and_goes_on_from_its_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM to member 0's submitit_local job alone in round 1 (as a SLURM preemption sends it) while the sweep
+    runs: the member stops at a step boundary with its checkpoint, the sweep launches it again, and it goes on
+    from that step: every train/loss step logged once, its MLflow run FINISHED, the population complete."""
+    log = tmp_path / "sweep" / "member-0" / "pbt" / "job-00000600" / "runner.log"
+    sweep = _start(tmp_path, lambda: _max_step(tmp_path, "pbt member 0") >= 10, "trainer.max_steps=1200",
+                   "hydra.sweeper.ready=600")
+    try:
+        member = _process_writing(log)
+        assert member is not None
+        os.kill(member, signal.SIGTERM)
+        out, err = sweep.communicate(timeout=500)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 0, err[-3000:]
+    said = re.search(r"PBT: member 0 was stopped \(stopped by SIGTERM at step (\d+)\); launching it again from its "
+                     "checkpoint", out + err)
+    assert said and 10 <= int(said[1]) < 600, (out + err)[-3000:]  # in round 1, at a step boundary
+    state = json.loads((tmp_path / "sweep" / "pbt_state.json").read_text())
+    assert state["round"] == 2
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for member in state["members"]:
+        assert [m.step for m in client.get_metric_history(member["run_id"], "train/loss")] == list(range(1, 1201))
+        assert client.get_run(member["run_id"]).info.status == "FINISHED"
