@@ -92,7 +92,7 @@ class SweepAlive:
 
     def identity(self) -> dict[str, Any]:
         """What a member's job file carries to watch this sweep."""
-        return {"alive": str(self.path), "token": self.token, "host": self.host, "pid": self.pid}
+        return {"alive": os.path.abspath(self.path), "token": self.token, "host": self.host, "pid": self.pid}
 
     def _write(self, beat: int) -> None:
         atomic_write(self.path, json.dumps({"token": self.token, "host": self.host, "pid": self.pid, "beat": beat}))
@@ -156,7 +156,8 @@ class LauncherMembers:
 
     def _overrides(self, job: Path) -> list[str]:
         # the job's Hydra directory (its .hydra/ and runner.log) beside its job file, not in the member's run dir
-        subdir = job.parent.relative_to(self.alive.path.parent) / job.stem
+        job = Path(os.path.abspath(job))
+        subdir = job.parent.relative_to(Path(os.path.abspath(self.alive.path.parent))) / job.stem
         return [*self.fixed, f"+{JOB_KEY}={_quote(str(job))}", f"hydra.sweep.subdir={_quote(str(subdir))}"]
 
     def _launch(self, jobs: list[Path]) -> list[tuple[Path, str]]:

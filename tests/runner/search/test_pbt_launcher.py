@@ -24,7 +24,16 @@ from omegaconf import OmegaConf
 
 from runner.search.pbt import launcher as members_launcher
 from runner.spec.run import SpecError
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
+
+try:  # the one-host SLURM cluster (the slurm slice's tests/servers/slurm.py)
+    from tests.servers.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the session's cluster)
+except ImportError:
+    SlurmCluster = None
+
+    @pytest.fixture
+    def slurm_cluster():
+        pytest.skip("no one-host SLURM cluster: tests/servers/slurm.py is not in this checkout")
 
 POPULATION = ["hparams_search=digits_pbt", "hydra.sweeper.population=2", "hydra.sweeper.quantile=0.5",
               "trainer.log_every_n_steps=1", "trainer.progress_bar=off", "trainer.memory_estimate=false"]
@@ -305,3 +314,22 @@ def test_a_member_preempted_by_its_own_signal_is_launched_again_and_goes_on_from
     for member in state["members"]:
         assert [m.step for m in client.get_metric_history(member["run_id"], "train/loss")] == list(range(1, 1201))
         assert client.get_run(member["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.slow  # ~4 min: a SLURM job per member and round on the one-host cluster
+@pytest.mark.cluster
+def test_a_population_through_submitit_slurm_ends_as_through_the_local_path(slurm_cluster, tmp_path: Path,
+                                                                           local_population: dict) -> None:
+    """Each member's round is a SLURM job (submitit_slurm on the one-host cluster; the sweep directory is the
+    disk both nodes share), and the population ends exactly as the local path's."""
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "sweeper"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "runner", *command(tmp_path, *SMALL), "hydra/launcher=submitit_slurm",
+                           "hydra.sweeper.n_jobs=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _best_line(done.stdout) == local_population["best"]
+    assert outcome(tmp_path) == local_population["outcome"]
+    jobs = [d.name for d in (tmp_path / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", d.name)]
+    assert len(jobs) == 4  # 2 members x 2 rounds, each its own SLURM job (an array task: <array id>_<member>)
+    assert [slurm_cluster.job(job)["JobState"] for job in jobs] == ["COMPLETED"] * 4
