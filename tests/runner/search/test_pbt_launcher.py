@@ -330,6 +330,7 @@ def test_a_population_through_submitit_slurm_ends_as_through_the_local_path(slur
     assert done.returncode == 0, done.stderr[-3000:]
     assert _best_line(done.stdout) == local_population["best"]
     assert outcome(tmp_path) == local_population["outcome"]
-    jobs = [d.name for d in (tmp_path / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", d.name)]
+    jobs = [d.name for d in (tmp_path / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", d.name)]
     assert len(jobs) == 4  # 2 members x 2 rounds, each its own SLURM job (an array task: <array id>_<member>)
-    assert [slurm_cluster.job(job)["JobState"] for job in jobs] == ["COMPLETED"] * 4
+    # a job hands its result over before SLURM ends it
+    assert [slurm_cluster.wait(job, timeout=120)["JobState"] for job in jobs] == ["COMPLETED"] * 4
