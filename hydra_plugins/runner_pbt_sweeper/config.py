@@ -15,7 +15,8 @@ class PbtSweeperConf:
     explore: str = "pbt"                # pbt: perturb x0.8/x1.2 or resample; pb2: a GP bandit over recent rounds
     perturb: List[float] = field(default_factory=lambda: [0.8, 1.2])
     resample_probability: float = 0.25
-    n_jobs: int = 1                     # members trained at once, each in its own process when > 1
+    n_jobs: int = 1                     # members trained at once: each in its own process when > 1 (basic
+                                        # launcher), or handed together to the hydra/launcher chosen
     seed: int = 0                       # the first hyperparameters, the exploit pairs and the explore draws
     pb2_kappa: float = 2.0              # pb2: the upper confidence bound's weight on the GP's uncertainty
     params: Dict[str, Any] = field(default_factory=dict)  # key: interval(lo, hi) | tag(log, interval(lo, hi)) | choice(numbers)

@@ -1,5 +1,6 @@
 """One member's round: train from where the member is to the round's boundary (trainer.stop_at_step),
-or to its end in the last round, in this process or as `python -m runner.search.pbt.member <job.json>`.
+or to its end in the last round, in this process, as `python -m runner.search.pbt.member <job.json>`, or as
+a job of the Hydra launcher the user chose (runner/search/pbt/launcher.py's member_task).
 
 The job file names the member's spec (its run directory, its hyperparameters, `trainer.resume` after
 the first round), the population's MLflow parent run, the hyperparameters to log as metrics at the step
@@ -10,6 +11,7 @@ ranks last and copies a better member, as a failed trial is recorded rather than
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.engine import preemption
+from runner.engine import checkpoint, preemption
 
 from runner.cli import process_state
 from runner.spec.run import RunSpec, SpecError
@@ -43,6 +45,8 @@ def run_job(job_file: Path) -> dict[str, Any]:
     job = json.loads(Path(job_file).read_text())
     spec = RunSpec.from_yaml(job["spec"])
     run_dir = Path(spec.run_dir)
+    if not spec.trainer.resume and checkpoint.has_checkpoint(run_dir):  # a job run again (a requeued SLURM job)
+        spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     with process_state.isolated(), preemption.handled():

@@ -49,7 +49,8 @@ class Settings:
     explore: str = "pbt"                    # pbt | pb2
     perturb: tuple[float, ...] = (0.8, 1.2)
     resample_probability: float = 0.25
-    n_jobs: int = 1                         # members trained at once (each in its own process when > 1)
+    n_jobs: int = 1                         # members trained at once (each in its own process when > 1, or
+                                            # handed together to the Hydra launcher: runner/search/pbt/launcher.py)
     seed: int = 0
     pb2_kappa: float = 2.0
 
@@ -79,12 +80,15 @@ class Settings:
 
 class Population:
     def __init__(self, base: RunSpec, space: dict[str, explore.Dim], settings: Settings, sweep_dir: Path,
-                 parent_run_id: str | None = None, on_round: Callable[[int], None] | None = None):
+                 parent_run_id: str | None = None, on_round: Callable[[int], None] | None = None,
+                 launched: Any = None):
         settings.check(base)
         self.base, self.space, self.settings = base, space, settings
         self.sweep_dir = Path(sweep_dir)
         self.parent_run_id = parent_run_id
         self.on_round = on_round  # called after each completed round (tests simulate a crash there)
+        # the Hydra launcher's jobs (runner/search/pbt/launcher.py's LauncherMembers); None: PBT's own processes
+        self.launched = launched
         total = base.trainer.max_steps
         self.boundaries = list(range(settings.ready, total, settings.ready)) + [total]
         self.maximize = base.objective.direction == "maximize"
@@ -173,13 +177,17 @@ class Population:
             job = {"spec": self._member_spec(member, r, boundary).to_yaml(), "parent_run_id": self.parent_run_id,
                    "hparams": member["hparams"] if new else {}, "tags": tags, "result": str(result),
                    "round_start": self.boundaries[r - 1] if r else 0}
+            if self.launched is not None:
+                job.update(self.launched.job_fields())
             path = job_dir / f"job-{boundary:08d}.json"
             path.write_text(json.dumps(job))
             jobs.append((path, result))
             if new:  # the member's hyperparameter schedule: from which step on it trained with which values
                 member["schedule"].append([self.boundaries[r - 1] if r else 0, dict(member["hparams"])])
         todo = [(p, res) for p, res in jobs if not res.is_file()]  # a resumed round: finished members stay finished
-        if self.settings.n_jobs == 1:
+        if self.launched is not None:
+            self.launched([p for p, _ in todo])
+        elif self.settings.n_jobs == 1:
             for path, _ in todo:
                 _run_in_process(path)
         else:

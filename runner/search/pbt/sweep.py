@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from runner.engine import preemption
 from runner.search.pbt import explore
+from runner.search.pbt import launcher as members_launcher
 from runner.search.pbt.explore import mlflow_key
 from runner.search.pbt.population import Population, Settings, ranked
 from runner.cli.preflight import resolved
@@ -40,7 +41,9 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig, config_loader: Any,
-              on_round: Any = None) -> float:
+              on_round: Any = None, launcher: Any = None) -> float:
+    """`launcher`: the Hydra launcher the user chose, set up with runner/search/pbt/launcher.py's member_task;
+    basic (or None) keeps PBT's own processes."""
     settings = dict(settings)
     settings.pop("_target_", None)
     fixed, sweeps = split_arguments(arguments)
@@ -53,19 +56,29 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     container["run_dir"] = str(sweep_dir / "base")
     base = with_task_declarations(RunSpec.from_config(container, tuple(fixed)))  # its objective's direction ranks members
     pbt.check(base)
+    launched = None
+    if not members_launcher.is_basic(launcher):
+        members_launcher.check(launcher, pbt.n_jobs)  # one that cannot serve: one line, before anything is made
     parent = _open_parent(cfg, sweep_dir, base, pbt, space)
     status = "FAILED"
+    alive = None
+    if not members_launcher.is_basic(launcher):
+        alive = members_launcher.SweepAlive(sweep_dir).start()
+        launched = members_launcher.LauncherMembers(launcher, fixed, pbt.n_jobs, alive)
     try:
         # SIGTERM/SIGHUP between members' training (ranking, exploit, waiting on member processes) stop the
         # sweep as Ctrl-C does: members stopped, the parent KILLED, one line; inside an in-process member's
         # training its own handler stops it at a step boundary first
         with preemption.handled():
-            state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round).run()
+            state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round,
+                               launched).run()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
+        if alive is not None:  # the members stop with the sweep
+            alive.stop()
         if parent is not None and status != "FINISHED":
             parent.finish(status)
     best = ranked(state["members"], base.objective.direction == "maximize")[0]
