@@ -30,7 +30,9 @@ def main(spec_path: str) -> None:
     if rank == 0:
         handlers.append(logging.FileHandler(Path(spec.run_dir) / "runner.log"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", handlers=handlers)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    # rounds before this one: runner's launcher gives every node the same count (runner/cli/rendezvous.py); torch's
+    # restart count is this node's agent's own (0 on a node whose workers were stopped for another node's restart)
+    restarts = int(os.environ.get("RUNNER_RDZV_ROUND_INDEX") or os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     try:
         env = init_process_group(pick_device(spec.trainer.device).type)
         if restarts:
