@@ -56,12 +56,25 @@ def main(spec_path: str) -> None:
         if rank == 0:
             (Path(spec.run_dir) / DIVERGED_FILE).write_text(str(e))
         sys.exit(1)
+    except RuntimeError as e:
+        if not _peer_gone(e):
+            raise
+        # another rank's process died (a killed worker, a lost node): its agent restarts the group or the launcher
+        # says which node was lost; this rank's traceback would only bury that line
+        print(f"runner: rank {rank} lost a peer: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseException as e:
         if not is_pruned(e):
             raise
         # every rank gets the prune decision together; the launcher tells the sweeper
         if rank == 0:
             (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
+
+
+def _peer_gone(error: RuntimeError) -> bool:
+    """Whether a collective failed because the process at the other end is gone (gloo's words for it)."""
+    text = str(error)
+    return any(words in text for words in ("Connection reset by peer", "Connection closed by peer", "Broken pipe"))
 
 
 def _has_checkpoint(run_dir: str) -> bool:

@@ -163,7 +163,10 @@ def test_a_lost_node_is_one_line_naming_it_the_step_and_the_resume_and_the_resum
     nodes = [start_node(tmp_path, args, r, port, run_dirs[r]) for r in range(2)]
     try:
         wait_for(run_dirs[0] / "checkpoints" / "step-00000020.pt", nodes)
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1 lost: its agent and its worker
+        lost = workers_of(nodes[1].pid)  # node 1 lost: its agent and its worker (torch starts it in its own session)
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        for pid in lost:
+            os.kill(pid, signal.SIGKILL)
     finally:
         results = finish(nodes, timeout=300)
     code, out, err = results[0]
