@@ -188,6 +188,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
     multi_node = par.nnodes > 1
     nproc = nominal_world(par) // par.nnodes  # nproc_per_node; under single, tp x pp x cp
     rendezvous.register()
+    rendezvous.current = None  # an earlier job's (a multirun runs its jobs in one process)
     config = LaunchConfig(
         min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=nproc,
         run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",

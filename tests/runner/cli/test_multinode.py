@@ -80,10 +80,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 def test_torchrun_ranks_follow_rank_0s_decision_on_the_run_directory(tmp_path: Path) -> None:
     """README's one-machine torchrun line, with rank 1 held back until rank 0 has written spec.yaml (the order
     that made rank 1 refuse 'already holds a run'): rank 0 alone decides, and the run trains."""
-    db = tmp_path / "mlflow.db"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=0", "-m", "runner",
-           *TINY, "trainer.max_steps=2", "parallelism=ddp", f"tracking.uri=sqlite:///{db}",
-           f"hydra.run.dir={tmp_path / 'run'}"]
+           *TINY, "trainer.max_steps=2", "parallelism=ddp", "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env={**ENV, "RUNNER_TEST_HOLD_DECISION": "1:3"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
