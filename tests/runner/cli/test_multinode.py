@@ -77,6 +77,50 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     return weights(tmp / "node0")
 
 
+def _decide_as_rank(rank: int, port: int, run_dir: str, existing: bool, out) -> None:
+    """One torchrun rank at the run directory's decision (runner/cli/launch.py), rank 1 arriving late (rank 0 used to
+    write spec.yaml meanwhile); puts (rank, the refusal or None) on `out`."""
+    import torch.distributed as dist
+
+    from runner.cli import launch
+    from runner.spec.run import SpecError
+
+    os.environ.update({"TORCHELASTIC_RUN_ID": "t", "LOCAL_RANK": str(rank), "RANK": str(rank)})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    spec_file = Path(run_dir) / "spec.yaml"
+    if rank == 1:
+        time.sleep(1)
+    refusal = None
+    try:
+        with launch._decided(Path(run_dir), "hydra.run.dir", rank == 0):
+            if rank == 0:
+                spec_file.write_text("mode: train\n")  # as rank 0 goes on to do
+    except SpecError as e:
+        refusal = str(e)
+    out.put((rank, refusal))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "holds-a-run"])
+def test_torchrun_ranks_take_rank_0s_decision_on_the_run_directory(tmp_path: Path, existing: bool) -> None:
+    """The fast case (two spawned ranks, no training): rank 1, late, takes rank 0's decision rather than checking
+    the directory for itself (it used to, and refused rank 0's fresh spec.yaml: 'already holds a run'); a directory
+    that held a run before is refused by rank 0, and rank 1 stops with the same line."""
+    from tests.runner.engine.test_parallel import reports_of_ranks
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if existing:
+        (run_dir / "spec.yaml").write_text("mode: train\n")
+    reports = reports_of_ranks(_decide_as_rank, str(run_dir), existing)
+    if existing:
+        assert reports[0][1] == reports[1][1] and "already holds a run" in reports[0][1]
+    else:
+        assert reports == [(0, None), (1, None)]
+        assert (run_dir / "spec.yaml").exists()
+
+
+@pytest.mark.slow
 def test_torchrun_ranks_follow_rank_0s_decision_on_the_run_directory(tmp_path: Path) -> None:
     """README's one-machine torchrun line, with rank 1 held back until rank 0 has written spec.yaml (the order
     that made rank 1 refuse 'already holds a run'): rank 0 alone decides, and the run trains."""
@@ -123,15 +167,21 @@ def test_the_run_lives_on_node_0_whichever_node_joins_the_rendezvous_first(tmp_p
 
 
 def elastic_restart_across_nodes(tmp_path: Path) -> tuple[list[tuple[int, str, str]], Path]:
-    """Two nodes, max_restarts=1: node 1's worker is killed (SIGKILL) once node 0 wrote its step-20 checkpoint."""
+    """Two nodes, max_restarts=1: node 1's worker is killed (SIGKILL) once node 0 wrote its step-20 checkpoint,
+    while node 0's worker is busy outside any collective (stopped for 3 s, as a long step would keep it): node 0's
+    agent then learns of the restart from the rendezvous (a membership change, which torch does not count as a
+    restart), not from a failed collective of its own worker (which it would count)."""
     port = free_port()
     args = [*TRAIN, "tracking=none", "parallelism.max_restarts=1", "parallelism.rdzv_timeout=60"]
     nodes = [start_node(tmp_path, args, r, port, tmp_path / f"node{r}") for r in range(2)]
     try:
         wait_for(tmp_path / "node0" / "checkpoints" / "step-00000020.pt", nodes)
-        victims = workers_of(nodes[1].pid)
-        assert len(victims) == 1, victims
+        victims, busy = workers_of(nodes[1].pid), workers_of(nodes[0].pid)
+        assert len(victims) == 1 and len(busy) == 1, (victims, busy)
+        os.kill(busy[0], signal.SIGSTOP)
         os.kill(victims[0], signal.SIGKILL)
+        time.sleep(3)
+        os.kill(busy[0], signal.SIGCONT)
     finally:
         results = finish(nodes, timeout=300)
     return results, tmp_path / "node0"
