@@ -50,7 +50,10 @@ def finish(nodes: list[subprocess.Popen], timeout: float = 400) -> list[tuple[in
     finally:
         for n in nodes:
             if n.poll() is None:
+                left = workers_of(n.pid)  # torch starts them in sessions of their own
                 os.killpg(n.pid, signal.SIGKILL)
+                for pid in left:
+                    os.kill(pid, signal.SIGKILL)
                 n.wait()
     return [(n.returncode, out, err) for n, (out, err) in zip(nodes, outs)]
 
