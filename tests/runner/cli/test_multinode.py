@@ -104,7 +104,7 @@ def _decide_as_rank(rank: int, port: int, run_dir: str, existing: bool, out) -> 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new", "holds-a-run"])
+@pytest.mark.parametrize("existing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["new", "holds-a-run"])
 def test_torchrun_ranks_take_rank_0s_decision_on_the_run_directory(tmp_path: Path, existing: bool) -> None:
     """The fast case (two spawned ranks, no training): rank 1, late, takes rank 0's decision rather than checking
     the directory for itself (it used to, and refused rank 0's fresh spec.yaml: 'already holds a run'); a directory
