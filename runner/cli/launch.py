@@ -6,24 +6,26 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import yaml
 
 from runner.spec import components, resume
 
-from runner.engine import preemption
+from runner.engine import checkpoint, preemption
 
-from runner.cli import process_state, run_lock
+from runner.cli import process_state, rendezvous, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
-from runner.engine.parallel import DistEnv, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
+from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.engine.parallel import tensor as tensor_parallel
 from runner.spec.parallelism import ParallelismSpec, world_source
 from runner.engine.parallel.context import check_context_parallel, check_model
@@ -53,7 +55,7 @@ def run(spec: RunSpec) -> RunResult:
                 return modes.run(spec)
             return _run(spec, start_state)
     except SpecError:
-        if new and os.environ.get("RANK", "0") == "0":  # refused: nothing of the run is left to get in the way
+        if new and run_lock.decides(spec.parallelism):  # refused: nothing of the run is left to get in the way
             run_lock.remove_refused(Path(spec.run_dir))
         raise
 
@@ -83,26 +85,52 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
     if not spec.trainer.resume and run_lock.requeued(Path(spec.run_dir)):  # a requeued SLURM job goes on in place
         spec = spec.replace(trainer=dataclasses.replace(spec.trainer, resume=spec.run_dir))
     key = "trainer.resume" if spec.trainer.resume else "hydra.run.dir"
-    if spec.trainer.resume:
+    # another node without a shared disk does not hold the run it resumes: it runs the command's own spec (the
+    # same command on every node) and rank 0, on node 0, reads the checkpoint for every rank
+    if spec.trainer.resume and (run_lock.decides(spec.parallelism) or (Path(spec.trainer.resume) / "spec.yaml").exists()
+                                or Path(spec.trainer.resume).is_file()):
         spec = resume.plan(spec)
     # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
     # is then the fully resolved record
     spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
     run_dir = Path(spec.run_dir)
-    # One process group per run directory, held by its first process (under torchrun rank 0, for every
-    # rank; on several nodes, node 0's launcher). A new run refuses a directory that holds an old one:
-    # the other torchrun ranks check before the group forms, so before rank 0 writes spec.yaml.
-    first = os.environ.get("RANK", "0") == "0" and _node_rank(spec.parallelism) == 0
-    if key == "hydra.run.dir" and not first and in_torchrun():
-        run_lock.refuse_existing_run(run_dir)
-    with run_lock.owned(run_dir, key) if first else contextlib.nullcontext():
-        if key == "hydra.run.dir" and first:
-            run_lock.refuse_existing_run(run_dir)
+    _hold_for_tests()
+    # One process group per run directory, held by one process, which alone decides whether this run may use
+    # it (under torchrun rank 0, for every rank; on several nodes, node 0's launcher). Another node's launcher
+    # neither checks nor writes spec.yaml there (a shared directory would show it node 0's fresh run).
+    with _decided(run_dir, key, run_lock.decides(spec.parallelism)):
         return _run_owned(spec, run_dir, start_state)
 
 
-def _node_rank(par: ParallelismSpec) -> int:
-    return int(os.environ.get("SLURM_NODEID", 0)) if par.rdzv_endpoint.startswith("slurm:") else par.node_rank
+def _hold_for_tests() -> None:
+    """RUNNER_TEST_HOLD_DECISION=<rank>:<seconds>: the process of that RANK (a launcher: 0) waits before the run
+    directory is decided, so a test orders the ranks (or nodes) as a race would, rather than hoping for it."""
+    rank, _, seconds = os.environ.get("RUNNER_TEST_HOLD_DECISION", "").partition(":")
+    if rank and rank == os.environ.get("RANK", "0"):
+        import time
+
+        time.sleep(float(seconds))
+
+
+@contextlib.contextmanager
+def _decided(run_dir: Path, key: str, decides: bool) -> Iterator[None]:
+    """The run directory held by the deciding process, for the run; under torchrun (the group formed when rank 0
+    named the directory: runner/cli/run_dir.py) every other rank waits for rank 0's decision and, refused, raises
+    the same one line: checking for itself, it could see the spec.yaml rank 0 had just written."""
+    refusal = None
+    with contextlib.ExitStack() as held:
+        if decides:
+            try:
+                held.enter_context(run_lock.owned(run_dir, key))
+                if key == "hydra.run.dir":  # a new run: refuses a directory that holds an old one
+                    run_lock.refuse_existing_run(run_dir)
+            except SpecError as e:
+                refusal = str(e)
+        if in_torchrun() and torch.distributed.is_initialized():
+            refusal = broadcast_object(refusal)
+        if refusal is not None:
+            raise SpecError(refusal)
+        yield
 
 
 def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
@@ -164,17 +192,21 @@ def launch_workers(spec: RunSpec) -> RunResult:
     spec = spec.replace(parallelism=on_cluster(spec.parallelism))
     for note in (PRUNED_FILE, DIVERGED_FILE, RESULT_FILE):  # a resumed run directory: the last attempt's notes
         (Path(spec.run_dir) / note).unlink(missing_ok=True)
-    spec_path = Path(spec.run_dir) / "spec.yaml"
-    spec_path.write_text(spec.to_yaml())
     par = spec.parallelism
+    # node 0's is the run's spec.yaml; another node's workers read their own copy (a shared run directory has one
+    # spec.yaml, and it names node 0)
+    spec_path = Path(spec.run_dir) / ("spec.yaml" if par.node_rank == 0 else f".spec-node-{par.node_rank}.yaml")
+    spec_path.write_text(spec.to_yaml())
     multi_node = par.nnodes > 1
     nproc = nominal_world(par) // par.nnodes  # nproc_per_node; under single, tp x pp x cp
+    rendezvous.register()
+    rendezvous.current = None  # an earlier job's (a multirun runs its jobs in one process)
     config = LaunchConfig(
         min_nodes=par.nnodes, max_nodes=par.nnodes, nproc_per_node=nproc,
         run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
+        rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
         rdzv_configs={"join_timeout": par.rdzv_timeout, "read_timeout": max(1, int(par.rdzv_timeout)),
-                      "is_host": par.node_rank == 0},
+                      "is_host": par.node_rank == 0, rendezvous.NODE_RANK_PARAM: par.node_rank},
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
@@ -197,8 +229,13 @@ def launch_workers(spec: RunSpec) -> RunResult:
             end_left_running(spec, "KILLED")
             raise preemption.Stopped(int(e.sigval)) from None
         log.warning("signal %d after the run finished: it stays FINISHED, nothing to stop", int(e.sigval))  # rank 0's result
+    except SpecError:  # the rendezvous refused this node (runner/cli/rendezvous.py): its one line
+        end_left_running(spec, "FAILED")
+        raise
     except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
         end_left_running(spec, "FAILED")
+        if multi_node and rendezvous.current is not None and rendezvous.current.completed:
+            raise WorkersFailed(_lost_node(spec)) from None  # the nodes trained together: one was lost since
         if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
             raise SpecError(f"parallelism.rdzv_endpoint: no rendezvous at {par.rdzv_endpoint} within {par.rdzv_timeout:g} s "
                             f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
@@ -219,7 +256,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
 def check_parallel(spec: RunSpec) -> None:
     """What can be known before any worker starts."""
     par = spec.parallelism
-    if spec.trainer.resume:
+    if spec.trainer.resume and run_lock.decides(par):
         resume.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
     nproc = nominal_world(par) // par.nnodes
@@ -267,6 +304,24 @@ def _describe_failure(error: Exception) -> str:
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         parts.append(f"rank {rank} ({how})")
     return "workers failed: " + (", ".join(parts) or str(error).splitlines()[0])
+
+
+def _lost_node(spec: RunSpec) -> str:
+    """One line for a node lost after the nodes had trained together: which (two nodes: the other one), after
+    which step (the newest checkpoint, where this node holds the run), what is kept and how to go on."""
+    par = spec.parallelism
+    who = f"node {1 - par.node_rank}" if par.nnodes == 2 else "a node"
+    run_dir = Path(spec.run_dir)
+    try:
+        newest = checkpoint.resolve(run_dir)
+        match = re.fullmatch(r"step-0*(\d+)\.pt", newest.name)
+        kept = (f"after step {match.group(1)} ({newest} is kept)" if match else f"after its newest checkpoint "
+                f"({newest} is kept)")
+    except SpecError:  # node 0 holds the run (global rank 0 writes it), or no checkpoint was written yet
+        kept = ("after its newest checkpoint (kept in node 0's run directory)" if par.node_rank != 0 else
+                "before its first checkpoint (set trainer.checkpoint_every_n_steps)")
+    return (f"{who} of {par.nnodes} was lost {kept} and did not rejoin within {par.rdzv_timeout:g} s; "
+            f"resume with the same command on every node plus trainer.resume={run_dir}")
 
 
 def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:

@@ -101,7 +101,7 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     from runner.cli.run_lock import check_at_start
 
     if spec.mode == "train":
-        check_at_start(spec.trainer.resume, dir_key, run_dir)  # the checkpoint to resume, the run directory's owner
+        check_at_start(spec.trainer.resume, dir_key, run_dir, spec.parallelism)  # the checkpoint to resume, the directory's owner
     else:  # the run evaluated, predicted with or exported is only read; this invocation's directory is new
         from runner.results import source
 

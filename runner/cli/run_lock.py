@@ -119,10 +119,26 @@ def refuse_existing_run(run_dir: Path, key: str = "hydra.run.dir") -> None:
                         f"unset or name a new one), and trainer.resume={run_dir} continues that run")
 
 
-def check_at_start(resume: str | None, dir_key: str, run_dir: str) -> None:
+def decides(parallelism: object | None = None) -> bool:
+    """Whether this process decides for the run directory (takes it, refuses it, writes spec.yaml): torchrun's
+    rank 0, or node 0's launcher (SLURM_NODEID under `rdzv_endpoint=slurm:<port>`). The others follow its
+    decision: a check of their own could see what it has just written into a shared directory, and a node
+    without a shared disk holds no run to check."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    if parallelism is None:
+        return True
+    if str(getattr(parallelism, "rdzv_endpoint", "")).startswith("slurm:"):
+        return os.environ.get("SLURM_NODEID", "0") in ("", "0")
+    return getattr(parallelism, "node_rank", 0) == 0
+
+
+def check_at_start(resume: str | None, dir_key: str, run_dir: str, parallelism: object | None = None) -> None:
     """The CLI's checks before Hydra writes into the run directory: what `trainer.resume` names (a missing,
     corrupt or foreign checkpoint), a resume in place of a run that another process trains, a new run into
-    a directory in use or holding a run."""
+    a directory in use or holding a run. Only the process that decides for the run directory checks it."""
+    if not decides(parallelism):
+        return
     if not resume and dir_key == "hydra.run.dir" and requeued(Path(run_dir)):
         resume = run_dir
     if resume == "latest":

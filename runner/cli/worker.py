@@ -17,7 +17,7 @@ from runner.engine import checkpoint, preemption
 from runner.engine.engine import pick_device
 from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
 from runner.engine.monitor import Diverged
-from runner.engine.parallel import broadcast_object, init_process_group
+from runner.engine.parallel import broadcast_object, gather_objects, init_process_group
 from runner.spec.run import RunSpec, SpecError
 from runner.search.trial import is_pruned
 
@@ -30,9 +30,9 @@ def main(spec_path: str) -> None:
     if rank == 0:
         handlers.append(logging.FileHandler(Path(spec.run_dir) / "runner.log"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", handlers=handlers)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     try:
         env = init_process_group(pick_device(spec.trainer.device).type)
+        restarts = _rounds_before()
         if restarts:
             # Rank 0 decides for every node (another node's disk may hold other files): after a restart
             # the run goes on from its own newest checkpoint, even when it started from trainer.resume=X.
@@ -54,12 +54,34 @@ def main(spec_path: str) -> None:
         if rank == 0:
             (Path(spec.run_dir) / DIVERGED_FILE).write_text(str(e))
         sys.exit(1)
+    except RuntimeError as e:
+        if not _peer_gone(e):
+            raise
+        # another rank's process died (a killed worker, a lost node): its agent restarts the group or the launcher
+        # says which node was lost; this rank's traceback would only bury that line
+        print(f"runner: rank {rank} lost a peer: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseException as e:
         if not is_pruned(e):
             raise
         # every rank gets the prune decision together; the launcher tells the sweeper
         if rank == 0:
             (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
+
+
+def _rounds_before() -> int:
+    """Rounds of the group before this one, the same on every rank: runner's launcher gives every node node 0's
+    count (runner/cli/rendezvous.py). torch's restart count is each agent's own (0 on a node whose workers were
+    stopped for another node's restart), so under plain torchrun the ranks take the largest."""
+    if os.environ.get("RUNNER_RDZV_ROUND_INDEX"):
+        return int(os.environ["RUNNER_RDZV_ROUND_INDEX"])
+    return max(gather_objects(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))))
+
+
+def _peer_gone(error: RuntimeError) -> bool:
+    """Whether a collective failed because the process at the other end is gone (gloo's words for it)."""
+    text = str(error)
+    return any(words in text for words in ("Connection reset by peer", "Connection closed by peer", "Broken pipe"))
 
 
 def _has_checkpoint(run_dir: str) -> bool:

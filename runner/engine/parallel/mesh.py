@@ -163,12 +163,16 @@ def _store_of_this_attempt(env: DistEnv, timeout: datetime.timedelta) -> dict:
     torch's elastic agent (c10d rendezvous) keeps one TCPStore for all rounds, and env:// adds no
     per-round prefix (torch assumes a fresh store per round). After a restart, a rank could then read a
     dead worker's gloo address or NCCL id left from the previous round and fail with "Connection
-    refused", costing every restart the agent had. A prefix per round keeps the rounds apart."""
+    refused", costing every restart the agent had. A prefix per round keeps the rounds apart.
+
+    The round is the token runner's launcher gives every node's workers for it (runner/cli/rendezvous.py):
+    torch's restart count is each agent's own, and after one node's worker died the nodes' counts differ.
+    Under plain torchrun (no token) the restart count serves one node."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world, is_master=False,
                           timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get("RUNNER_RDZV_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"runner/round_{attempt}", store), "rank": env.rank, "world_size": env.world}
 
 
