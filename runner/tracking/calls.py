@@ -9,7 +9,8 @@ Kinds and their args:
   artifact  {"path": local file or directory, "artifact_path": folder in the run's artifacts or None}
   record    {} before the run record is built; {"tags": ..., "texts": {file: text}} once it is
             (a record never built is built by whoever makes the call, from the run directory's spec.yaml)
-  views     {"experiment_id": id, "views": the runs table's saved views}
+  views     {"experiment_id": id, "views": the runs table's saved views} (made by mlflow_store.make_call,
+            whose views they are)
   model     {"dir": a saved MLflow model, "name", "step", "tags", "source"}: the logged model
 """
 from __future__ import annotations
@@ -48,10 +49,6 @@ def make(client: Any, run_id: str, kind: str, args: dict) -> None:
         client.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in args["tags"].items()])
         for file, text in args["texts"].items():
             client.log_text(run_id, text, file)
-    elif kind == "views":
-        from runner.tracking.mlflow_store import store_views
-
-        store_views(client, args["experiment_id"], args["views"])
     elif kind == "model":
         upload_model(client, run_id, args)
     else:

@@ -226,7 +226,7 @@ def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, list[
     made = []
     for op, kind, args in journal.calls(path, run_id):
         try:
-            calls.make(client, run_id, kind, args)
+            make_call(client, run_id, kind, args)
             made.append(kind)
         except Exception as e:  # noqa: BLE001  (the store answers: this call's own trouble, a file gone, say)
             log.warning(f"MLflow: run {run_id}: could not make its {kind} call from {path} ({_first_line(e)}); "
@@ -308,6 +308,17 @@ def saved_views(columns: list[str], maximize: bool, metric: str | None = None) -
                 BEST_VIEW: best}
     return {RUNS_VIEW: {"orderByKey": "attributes.start_time", "orderByAsc": False, "selectedColumns": shown},
             best_view(metric): {**best, "searchFilter": f"params.`objective.metric` = '{metric}'"}}
+
+
+def make_call(client: Any, run_id: str, kind: str, args: dict[str, Any]) -> None:
+    """One store call kept as data (runner/tracking/calls.py), made; the runs table's views are this module's
+    (calls.py stays below it, so the store and its calls import each other one way only)."""
+    from runner.tracking import calls
+
+    if kind == "views":
+        store_views(client, args["experiment_id"], args["views"])
+    else:
+        calls.make(client, run_id, kind, args)
 
 
 def store_views(client: Any, experiment_id: str, views: dict[str, dict[str, Any]]) -> None:

@@ -29,7 +29,7 @@ from runner.spec import metric_names
 from runner.tracking import calls, journal
 from runner.tracking.journal import Journal
 from runner.tracking.writer import StoreWriter, first_line, refused
-from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
+from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, make_call, open_client, open_experiment, owner_tags,
                                   saved_views)
 from runner.spec.run import RunSpec, SpecError
 from runner.spec.tracking import TrackingSpec
@@ -224,7 +224,7 @@ class MlflowTracker:
 
         def make(client: Any) -> None:
             try:
-                calls.make(client, run_id, kind, args)
+                make_call(client, run_id, kind, args)
             except Exception as e:
                 if kind != "text" or not refused(e):
                     raise  # the store did not answer: the writer retries; a refusal is the tracker's to raise
