@@ -72,11 +72,15 @@ class TwoRanks:
     here asserts depends on its ranks being new processes (the launcher's own workers are tested through
     the CLI). fn(rank, world, *args) returns a report (plain values: a tensor is sent as shared memory);
     run() returns the two reports in rank order. A function that raises or hangs on either rank fails
-    the test and ends both processes (the next test that asks starts new ones)."""
+    the test and ends both processes (the next run starts new ones)."""
 
     world = 2
 
     def __init__(self) -> None:
+        self.procs: list = []
+        self.inboxes: list = []
+
+    def start(self) -> None:
         import torch.multiprocessing as mp
 
         from tests.runner.engine.test_parallel import free_port
@@ -91,12 +95,12 @@ class TwoRanks:
         for proc in self.procs:
             proc.start()
 
-    def alive(self) -> bool:
-        return all(proc.is_alive() for proc in self.procs)
-
     def run(self, fn, *args, timeout: float = 300) -> list:
         import queue
 
+        if not self.procs or not all(proc.is_alive() for proc in self.procs):
+            self.close()
+            self.start()
         for inbox in self.inboxes:
             inbox.put((fn, args))
         replies = {}
@@ -116,13 +120,11 @@ class TwoRanks:
         return [replies[rank][1] for rank in range(self.world)]
 
     def close(self) -> None:
-        for inbox in self.inboxes:
-            inbox.put(None)
+        # killed: nothing in them is left to keep, and an interpreter's exit with torch loaded takes seconds
         for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.kill()
+            proc.join()
+        self.procs = []
 
 
 def _serve_rank(rank: int, world: int, port: int, inbox, outbox) -> None:
@@ -143,17 +145,9 @@ def _serve_rank(rank: int, world: int, port: int, inbox, outbox) -> None:
     torch.distributed.destroy_process_group()
 
 
-_TWO_RANKS: list[TwoRanks] = []
-
-
-@pytest.fixture
-def two_ranks() -> TwoRanks:
-    """The session's two gloo ranks (TwoRanks), started at the first test that asks, again after a failure."""
-    if not _TWO_RANKS or not _TWO_RANKS[0].alive():
-        _TWO_RANKS[:] = [TwoRanks()]
-    return _TWO_RANKS[0]
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    for ranks in _TWO_RANKS:
-        ranks.close()
+@pytest.fixture(scope="session")
+def two_ranks():
+    """The session's two gloo ranks (TwoRanks), started at the first test that asks."""
+    ranks = TwoRanks()
+    yield ranks
+    ranks.close()
