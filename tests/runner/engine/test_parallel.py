@@ -33,6 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fit_on_rank(rank: int, world: int, overrides: list[str], run_dir: str, db: str) -> None:
+    """One rank of a run composed from overrides, rank 0 logging to the store at db (a function for the
+    session's two ranks, tests/conftest.py)."""
+    from runner.tracking.tracker import build_tracker
+
+    spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}")
+    Engine(spec, build_tracker(spec, rank), env=DistEnv(rank, world, rank)).fit()
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from runner.engine.engine import Engine
 from runner.spec.run import SpecError
 from tests.conftest import compose_spec
-from tests.runner.engine.test_parallel import assert_same, final_weights, free_port, metric_history
+from tests.runner.engine.test_parallel import assert_same, final_weights, fit_on_rank, free_port, metric_history
 
 # a ragged last step: 90 training blocks, a global batch of 16 (8 x accum 2); vocabulary 33 and 12 tokens do not
 # divide by 2 (uneven vocabulary shards, sequence shards of 6 and 6 / 5 and 6 with the shifted labels)
@@ -43,16 +43,8 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    _fit(rank, world, overrides, run_dir, db)
+    fit_on_rank(rank, world, overrides, run_dir, db)
     torch.distributed.destroy_process_group()
-
-
-def _fit(rank: int, world: int, overrides: list[str], run_dir: str, db: str) -> None:
-    from runner.engine.parallel import DistEnv
-    from runner.tracking.tracker import build_tracker
-
-    spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}")
-    Engine(spec, build_tracker(spec, rank), env=DistEnv(rank, world, rank)).fit()
 
 
 def train(overrides: list[str], where: Path, world: int = 1, two_ranks=None) -> tuple[dict, dict]:
@@ -65,7 +57,7 @@ def train(overrides: list[str], where: Path, world: int = 1, two_ranks=None) -> 
         spec = compose_spec(overrides, where, tracking_uri=f"sqlite:///{db}")
         Engine(spec, build_tracker(spec)).fit()
     elif world == 2 and two_ranks is not None:
-        two_ranks.run(_fit, overrides, str(where), str(db))
+        two_ranks.run(fit_on_rank, overrides, str(where), str(db))
     else:
         mp.start_processes(_worker, args=(world, free_port(), overrides, str(where), str(db)), nprocs=world,
                            start_method="spawn")
