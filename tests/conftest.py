@@ -64,3 +64,90 @@ def store(tmp_path: Path, migrated_mlflow_store: Path) -> str:
     """A fresh sqlite MLflow store for one test, its URI."""
     shutil.copy(migrated_mlflow_store, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+class TwoRanks:
+    """Two gloo processes (spawned once, one process group) that run a function on both ranks, test after
+    test: a spawn costs seconds of interpreter start and imports per rank (CI budget), and nothing a test
+    here asserts depends on its ranks being new processes (the launcher's own workers are tested through
+    the CLI). fn(rank, world, *args) returns a report (plain values: a tensor is sent as shared memory);
+    run() returns the two reports in rank order. A function that raises or hangs on either rank fails
+    the test and ends both processes (the next run starts new ones)."""
+
+    world = 2
+
+    def __init__(self) -> None:
+        self.procs: list = []
+        self.inboxes: list = []
+
+    def start(self) -> None:
+        import torch.multiprocessing as mp
+
+        from tests.runner.engine.test_parallel import free_port
+
+        ctx = mp.get_context("spawn")
+        self.inboxes = [ctx.Queue() for _ in range(self.world)]
+        self.outbox = ctx.Queue()
+        port = free_port()
+        # not daemons: a daemon may not start DataLoader workers; the session's end closes them
+        self.procs = [ctx.Process(target=_serve_rank, args=(rank, self.world, port, self.inboxes[rank], self.outbox))
+                      for rank in range(self.world)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, *args, timeout: float = 300) -> list:
+        import queue
+
+        if not self.procs or not all(proc.is_alive() for proc in self.procs):
+            self.close()
+            self.start()
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        replies = {}
+        try:
+            for _ in range(self.world):
+                rank, ok, report = self.outbox.get(timeout=timeout)
+                replies[rank] = (ok, report)
+                if not ok:  # the other rank may wait in a collective for it: it gets a short while
+                    timeout = 10
+        except queue.Empty:
+            pass
+        if len(replies) < self.world or not all(ok for ok, _ in replies.values()):
+            self.close()
+            errors = [f"rank {rank}: {report}" for rank, (ok, report) in sorted(replies.items()) if not ok]
+            missing = [f"rank {rank}: no report" for rank in range(self.world) if rank not in replies]
+            raise AssertionError("\n".join([*errors, *missing]))
+        return [replies[rank][1] for rank in range(self.world)]
+
+    def close(self) -> None:
+        # killed: nothing in them is left to keep, and an interpreter's exit with torch loaded takes seconds
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+        self.procs = []
+
+
+def _serve_rank(rank: int, world: int, port: int, inbox, outbox) -> None:
+    import traceback
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # as torchrun's workers on a CPU: two ranks share the machine's cores
+    torch.distributed.init_process_group("gloo")
+    while (task := inbox.get()) is not None:
+        fn, args = task
+        try:
+            outbox.put((rank, True, fn(rank, world, *args)))
+        except BaseException:
+            outbox.put((rank, False, traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def two_ranks():
+    """The session's two gloo ranks (TwoRanks), started at the first test that asks."""
+    ranks = TwoRanks()
+    yield ranks
+    ranks.close()

@@ -5,23 +5,15 @@ cp ranks. The ring attention itself needs CUDA and is not run
 here (no GPU in CI); its refusal on a CPU is tested in tests/runner/spec/test_parallelism.py."""
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.multiprocessing as mp
-
-from tests.runner.engine.test_parallel import reports_of_ranks
 
 
-def _shard(rank: int, port: int, out: mp.Queue) -> None:
+def _shard(rank: int, world: int) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
 
     from runner.engine.parallel import context
     from runner.tasks import Batch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     tokens = torch.arange(8).repeat(3, 1)
     batch = Batch(tokens, tokens + 100)
@@ -30,13 +22,12 @@ def _shard(rank: int, port: int, out: mp.Queue) -> None:
     layer = torch.nn.Linear(2, 1)
     layer.weight.grad = torch.full((1, 2), float(rank + 1))  # each rank's gradient of its share
     context.sum_gradients(layer, mesh["cp"])
-    out.put((rank, *got, batch.inputs.tolist() == tokens.tolist(), batch.labels.tolist() == (tokens + 100).tolist(),
-             layer.weight.grad.tolist(), layer.bias.grad, context.whole_sequence(torch.tensor(rank + 1.0), mesh["cp"]).item()))
-    torch.distributed.destroy_process_group()
+    return (rank, *got, batch.inputs.tolist() == tokens.tolist(), batch.labels.tolist() == (tokens + 100).tolist(),
+            layer.weight.grad.tolist(), layer.bias.grad, context.whole_sequence(torch.tensor(rank + 1.0), mesh["cp"]).item())
 
 
-def test_tokens_labels_and_positions_are_sharded_alike_and_the_shares_gradients_and_losses_add_up() -> None:
-    got = reports_of_ranks(_shard)
+def test_tokens_labels_and_positions_are_sharded_alike_and_the_shares_gradients_and_losses_add_up(two_ranks) -> None:
+    got = two_ranks.run(_shard)
     # causal load balancing: 4 chunks of 2 tokens, rank 0 the first and last, rank 1 the middle two
     assert got == [(0, [[0, 1, 6, 7]] * 3, [0, 1, 6, 7], [[100, 101, 106, 107]] * 3, True, True, [[3.0, 3.0]], None, 3.0),
                    (1, [[2, 3, 4, 5]] * 3, [2, 3, 4, 5], [[102, 103, 104, 105]] * 3, True, True, [[3.0, 3.0]], None, 3.0)]

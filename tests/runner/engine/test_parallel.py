@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from runner.engine import checkpoint
 from runner.engine.engine import Engine
@@ -34,19 +33,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reports_of_ranks(target, *args, world: int = 2) -> list:
-    """Runs target(rank, port, *args, out) in `world` spawned processes (each puts one report on the queue
-    `out`); their reports sorted, once every process exited cleanly."""
-    ctx, port = mp.get_context("spawn"), free_port()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, port, *args, out)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    got = sorted(out.get(timeout=120) for _ in range(world))
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    return got
+def fit_on_rank(rank: int, world: int, overrides: list[str], run_dir: str, db: str) -> None:
+    """One rank of a run composed from overrides, rank 0 logging to the store at db (a function for the
+    session's two ranks, tests/conftest.py)."""
+    from runner.tracking.tracker import build_tracker
+
+    spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}")
+    Engine(spec, build_tracker(spec, rank), env=DistEnv(rank, world, rank)).fit()
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -87,18 +80,10 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path, singl
     assert tags["global_batch_size"] == "32"
 
 
-def _count_syncs(rank: int, world: int, port: int, strategy: str, accums: tuple[int, ...], run_dir: str,
-                 out: mp.Queue) -> None:
-    """One run per accumulation, one after another in the same process group (one spawn: its imports cost
-    seconds); each run's reductions are counted from zero."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
-    counts = {}
-    for accum in accums:
-        counts[accum] = _count_syncs_of_one_run(rank, world, strategy, accum, Path(run_dir) / f"a{accum}")
-    out.put((rank, counts))
-    torch.distributed.destroy_process_group()
+def _count_syncs(rank: int, world: int, strategy: str, accums: tuple[int, ...], run_dir: str) -> dict[int, int]:
+    """One run per accumulation, one after another in the same process group; each run's reductions are
+    counted from zero."""
+    return {accum: _count_syncs_of_one_run(rank, world, strategy, accum, Path(run_dir) / f"a{accum}") for accum in accums}
 
 
 def _count_syncs_of_one_run(rank: int, world: int, strategy: str, accum: int, run_dir: Path) -> int:
@@ -134,19 +119,8 @@ def _count_syncs_of_one_run(rank: int, world: int, strategy: str, accum: int, ru
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # CI budget
-def test_gradients_sync_once_per_optimizer_step_under_accumulation(tmp_path: Path, strategy: str) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_count_syncs, args=(r, 2, port, strategy, (1, 4), str(tmp_path), out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    counts = results[0]
+def test_gradients_sync_once_per_optimizer_step_under_accumulation(tmp_path: Path, strategy: str, two_ranks) -> None:
+    counts = two_ranks.run(_count_syncs, strategy, (1, 4), str(tmp_path))[0]
     # 5 optimizer steps either way: 4 micro-steps each must not add reductions
     assert counts[1] > 0 and counts[4] == counts[1] and counts[1] % 5 == 0
 

@@ -3,20 +3,18 @@ data-parallel rank of each process, the model wrapped by dimension (not by the p
 four real processes (gloo on CPU), and the one-line refusals."""
 from __future__ import annotations
 
-import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, ParallelDims, resolve_dims
 from runner.spec.parallelism import ParallelismSpec
 from runner.spec.run import SpecError
 from tests.conftest import compose_spec, run_cli
-from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, free_port, metric_history, reports_of_ranks
+from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, metric_history
 
 
 @pytest.mark.parametrize("preset, degrees, world, expected", [
@@ -75,33 +73,23 @@ def test_a_mismatch_of_degrees_and_processes_is_refused_before_any_worker_starts
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("checkpoints"))
 
 
-def _wrapped(rank: int, port: int, cases: dict[str, list[str]], where: str, out: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
+def _wrapped(rank: int, world: int, cases: dict[str, list[str]], where: str) -> list[tuple]:
+    got = []
     for name, overrides in cases.items():
         spec = compose_spec([*SMALL, "dataset.batch_size=8", "trainer.max_steps=1", "trainer.memory_estimate=false",
                              *overrides], Path(where) / name)
-        engine = Engine(spec, env=DistEnv(rank, 2, rank))
+        engine = Engine(spec, env=DistEnv(rank, world, rank))
         weight = next(engine.module.parameters())
         mesh = getattr(weight, "device_mesh", None)
-        out.put((rank, name, type(engine.model).__name__, mesh.mesh_dim_names if mesh is not None else None,
-                 engine.env.dp_degree, engine.env.dp_rank))
-    torch.distributed.destroy_process_group()
+        got.append((rank, name, type(engine.model).__name__, mesh.mesh_dim_names if mesh is not None else None,
+                    engine.env.dp_degree, engine.env.dp_rank))
+    return got
 
 
-def test_the_model_is_wrapped_by_its_dimensions_not_by_the_presets_name(tmp_path: Path) -> None:
+def test_the_model_is_wrapped_by_its_dimensions_not_by_the_presets_name(tmp_path: Path, two_ranks) -> None:
     cases = {"ddp named, sharded": ["parallelism=ddp", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1"],
              "fsdp named, replicated": ["parallelism=fsdp", "parallelism.dp_replicate=-1", "parallelism.dp_shard=1"]}
-    ctx, port = mp.get_context("spawn"), free_port()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_wrapped, args=(r, port, cases, str(tmp_path), out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(out.get(timeout=240) for _ in range(2 * len(cases)))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = sorted(g for report in two_ranks.run(_wrapped, cases, str(tmp_path)) for g in report)
     sharded = [g for g in got if g[1] == "ddp named, sharded"]
     replicated = [g for g in got if g[1] == "fsdp named, replicated"]
     assert all(g[2].startswith("FSDP") for g in sharded) and {g[3] for g in sharded} == {("dp_shard",)}
@@ -141,20 +129,16 @@ def test_a_degree_above_one_under_single_is_refused_before_the_run_starts(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def _one_replica(rank: int, port: int, out: mp.Queue) -> None:
+def _one_replica(rank: int, world: int) -> tuple:
     from runner.engine.parallel import global_count, place
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
-    env = place(DistEnv(rank, 2, rank), ParallelismSpec(name="single", tp=2), torch.device("cpu"))
-    out.put((rank, env.dp_degree, env.dp_rank, int(global_count(3 + rank, torch.device("cpu"))),
-             env.submesh("tp").size(), env.submesh("dp_shard")))
-    torch.distributed.destroy_process_group()
+    env = place(DistEnv(rank, world, rank), ParallelismSpec(name="single", tp=2), torch.device("cpu"))
+    return (rank, env.dp_degree, env.dp_rank, int(global_count(3 + rank, torch.device("cpu"))),
+            env.submesh("tp").size(), env.submesh("dp_shard"))
 
 
-def test_a_replica_on_every_process_counts_its_own_samples_alone(tmp_path: Path) -> None:
+def test_a_replica_on_every_process_counts_its_own_samples_alone(tmp_path: Path, two_ranks) -> None:
     """tp=2 under single: both ranks hold one replica's batch, so the step's count is each rank's own,
     not the sum over the two processes (the data-parallel group is the rank alone)."""
-    got = reports_of_ranks(_one_replica)
+    got = two_ranks.run(_one_replica)
     assert got == [(0, 1, 0, 3, 2, None), (1, 1, 0, 4, 2, None)]

@@ -2,18 +2,15 @@
 offload, activation checkpointing under fsdp. One process group runs several short trainings in turn."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, full_state
 from runner.spec.run import RunSpec
 from tests.conftest import compose_spec
-from tests.runner.engine.test_parallel import free_port
 
 COMMON = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=200", "dataset.val_fraction=0.1",
           "dataset.test_fraction=0.1", "trainer.max_steps=2", "trainer.progress_bar=off", "trainer.eval_every_epoch=false",
@@ -23,32 +20,22 @@ CNN = [*COMMON, "model=cnn", "model.channels=[4,8]", "model.norm=true", "optimiz
 PER_RANK = 8
 
 
-def two_rank_runs(cases: dict[str, list[str]], where: Path) -> dict[str, dict]:
+def two_rank_runs(cases: dict[str, list[str]], where: Path, two_ranks) -> dict[str, dict]:
     """Each case trained by 2 gloo ranks with dataset.batch_size=PER_RANK: its full model state dict."""
     # composed here: the workers read spec YAML and need not start Hydra
     specs = {name: compose_spec([*overrides, f"dataset.batch_size={PER_RANK}"], where / name).to_yaml()
              for name, overrides in cases.items()}
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, port, specs, str(where))) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    two_ranks.run(_train, specs, str(where))
     return {name: torch.load(where / f"{name}.pt") for name in cases}
 
 
-def _worker(rank: int, port: int, specs: dict[str, str], where: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.distributed.init_process_group("gloo")
+def _train(rank: int, world: int, specs: dict[str, str], where: str) -> None:
     for name, spec in specs.items():
-        engine = Engine(RunSpec.from_yaml(spec), env=DistEnv(rank, 2, rank))
+        engine = Engine(RunSpec.from_yaml(spec), env=DistEnv(rank, world, rank))
         engine.fit()
         model_state, _ = full_state(engine.module, engine.optimizer)
         if rank == 0:
             torch.save(model_state, Path(where) / f"{name}.pt")
-    torch.distributed.destroy_process_group()
 
 
 def one_process(overrides: list[str], where: Path) -> dict:
@@ -73,9 +60,9 @@ FAST = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def runs(tmp_path_factory: pytest.TempPathFactory, two_ranks) -> dict[str, dict]:
     where = tmp_path_factory.mktemp("two_ranks")
-    return {**two_rank_runs(FAST, where), "one process": one_process(CNN, where / "one")}
+    return {**two_rank_runs(FAST, where, two_ranks), "one process": one_process(CNN, where / "one")}
 
 
 def assert_statistics_of_one_process(two_ranks: dict, one: dict) -> None:
@@ -90,13 +77,13 @@ def test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_o
 
 
 @pytest.mark.slow  # in CI: all of them at once in test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_...
-def test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone(tmp_path: Path) -> None:
+def test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone(tmp_path: Path, two_ranks) -> None:
     fsdp = [*MLP, "parallelism=fsdp"]
     options = ("parallelism.reshard_after_forward=false", "parallelism.cpu_offload=true",
                "trainer.activation_checkpointing=full", "trainer.activation_checkpointing=selective")
     cases = {"fsdp": fsdp, **{option: [*fsdp, option] for option in options},
              "ddp": [*CNN, "parallelism=ddp"], "ddp, sync_batchnorm": [*CNN, "parallelism=ddp", "parallelism.sync_batchnorm=true"]}
-    results = two_rank_runs(cases, tmp_path)
+    results = two_rank_runs(cases, tmp_path, two_ranks)
     for option in options:
         assert_equal(results[option], results["fsdp"])
     one = one_process(CNN, tmp_path / "cnn")

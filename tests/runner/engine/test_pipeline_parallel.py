@@ -46,11 +46,21 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str, db: str | None,
             out: "mp.Queue") -> None:
-    from runner.tracking.tracker import build_tracker
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.distributed.init_process_group("gloo")
+    try:
+        report = _fit(rank, world, overrides, run_dir, db)
+        if rank == 0:
+            out.put(report)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _fit(rank: int, world: int, overrides: list[str], run_dir: str, db: str | None) -> dict | None:
+    """Rank 0's report (plain values: a tensor in a queue would outlive the process sharing its memory)."""
+    from runner.tracking.tracker import build_tracker
+
     try:
         spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}" if db else None)
         tracker = build_tracker(spec) if rank == 0 and db else None
@@ -62,19 +72,22 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
                 for n, p in engine.module.named_parameters(remove_duplicate=False) if n in ("wte.weight", "lm_head.weight")}
         every = [None] * world
         torch.distributed.all_gather_object(every, tied)
-        if rank == 0:  # plain values: a tensor in the queue would outlive the process sharing its memory
+        if rank == 0:
             copies = [t for part in every for t in part.values()]
             diff = max((float((t - copies[0]).abs().max()) for t in copies), default=float("nan"))
-            out.put({"final": result.final, "tied": [sorted(part) for part in every], "tied_diff": diff,
-                     "bubble": result.pp_bubble})
+            return {"final": result.final, "tied": [sorted(part) for part in every], "tied_diff": diff,
+                    "bubble": result.pp_bubble}
     except SpecError as e:
         if rank == 0:
-            out.put({"error": str(e)})
-    finally:
-        torch.distributed.destroy_process_group()
+            return {"error": str(e)}
+    return None
 
 
-def run_two(overrides: list[str], run_dir: Path, db: Path | None = None, world: int = 2) -> dict:
+def run_two(overrides: list[str], run_dir: Path, db: Path | None = None, world: int = 2, two_ranks=None) -> dict:
+    """Rank 0's report of a run of `world` gloo processes: the session's two ranks where given
+    (tests/conftest.py), else new ones."""
+    if world == 2 and two_ranks is not None:
+        return two_ranks.run(_fit, overrides, str(run_dir), str(db) if db else None)[0]
     out = mp.get_context("spawn").Queue()
     mp.spawn(_worker, args=(world, _free_port(), overrides, str(run_dir), str(db) if db else None, out), nprocs=world)
     return out.get(timeout=10)
@@ -92,10 +105,10 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_like_one_process(tmp_path: Path, common: list[str], pp: list[str], one: list[str] = (),
-                            world: int = 2) -> dict:
+                            world: int = 2, two_ranks=None) -> dict:
     run_one([*common, *one], tmp_path / "one", tmp_path / "one.db")
     launch = PP2 if world == 2 else ["parallelism=ddp", f"parallelism.nproc_per_node={world}", "parallelism.pp=2"]
-    two = run_two([*common, *launch, *pp], tmp_path / "two", tmp_path / "two.db", world)
+    two = run_two([*common, *launch, *pp], tmp_path / "two", tmp_path / "two.db", world, two_ranks)
     assert_same(weights(tmp_path / "two"), weights(tmp_path / "one"))
     one_log, two_log = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
     for key in COMPARED:
@@ -105,12 +118,14 @@ def assert_like_one_process(tmp_path: Path, common: list[str], pp: list[str], on
     return two
 
 
-def test_pp2_1f1b_trains_gpt_like_one_process_with_accumulation_ragged_batches_and_micro_batches(tmp_path: Path) -> None:
+def test_pp2_1f1b_trains_gpt_like_one_process_with_accumulation_ragged_batches_and_micro_batches(tmp_path: Path,
+                                                                                                 two_ranks) -> None:
     """1F1B, 3 micro-batches of a per-rank batch of 8 (3+3+2 rows), accumulation 2, a ragged last step
     (2 samples): the logged train/loss, val/loss, test metrics and the final weights are one process's; the
     tied embedding and lm head, held by the first and last stage, stay equal."""
     common = [*GPT, "dataset.batch_size=8", "+accum=2"]
-    two = assert_like_one_process(tmp_path, common, ["parallelism.pp_schedule=1f1b", "parallelism.pp_microbatches=3"])
+    two = assert_like_one_process(tmp_path, common, ["parallelism.pp_schedule=1f1b", "parallelism.pp_microbatches=3"],
+                                  two_ranks=two_ranks)
     assert two["tied"] == [["wte.weight"], ["lm_head.weight"]]  # each stage holds its own copy
     assert two["tied_diff"] == 0.0
     assert 0.0 < two["bubble"] < 1.0  # the first stage's share of its schedule time not computing (a benchmark's figure)

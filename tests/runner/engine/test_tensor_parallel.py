@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from runner.engine.engine import Engine
 from runner.spec.run import SpecError
 from tests.conftest import compose_spec
-from tests.runner.engine.test_parallel import assert_same, final_weights, free_port, metric_history
+from tests.runner.engine.test_parallel import assert_same, final_weights, fit_on_rank, free_port, metric_history
 
 # a ragged last step: 90 training blocks, a global batch of 16 (8 x accum 2); vocabulary 33 and 12 tokens do not
 # divide by 2 (uneven vocabulary shards, sequence shards of 6 and 6 / 5 and 6 with the shifted labels)
@@ -43,22 +43,21 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
-    from runner.engine.parallel import DistEnv
-    from runner.tracking.tracker import build_tracker
-
-    spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}")
-    Engine(spec, build_tracker(spec, rank), env=DistEnv(rank, world, rank)).fit()
+    fit_on_rank(rank, world, overrides, run_dir, db)
     torch.distributed.destroy_process_group()
 
 
-def train(overrides: list[str], where: Path, world: int = 1) -> tuple[dict, dict]:
-    """A run of `world` processes (real ones on gloo when more than one): its final weights and MLflow metrics."""
+def train(overrides: list[str], where: Path, world: int = 1, two_ranks=None) -> tuple[dict, dict]:
+    """A run of `world` processes (real ones on gloo when more than one: the session's two ranks where
+    given, tests/conftest.py): its final weights and MLflow metrics."""
     db = where.parent / f"{where.name}.db"
     if world == 1:
         from runner.tracking.tracker import build_tracker
 
         spec = compose_spec(overrides, where, tracking_uri=f"sqlite:///{db}")
         Engine(spec, build_tracker(spec)).fit()
+    elif world == 2 and two_ranks is not None:
+        two_ranks.run(fit_on_rank, overrides, str(where), str(db))
     else:
         mp.start_processes(_worker, args=(world, free_port(), overrides, str(where), str(db)), nprocs=world,
                            start_method="spawn")
@@ -84,11 +83,11 @@ def single_gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Pa
 
 
 @pytest.fixture(scope="module")
-def tp_gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+def tp_gpt(tmp_path_factory: pytest.TempPathFactory, two_ranks) -> tuple[dict, dict, Path]:
     """With the memory estimate, whose measuring micro-step runs the vocabulary-sharded loss too (it leaves no trace)."""
     where = tmp_path_factory.mktemp("tp") / "gpt"
     return (*train([*GPT[:-1], "trainer.memory_estimate=true", *TP2, *CHECKPOINTS, "dataset.batch_size=8", "+accum=2"],
-                   where, world=2), where)
+                   where, world=2, two_ranks=two_ranks), where)
 
 
 def test_gpt_tp2_trains_like_one_process(single_gpt: tuple, tp_gpt: tuple) -> None:
@@ -109,38 +108,38 @@ def test_a_tp2_checkpoint_resumes_in_one_process_as_if_never_stopped(tmp_path: P
 
 
 @pytest.mark.slow  # CI budget: resharding stays in CI the other way (tp=2 saved, one process resumed)
-def test_a_single_process_checkpoint_resumes_at_tp2_as_if_never_stopped(tmp_path: Path, single_gpt: tuple) -> None:
+def test_a_single_process_checkpoint_resumes_at_tp2_as_if_never_stopped(tmp_path: Path, single_gpt: tuple, two_ranks) -> None:
     start = single_gpt[2] / "checkpoints" / "step-00000004.pt"
     weights, metrics = train([*GPT, *TP2, "dataset.batch_size=8", "+accum=2", f"trainer.resume={start}"],
-                             tmp_path / "tp", world=2)
+                             tmp_path / "tp", world=2, two_ranks=two_ranks)
     assert_same(weights, single_gpt[0], rtol=1e-4)
     assert_same_metrics({k: v[4:] for k, v in single_gpt[1].items() if k == "train/loss"}, metrics, keys=("train/loss",))
 
 
 @pytest.mark.slow  # CI keeps the defaults' case above
-def test_gpt_tp2_without_sequence_or_loss_parallel_trains_like_one_process(tmp_path: Path, single_gpt: tuple) -> None:
+def test_gpt_tp2_without_sequence_or_loss_parallel_trains_like_one_process(tmp_path: Path, single_gpt: tuple, two_ranks) -> None:
     for name, keys in (("no_sp", ["parallelism.sequence_parallel=false"]), ("no_lp", ["parallelism.loss_parallel=false"])):
-        weights, metrics = train([*GPT, *TP2, *keys, "dataset.batch_size=8", "+accum=2"], tmp_path / name, world=2)
+        weights, metrics = train([*GPT, *TP2, *keys, "dataset.batch_size=8", "+accum=2"], tmp_path / name, world=2, two_ranks=two_ranks)
         assert_same(weights, single_gpt[0], rtol=1e-4)
         assert_same_metrics(single_gpt[1], metrics)
 
 
 @pytest.mark.slow  # CI keeps gpt's 2-process case
-def test_vit_tp2_trains_like_one_process(tmp_path: Path) -> None:
+def test_vit_tp2_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
     """The classifier head replicated, sequence parallel on 17 tokens (16 patches and the class token: uneven)."""
     one = train([*VIT, "dataset.batch_size=8", "+accum=2"], tmp_path / "one")
-    two = train([*VIT, *TP2, "dataset.batch_size=8", "+accum=2"], tmp_path / "tp", world=2)
+    two = train([*VIT, *TP2, "dataset.batch_size=8", "+accum=2"], tmp_path / "tp", world=2, two_ranks=two_ranks)
     assert_same(two[0], one[0], rtol=1e-4)
     assert_same_metrics(one[1], two[1], keys=("train/loss", "val/loss", "val/acc"))
 
 
-def test_a_users_plan_by_target_trains_like_one_process(tmp_path: Path) -> None:
+def test_a_users_plan_by_target_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
     """runner's mlp has no plan of its own: the user's (tests/user_pkg/plans.py) splits it. The memory estimate
     counts each device's own part of the split weights."""
     mlp = [*VIT[:5], "model=mlp", "model.hidden=[32]", *VIT[10:-1], "trainer.memory_estimate=true"]
     one = train([*mlp, "dataset.batch_size=8"], tmp_path / "one")
     two = train([*mlp, *TP2, "parallelism.tp_plan={_target_:tests.user_pkg.plans.column_then_row}",
-                 "dataset.batch_size=8"], tmp_path / "tp", world=2)
+                 "dataset.batch_size=8"], tmp_path / "tp", world=2, two_ranks=two_ranks)
     assert_same(two[0], one[0], rtol=1e-4)
     assert_same_metrics(one[1], two[1], keys=("train/loss", "val/loss", "val/acc"))
     classes = one[0]["3.weight"].shape[0]
@@ -192,10 +191,10 @@ LLAMA = [GPT[0], *GPT[2:8], "model=hf", "model.task=causal_lm", "model.architect
 
 
 @pytest.mark.slow  # CI keeps gpt's 2-process case
-def test_a_huggingface_models_declared_plan_trains_like_one_process(tmp_path: Path) -> None:
+def test_a_huggingface_models_declared_plan_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
     pytest.importorskip("transformers")
     one = train([*LLAMA, "dataset.batch_size=8"], tmp_path / "one")
-    two = train([*LLAMA, *TP2, "dataset.batch_size=8"], tmp_path / "tp", world=2)
+    two = train([*LLAMA, *TP2, "dataset.batch_size=8"], tmp_path / "tp", world=2, two_ranks=two_ranks)
     assert_same(two[0], one[0], rtol=1e-4)
     assert_same_metrics(one[1], two[1])
 
@@ -215,23 +214,23 @@ def test_data_parallel_x_tp_on_4_processes_trains_like_one_process(tmp_path: Pat
 
 
 @pytest.mark.slow  # CI keeps gpt's 2-process case
-def test_tp2_with_clipping_ema_and_activation_checkpointing_trains_like_one_process(tmp_path: Path) -> None:
+def test_tp2_with_clipping_ema_and_activation_checkpointing_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
     """Clipping's norm over every dimension (split, replicated and plain gradients), the EMA of split weights
     (val/ema/loss), and checkpointed blocks recomputing split layers: as one process."""
     extra = ["trainer.clip_grad_norm=0.05", "trainer.ema.decay=0.9", "trainer.activation_checkpointing=full",
              "dataset.batch_size=8", "+accum=2"]
     one = train([*GPT, *extra], tmp_path / "one")
-    two = train([*GPT, *TP2, *extra], tmp_path / "tp", world=2)
+    two = train([*GPT, *TP2, *extra], tmp_path / "tp", world=2, two_ranks=two_ranks)
     assert max(v for _, v in one[1]["grad_norm"]) > 0.05  # the clipping did clip
     assert_same(two[0], one[0], rtol=1e-4)
     assert_same_metrics(one[1], two[1], keys=("train/loss", "val/loss", "val/ema/loss", "grad_norm"))
 
 
 @pytest.mark.slow  # CI keeps gpt's 2-process case
-def test_tp2_under_bf16_autocast_trains_close_to_one_process(tmp_path: Path) -> None:
+def test_tp2_under_bf16_autocast_trains_close_to_one_process(tmp_path: Path, two_ranks) -> None:
     """bf16 rounds each split matmul's half on its own: close (2e-2 on the losses), not equal."""
     one = train([*GPT, "precision=bf16", "dataset.batch_size=8"], tmp_path / "one")
-    two = train([*GPT, *TP2, "precision=bf16", "dataset.batch_size=8"], tmp_path / "tp", world=2)
+    two = train([*GPT, *TP2, "precision=bf16", "dataset.batch_size=8"], tmp_path / "tp", world=2, two_ranks=two_ranks)
     for key in ("train/loss", "val/loss"):
         for (_, a), (_, b) in zip(one[1][key], two[1][key]):
             assert b == pytest.approx(a, rel=2e-2), key
