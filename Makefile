@@ -18,8 +18,8 @@ $(VENV)/.installed: pyproject.toml sweeper/pyproject.toml constraints.txt
 run: install            ## train the default run; pass overrides as ARGS="optimizer=adamw +accum=4"
 	$(PY) -m runner $(ARGS)
 
-test: install           ## the test suite CI runs (slow tests excluded)
-	$(PY) -m pytest -q -m "not slow" --durations=25
+test: install           ## the test suite CI runs (slow tests excluded), in two processes (pytest-xdist)
+	$(PY) -m pytest -q -m "not slow" -n 2 --durations=25
 
 test-all: install       ## every test, slow ones included
 	$(PY) -m pytest -q

@@ -207,7 +207,7 @@ def complete_from_journal(client: Any, run: Any) -> tuple[str | None, int, list[
     killed), the number of values logged, the kinds of the calls made, and the journal."""
     from mlflow.entities import Metric
 
-    from runner.tracking import calls, journal
+    from runner.tracking import journal
 
     run_id, run_dir = run.info.run_id, run.data.tags.get("run_dir")
     path = Path(run_dir) / journal.FILE if run_dir else None

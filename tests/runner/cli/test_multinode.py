@@ -80,46 +80,42 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     return weights(tmp / "node0")
 
 
-def _decide_as_rank(rank: int, port: int, run_dir: str, existing: bool, out) -> None:
+def _decide_as_rank(rank: int, world: int, run_dir: str, existing: bool) -> str | None:
     """One torchrun rank at the run directory's decision (runner/cli/launch.py), rank 1 arriving late (rank 0 used to
-    write spec.yaml meanwhile); puts (rank, the refusal or None) on `out`."""
-    import torch.distributed as dist
-
+    write spec.yaml meanwhile); runs on the session's two gloo ranks (tests/conftest.py two_ranks). Returns the
+    refusal or None."""
     from runner.cli import launch
     from runner.spec.run import SpecError
 
-    os.environ.update({"TORCHELASTIC_RUN_ID": "t", "LOCAL_RANK": str(rank), "RANK": str(rank)})
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    os.environ["TORCHELASTIC_RUN_ID"] = "t"
     spec_file = Path(run_dir) / "spec.yaml"
     if rank == 1:
         time.sleep(1)
-    refusal = None
     try:
         with launch._decided(Path(run_dir), "hydra.run.dir", rank == 0):
             if rank == 0:
                 spec_file.write_text("mode: train\n")  # as rank 0 goes on to do
     except SpecError as e:
-        refusal = str(e)
-    out.put((rank, refusal))
-    dist.destroy_process_group()
+        return str(e)
+    finally:
+        os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    return None
 
 
 @pytest.mark.parametrize("existing", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["new", "holds-a-run"])
-def test_torchrun_ranks_take_rank_0s_decision_on_the_run_directory(tmp_path: Path, existing: bool) -> None:
+def test_torchrun_ranks_take_rank_0s_decision_on_the_run_directory(tmp_path: Path, existing: bool, two_ranks) -> None:
     """The fast case (two spawned ranks, no training): rank 1, late, takes rank 0's decision rather than checking
     the directory for itself (it used to, and refused rank 0's fresh spec.yaml: 'already holds a run'); a directory
     that held a run before is refused by rank 0, and rank 1 stops with the same line."""
-    from tests.runner.engine.test_parallel import reports_of_ranks
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     if existing:
         (run_dir / "spec.yaml").write_text("mode: train\n")
-    reports = reports_of_ranks(_decide_as_rank, str(run_dir), existing)
+    refusals = two_ranks.run(_decide_as_rank, str(run_dir), existing)
     if existing:
-        assert reports[0][1] == reports[1][1] and "already holds a run" in reports[0][1]
+        assert refusals[0] == refusals[1] and "already holds a run" in refusals[0]
     else:
-        assert reports == [(0, None), (1, None)]
+        assert refusals == [None, None]
         assert (run_dir / "spec.yaml").exists()
 
 
