@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from runner.engine import checkpoint
 from tests.conftest import REPO
@@ -115,6 +117,45 @@ def test_a_preempted_job_requeues_itself_and_finishes_bitwise_as_an_uninterrupte
     timing = {k for k in want_history if k.startswith("throughput/")}
     assert status == "FINISHED"
     assert {k: v for k, v in history.items() if k not in timing} == {k: v for k, v in want_history.items() if k not in timing}
+
+
+@pytest.mark.slow
+def test_the_multi_node_template_trains_two_nodes_as_one_process(
+        slurm_cluster: SlurmCluster, tmp_path: Path, migrated_mlflow_store: Path) -> None:
+    """README's N-node template on both nodes of the cluster (one run directory they share, as on a cluster's
+    shared disk): the head node from `scontrol show hostnames`, one srun task per node with its
+    SLURM_NODEID as node rank, ddp across them. The job COMPLETES, node 0 holds the run, one MLflow run
+    ends FINISHED, and weights and train/loss are those of one process with the same global batch."""
+    from tests.servers.mlflow import free_port
+
+    short = [arg for arg in RUN if not arg.startswith(("trainer.max_steps", "trainer.eval_every"))] + \
+        ["trainer.max_steps=60", "trainer.eval_every_n_steps=30"]
+    one = subprocess.run([sys.executable, "-m", "runner", *short, f"hydra.run.dir={tmp_path / 'one'}",
+                          *_store(tmp_path, "one", migrated_mlflow_store)],
+                         cwd=tmp_path, env=_job_env(slurm_cluster), capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    job_log, run_dir = tmp_path / "job.log", tmp_path / "two-nodes"
+    job = slurm_cluster.sbatch("--nodes=2", "--cpus-per-task=1", "--time=30", "-o", str(job_log),
+                               str(REPO / "examples" / "slurm" / "multi_node.sbatch"), *short,
+                               *_store(tmp_path, "two", migrated_mlflow_store), "parallelism.rdzv_timeout=120",
+                               "dataset.batch_size=32",  # per rank: the one process's global batch of 64
+                               cwd=tmp_path, env={**_job_env(slurm_cluster), "RUN_DIR": str(run_dir),
+                                                  "PORT": str(free_port())})
+    final = slurm_cluster.wait(job, timeout=600)
+    log = job_log.read_text()
+    assert final["JobState"] == "COMPLETED", log
+    assert "2 nodes x 1" in log, log
+    got, want = checkpoint.load(run_dir / "checkpoints" / "last.pt"), checkpoint.load(tmp_path / "one" / "checkpoints" / "last.pt")
+    assert got["progress"]["step"] == want["progress"]["step"] == 60
+    for key in want["model"]:
+        torch.testing.assert_close(got["model"][key], want["model"][key], rtol=1e-5, atol=1e-5, msg=key)
+    assert yaml.safe_load((run_dir / "spec.yaml").read_text())["parallelism"]["node_rank"] == 0
+    [(status, history)] = _mlflow_runs(tmp_path / "two.db")
+    [(_, want_history)] = _mlflow_runs(tmp_path / "one.db")
+    assert status == "FINISHED"
+    assert [step for step, _ in history["train/loss"]] == [step for step, _ in want_history["train/loss"]]
+    torch.testing.assert_close(torch.tensor([v for _, v in history["train/loss"]]),
+                               torch.tensor([v for _, v in want_history["train/loss"]]), rtol=1e-5, atol=1e-5)
 
 
 # --- hydra/launcher=slurm ---------------------------------------------------------------------------------
