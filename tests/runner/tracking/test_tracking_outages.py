@@ -248,7 +248,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_store: P
     return histories(MlflowClient(f"sqlite:///{root}/mlflow.db"), (root / "run" / "mlflow_run_id").read_text().strip())
 
 
-@pytest.mark.slow  # a server start (10-40 s on a loaded machine) and two runs
+@pytest.mark.cluster  # the one mlflow server case in CI (about 30 s quiet: a server start and two runs)
 def test_a_stopped_server_holds_up_no_step_and_gets_every_value_once_it_continues(
         tmp_path: Path, migrated_mlflow_store: Path, reference: dict) -> None:
     with mlflow_server(tmp_path / "server", migrated_mlflow_store) as (uri, server):
