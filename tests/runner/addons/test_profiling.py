@@ -66,8 +66,9 @@ def test_a_data_bound_run_is_advised_more_workers_with_its_measured_share(tmp_pa
 
 def test_a_compute_bound_run_is_not_advised_workers_and_a_short_run_is_profiled_at_its_end(tmp_path: Path) -> None:
     """digits is a tensor dataset gathered in one index per batch: its wait for data is tiny next to a
-    256-wide MLP's forward and backward. The run's 4 steps cannot skip the default 5: the window moves to its end."""
-    engine = Engine(compose_spec(["model.hidden=[256,256]", "dataset.batch_size=128", "trainer.max_steps=4",
+    2048-wide MLP's forward and backward (wide enough that a busy machine cannot
+    tip the shares). The run's 4 steps cannot skip the default 5: the window moves to its end."""
+    engine = Engine(compose_spec(["model.hidden=[2048,2048]", "dataset.batch_size=512", "trainer.max_steps=4",
                                   "trainer.profile=true", "trainer.profile_steps=3", *FAST], tmp_path / "run"))
     engine.fit()
     report = report_of(tmp_path / "run")
