@@ -11,7 +11,6 @@ _MAX_FILES entries deep, and only files under _HASH_LIMIT bytes are hashed.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import subprocess
@@ -222,15 +221,3 @@ def tags(record: dict[str, Any]) -> dict[str, str]:
                 "hardware.cuda": hw["cuda"] or "none", "data.kind": record["data"]["kind"]})
     return out
 
-
-def log(client: Any, run_id: str, spec: Any) -> None:
-    """Store the record with the run: tags, record/run_record.json and, when the working tree has
-    uncommitted changes, record/git_diff.patch."""
-    from mlflow.entities import RunTag
-
-    record = build(spec)
-    diff = record["git"].pop("diff")
-    client.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags(record).items()])
-    client.log_text(run_id, json.dumps(record, indent=1, default=str), RECORD_FILE)
-    if diff:
-        client.log_text(run_id, diff, DIFF_FILE)
