@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from runner.search.pbt import launcher as members_launcher
 from runner.spec.run import SpecError
 from tests.conftest import REPO, run_cli
+from tests.runner.search.test_pbt import _alive, _gone_within, _runs_by_name as _statuses
 
 try:  # the one-host SLURM cluster (the slurm slice's tests/servers/slurm.py)
     from tests.servers.slurm import SlurmCluster, slurm_cluster  # noqa: F401  (the session's cluster)
@@ -165,27 +166,6 @@ def _member_processes(where: Path) -> set[int]:
         if "submitit" in text and str(where) in text:
             out.add(int(cmdline.parent.name))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone_within(pids: set[int], seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    return not any(_alive(p) for p in pids)
-
-
-def _statuses(db: Path) -> dict[str, str]:
-    import sqlite3
-
-    with sqlite3.connect(db, timeout=5) as con:
-        return dict(con.execute("select name, status from runs"))
 
 
 def _start(where: Path, until, *extra: str) -> subprocess.Popen:
