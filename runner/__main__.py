@@ -26,6 +26,7 @@ def main(cfg: DictConfig) -> float:
         spec = spec_from_hydra(cfg)
     except SpecError as e:
         fail(str(e))
+    _open_store_early(spec)
     # torch, MLflow and the engine: only now that the spec is known to be good
     from runner.engine.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
     from runner.cli.launch import WorkersFailed, run
@@ -53,6 +54,24 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"error: {line}")
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _open_store_early(spec: RunSpec) -> None:
+    """A run this process trains starts its tracking process now, which imports MLflow and opens the store on
+    another core while this one imports torch and builds the run (runner/tracking/store_process.py). Not for
+    a multirun's jobs (one process, one MLflow import for them all), workers' launchers or k-fold's runs."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from runner.spec.parallelism import nominal_world
+
+    if (spec.mode != "train" or spec.tracking.name == "none" or under_torchrun() or HydraConfig.get().mode == RunMode.MULTIRUN
+            or spec.parallelism.name != "single" or nominal_world(spec.parallelism) != 1
+            or spec.trainer.cross_validation.folds or "mlflow" in sys.modules):
+        return
+    from runner.tracking import store_process
+
+    store_process.start_early(spec.tracking.uri, spec.tracking.experiment, spec.tracking.artifact_root)
 
 
 def _to_job_log(line: str) -> None:

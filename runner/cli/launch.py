@@ -155,8 +155,10 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
 
 
 def run_in_process(spec: RunSpec, env: DistEnv) -> RunResult:
-    # the store opens in the background while the engine builds (runner/tracking/tracker.py)
-    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec), open_now=True)
+    # the store opens in the background while the engine builds (runner/tracking/tracker.py): in the tracking
+    # process, but where this process imported MLflow already or runs a multirun's jobs (one import for them all)
+    where = "thread" if _in_multirun() or "mlflow" in sys.modules else "process"
+    tracker = build_tracker(spec, env.rank, parent_run_id=parent_run_id(spec), open_now=where)
     if spec.tune.name:  # a finder's answer, applied, turns the finder off: a resume finds it on only while it
         # never finished (it runs again) or when tune.apply=false (the answer recorded in the run directory is reported)
         from runner import tune

@@ -26,10 +26,11 @@ from typing import Any, Protocol
 
 from runner.spec import metric_names
 
-from runner.tracking import calls, journal
+from runner.tracking import calls, journal, store_process
+from runner.tracking.store import Store
 from runner.tracking.journal import Journal
 from runner.tracking.writer import StoreWriter, first_line, refused
-from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, make_call, open_client, open_experiment, owner_tags,
+from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views)
 from runner.spec.run import RunSpec, SpecError
 from runner.spec.tracking import TrackingSpec
@@ -93,15 +94,18 @@ def _quiet_opening(record: logging.LogRecord) -> bool:
 
 class _Opening:
     """`import mlflow`, the store opened (a fresh sqlite file created and migrated) and the experiment found or
-    created: seconds of start-up, in a thread of its own when started early (`background`), so that the
-    engine builds its data and model meanwhile. Its refusals (a store MLflow cannot open, a deleted
-    experiment, an artifact location turned read-only) are raised by `result`, before the run exists.
-    The thread is no daemon: a process that exits early still finishes a migration it began."""
+    created: seconds of start-up. `how`: "process", in the tracking process (runner/tracking/store_process.py),
+    on another core while this process imports torch and builds the run; "thread", in a thread of this
+    process (a multirun's jobs share one process, and one MLflow import); "now", when `result` is asked.
+    Its refusals (a store MLflow cannot open, a deleted experiment, an artifact location turned read-only)
+    are raised by `result`, before the run exists. The thread is no daemon: a process that exits early still
+    finishes a migration it began."""
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str, background: bool):
+    def __init__(self, uri: str, experiment: str, artifact_root: str, how: str):
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self._outcome: tuple[Any, str] | BaseException | None = None
-        self._thread = threading.Thread(target=self._open, name=OPENING_THREAD) if background else None
+        self._process = store_process.started(uri, experiment, artifact_root) if how == "process" else None
+        self._thread = threading.Thread(target=self._open, name=OPENING_THREAD) if how == "thread" else None
         if self._thread is not None:
             for name in _OPENING_CHATTER:
                 logging.getLogger(name).addFilter(_quiet_opening)
@@ -116,9 +120,8 @@ class _Opening:
         for handler in handlers:
             handler.addFilter(_quiet_opening)
         try:
-            check_tracking(TrackingSpec(uri=self.uri, experiment=self.experiment, artifact_root=self.artifact_root))
-            client = open_client(self.uri)
-            self._outcome = (client, open_experiment(client, self.experiment, self.uri, self.artifact_root))
+            opened = Store()
+            self._outcome = (opened, opened.open(self.uri, self.experiment, self.artifact_root))
         except BaseException as e:  # noqa: BLE001  (raised by result(), in the thread that starts the run)
             self._outcome = e
         finally:
@@ -126,7 +129,13 @@ class _Opening:
                 handler.removeFilter(_quiet_opening)
 
     def result(self) -> tuple[Any, str]:
-        """(client, experiment id)."""
+        """(the store's calls: runner/tracking/store.py's, here or in the tracking process; experiment id)."""
+        if self._process is not None and self._outcome is None:
+            try:
+                self._outcome = (self._process, self._process.opened())
+            except store_process.StoreGone as e:  # opened here instead: the run goes on as it would have
+                log.warning("MLflow: %s before it opened the store; opening it in this process", e)
+                self._process = None
         if self._thread is not None:
             self._thread.join()
         elif self._outcome is None:
@@ -137,13 +146,14 @@ class _Opening:
 
 
 class MlflowTracker:
-    """`open_now`: start opening the store at once, in the background (runner/cli/launch.py does, before
-    the engine builds its data and model); otherwise `start` opens it."""
+    """`open_now`: start opening the store at once, "process" in the tracking process or "thread" in a thread
+    of this one (runner/cli/launch.py does, before the engine builds its data and model); otherwise
+    `start` opens it."""
 
     def __init__(self, uri: str, experiment: str, artifact_root: str, parent_run_id: str | None = None,
-                 run_file: Path | None = None, open_now: bool = False):
+                 run_file: Path | None = None, open_now: bool | str = False):
         self.uri = uri
-        self.client: Any = None  # opened in start, after the store is checked
+        self.store: Any = None  # runner/tracking/store.py's calls, opened in start, after the store is checked
         self.experiment = experiment
         self.artifact_root = artifact_root
         self.parent_run_id = parent_run_id
@@ -151,19 +161,35 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.run_name = ""
-        self._opening = _Opening(uri, experiment, artifact_root, background=open_now)
+        how = open_now if isinstance(open_now, str) else "thread" if open_now else "now"
+        self._opening = _Opening(uri, experiment, artifact_root, how)
         self._writer: StoreWriter | None = None
         self._journal: Journal | None = None
         self._logged: dict[str, set[int]] = {}  # steps the run already held when this tracker reattached
+        self._here: Store | None = None  # the store opened in this process too, where `client` was asked for
+
+    @property
+    def client(self) -> Any:
+        """An MlflowClient on the run's store (for callers that read the run back: k-fold's results); opened in
+        this process where the store's calls are made in the tracking process. None before the run starts."""
+        if self.store is None:
+            return None
+        return self._store_here().client
+
+    def _store_here(self) -> Store:
+        """The store opened in this process (where its calls are made in the tracking process: now)."""
+        if isinstance(self.store, Store):
+            return self.store
+        if self._here is None:
+            self._here = Store()
+            self._here.open(self.uri, self.experiment, self.artifact_root)
+        return self._here
 
     def _check_parent(self, spec: RunSpec) -> None:
         """The parent run must be a live run of this store: MLflow would tag a child with any id, and the run
         would hang under nothing (or under a deleted run) in the UI."""
-        try:
-            parent = self.client.get_run(self.parent_run_id)
-        except Exception:
-            parent = None
-        if parent is None or parent.info.lifecycle_stage == "deleted":
+        parent = self.store.run(self.parent_run_id)
+        if parent is None or parent["stage"] == "deleted":
             what = "is no MLflow run" if parent is None else "is a deleted MLflow run"
             raise SpecError(f"{_parent_key(spec)}: {self.parent_run_id} {what} in {self.uri}; runner sets it for a "
                             "k-fold run's folds (leave trainer.cross_validation.parent_run unset)")
@@ -171,23 +197,16 @@ class MlflowTracker:
     def start(self, spec: RunSpec, resume_run_id: str | None = None) -> None:
         """Creates the run (or reattaches to it) and returns: its params, spec.yaml and run record are stored
         by the writer while the run trains."""
-        self.client, self.experiment_id = self._opening.result()
+        self.store, self.experiment_id = self._opening.result()
         maximize = spec.objective.direction == "maximize"
         views = saved_views(main_metrics(spec), maximize, spec.objective.metric)
         if not resume_run_id and self.run_file is not None and self.run_file.exists():
             resume_run_id = self.run_file.read_text().strip()
-        if resume_run_id and run_exists(self.client, resume_run_id):
-            self._logged = logged_steps(self.client, resume_run_id)
+        if resume_run_id and self.store.run(resume_run_id) is not None:
+            self._logged = {key: set(steps) for key, steps in self.store.logged_steps(resume_run_id).items()}
             self.run_id = resume_run_id
-            self.client.update_run(resume_run_id, status="RUNNING")
-            from mlflow.entities import RunTag
-
             # this process keeps it RUNNING now; an earlier ending is history
-            self.client.log_batch(resume_run_id, tags=[RunTag(k, v) for k, v in owner_tags().items()])
-            run = self.client.get_run(resume_run_id)
-            self.run_name = run.info.run_name
-            if "runner.outcome" in run.data.tags:
-                self.client.delete_tag(resume_run_id, "runner.outcome")
+            self.run_name = self.store.reattach(resume_run_id, owner_tags())
             self._open_writer()
             self._replay_journal()
             self._send("views", {"experiment_id": self.experiment_id, "views": views}, "the runs table's views")
@@ -198,18 +217,17 @@ class MlflowTracker:
         if self.parent_run_id:
             self._check_parent(spec)
             tags["mlflow.parentRunId"] = self.parent_run_id
-        run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
-        self.run_id = run.info.run_id
+        self.run_id = self.store.create_run(self.experiment_id, self.run_name, tags)
         try:  # from here on a failure must not leave the run RUNNING
             if self.run_file is not None:
                 self.run_file.parent.mkdir(parents=True, exist_ok=True)
                 self.run_file.write_text(self.run_id)
             self._open_writer()
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM/SIGHUP, a sweep's death: killed, as anywhere later in the run
-            self.client.set_terminated(self.run_id, status="KILLED")
+            self.store.set_terminated(self.run_id, "KILLED")
             raise
         except BaseException:
-            self.client.set_terminated(self.run_id, status="FAILED")
+            self.store.set_terminated(self.run_id, "FAILED")
             raise
         self._send("params", {"params": params_of(spec)}, "params")
         self._send("text", {"text": spec.to_yaml(), "file": "spec.yaml"}, "spec.yaml")
@@ -222,9 +240,9 @@ class MlflowTracker:
         refuses is said, not raised: it may be the traceback of a run that is failing."""
         run_id = self.run_id
 
-        def make(client: Any) -> None:
+        def make(store: Any) -> None:
             try:
-                make_call(client, run_id, kind, args)
+                args.update(store.make_call(run_id, kind, args))  # what the call added: a retry goes on from there
             except Exception as e:
                 if kind != "text" or not refused(e):
                     raise  # the store did not answer: the writer retries; a refusal is the tracker's to raise
@@ -232,7 +250,7 @@ class MlflowTracker:
 
         if self._writer is None:
             if run_id is not None:
-                make(self.client)
+                make(self._ended_store())
             return
         held = self._journal
         if held is not None:
@@ -245,18 +263,18 @@ class MlflowTracker:
         run_id, held, args = self.run_id, self._journal, {}
         op = held.call("record", args) if held is not None else None
 
-        def store(client: Any) -> None:
+        def store(store: Any) -> None:
             if "tags" not in args:
                 args.update(calls.record_args(spec))
                 if held is not None:
                     held.call("record", args, op)
-            calls.make(client, run_id, "record", args)
+            store.make_call(run_id, "record", args)
 
         self._writer.call(store, "the run record", None if held is None else lambda: held.stored(op))
 
     def _open_writer(self) -> None:
         where = str(self.run_file.parent / journal.FILE) if self.run_file is not None else "no local file"
-        self._writer = StoreWriter(self.client, self.run_id, self.uri, where, _FLUSH_EVERY_S, _patience())
+        self._writer = StoreWriter(self.store, self.run_id, self.uri, where, _FLUSH_EVERY_S, _patience())
         if self.run_file is not None:
             self._journal = Journal(self.run_file.parent / journal.FILE, self.run_id)
 
@@ -289,9 +307,7 @@ class MlflowTracker:
                 return
         ms = int(time.time() * 1000)
         if self._writer is None:  # the run ended: a caller adding to it stores at once
-            from mlflow.entities import Metric
-
-            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ms, step) for k, v in values.items()])
+            self._ended_store().log_metrics(self.run_id, [(k, v, ms, step) for k, v in values.items()])
             return
         if self._journal is not None:
             self._journal.add(step, ms, values)
@@ -361,10 +377,13 @@ class MlflowTracker:
         run_id, ending = self.run_id, "FAILED" if refusals else status
         if self._journal is not None:
             self._journal.close(ending)  # a store that stays unreachable gets the run's end from here later
-        writer.call(lambda client: client.set_terminated(run_id, status=ending), "the run's end")
+        writer.call(lambda store: store.set_terminated(run_id, ending), "the run's end")
         ended = stored and writer.wait()
         writer.close()
         self._writer = None
+        if isinstance(self.store, store_process.StoreProcess):  # waited for: its CPU is the run's
+            if ended:  # else the writer's thread still tries the store: it is closed as this process exits
+                self.store.close()
         if not ended:
             waiting, first, whats = writer.left()
             values = f"{waiting} metric values (from step {first}), " if waiting else ""
@@ -375,6 +394,12 @@ class MlflowTracker:
                         values, others, ending, writer.journal)
         if refusals and status == "FINISHED":
             raise refusals[0]  # a run whose metrics are lost did not finish; an ending failure keeps its own error
+
+    def _ended_store(self) -> Any:
+        """The store's calls for a caller adding to the run after its end: in this process by then."""
+        if isinstance(self.store, store_process.StoreProcess) and self.store.usable:
+            return self.store
+        return self._store_here()
 
     def describe(self) -> str:
         if self.uri.startswith("http"):
@@ -432,8 +457,9 @@ def _parent_key(spec: RunSpec) -> str:
             else "the sweep's MLflow parent run")
 
 
-def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None, open_now: bool = False) -> Tracker:
-    """`open_now`: the store starts opening in the background at once (see MlflowTracker)."""
+def build_tracker(spec: RunSpec, rank: int = 0, parent_run_id: str | None = None, open_now: bool | str = False) -> Tracker:
+    """`open_now`: the store starts opening in the background at once: True in a thread, "process" in the
+    tracking process (see MlflowTracker)."""
     if spec.tracking.name == "none" or rank != 0:
         return NullTracker()
     t = spec.tracking

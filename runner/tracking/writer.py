@@ -24,6 +24,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+from runner.tracking.store_process import StoreGone
+
 log = logging.getLogger(__name__)
 
 BATCH = 1000          # MLflow's limit of metric values per log_batch
@@ -37,11 +39,12 @@ _REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALRE
 
 
 class StoreWriter:
-    """`client` and `run_id`: where the values go; `where`: the store, as messages name it; `journal`:
-    the local file holding every metric, as messages name it."""
+    """`store` (runner/tracking/store.py's calls, in this process or the tracking process's) and `run_id`:
+    where the values go; `where`: the store, as messages name it; `journal`: the local file holding every
+    metric, as messages name it."""
 
-    def __init__(self, client: Any, run_id: str, where: str, journal: str, send_every_s: float, patience_s: float):
-        self.client, self.run_id, self.where, self.journal = client, run_id, where, journal
+    def __init__(self, store: Any, run_id: str, where: str, journal: str, send_every_s: float, patience_s: float):
+        self.store, self.run_id, self.where, self.journal = store, run_id, where, journal
         self.send_every_s, self.patience_s = send_every_s, patience_s
         self._ops: collections.deque = collections.deque()  # ("metrics", step, ms, values) | ("call", step, fn, what, stored)
         self._wake = threading.Event()
@@ -59,6 +62,7 @@ class StoreWriter:
         self._warned_memory = False
         self._said = threading.Lock()  # the main thread (no answer) and the writer (an error) may both see an outage
         self._closed = False
+        self.gone: str | None = None  # the tracking process died: what reached no store stays in the journal
         for name in _NOISY:
             logging.getLogger(name).addFilter(_not_from_writer)
         self._thread = threading.Thread(target=self._run, name=WRITER_THREAD, daemon=True)
@@ -82,7 +86,7 @@ class StoreWriter:
             self._outage(f"no answer for {time.monotonic() - started:.0f} s")
 
     def call(self, fn: Callable[[Any], Any], what: str, stored: Callable[[], None] | None = None) -> None:
-        """fn(client), in order with everything else; `what` names it in messages; `stored()` once the store
+        """fn(store), in order with everything else; `what` names it in messages; `stored()` once the store
         holds it (the journal's confirmation)."""
         self._ops.append(("call", self.last_step, fn, what, stored))
         self.queued += 1
@@ -135,11 +139,9 @@ class StoreWriter:
 
     def _send_next(self) -> None:
         """The first op, or the run of metric ops at the front of the queue (up to BATCH values), stored."""
-        from mlflow.entities import Metric
-
         head = self._ops[0]
         if head[0] == "call":
-            if self._store(lambda: head[2](self.client)) and head[4] is not None:
+            if self._store(lambda: head[2](self.store)) and head[4] is not None:
                 head[4]()
             self._ops.popleft()
             self._finished(1, 0)
@@ -150,10 +152,10 @@ class StoreWriter:
             if op[0] != "metrics" or (metrics and len(metrics) + len(op[3]) > BATCH):
                 break
             _, step, ms, logged = op
-            metrics.extend(Metric(k, v, ms, step) for k, v in logged.items())
+            metrics.extend((k, v, ms, step) for k, v in logged.items())
             ops, values = ops + 1, values + len(logged)
         for i in range(0, len(metrics), BATCH):  # more than BATCH only when one log call held more
-            self._store(lambda batch=metrics[i:i + BATCH]: self.client.log_batch(self.run_id, metrics=batch))
+            self._store(lambda batch=metrics[i:i + BATCH]: self.store.log_metrics(self.run_id, batch))
         for _ in range(ops):
             self._ops.popleft()
         self._finished(ops, values)
@@ -165,14 +167,21 @@ class StoreWriter:
             self._progress.notify_all()
 
     def _store(self, send: Callable[[], Any]) -> bool:
-        """send() until it succeeds (True) or the store refuses it (False); an outage is said once, and its end."""
+        """send() until it succeeds (True) or the store refuses it (False); an outage is said once, and its end.
+        After the tracking process died, nothing is sent (False): the journal holds it all."""
         delay = _BACKOFF_S[0]
-        while True:
+        while self.gone is None:
             self.call_started, self.call_step = time.monotonic(), self.last_step
             try:
                 send()
             except Exception as e:  # noqa: BLE001  (sorted below: retried, or kept for the tracker to raise)
                 self.call_started = None
+                if isinstance(e, StoreGone):
+                    self.gone = str(e)
+                    log.warning("MLflow: %s at step %d; training goes on, %s holds every metric and call, and "
+                                "`trainer.resume` of this run or the next runner command on this store (on this host) "
+                                "completes the MLflow run from it", e, self.last_step, self.journal)
+                    return False
                 if refused(e):
                     self.refusals.append(e)
                     return False
@@ -186,6 +195,7 @@ class StoreWriter:
                             "order", self.where, self.last_step, time.monotonic() - self.outage_began)
                 self.outage_step = None
             return True
+        return False
 
     def _outage(self, reason: str) -> None:
         with self._said:
@@ -219,6 +229,9 @@ def _store_what_is_left() -> None:
 
 def refused(error: BaseException) -> bool:
     """Whether the store understood a call and refused it (not worth retrying), rather than not answering."""
+    said = getattr(error, "refused", None)  # an error from the tracking process: sorted there
+    if isinstance(said, bool):
+        return said
     code = getattr(error, "error_code", None)
     if code is not None:  # an MlflowException: its code says
         return code in _REFUSED
