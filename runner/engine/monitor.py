@@ -262,27 +262,7 @@ class Monitor:
 
 
 def plot_curves(history: dict[str, list[tuple[int, float]]], path: Path) -> Path | None:
-    """Loss curves (train and val) and accuracy curves (val) against optimizer steps."""
-    if "train/loss" not in history:
-        return None
-    import matplotlib
+    """Loss curves (train and val) and accuracy curves (val) against optimizer steps (runner/engine/curves.py)."""
+    from runner.engine import curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, ax in (("train/loss", ax_loss), ("val/loss", ax_loss), ("val/acc", ax_acc)):
-        if name in history:
-            steps, values = zip(*history[name])
-            ax.plot(steps, values, label=name, marker="." if name.startswith("val") else None)
-    for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-        ax.set_xlabel("optimizer step")
-        ax.set_title(title)
-        if ax.lines:
-            ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return curves.draw(history, path)
