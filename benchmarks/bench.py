@@ -10,6 +10,7 @@ targets (benchmarks/bench_startup.py). Numbers are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -53,13 +54,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="cpu: the main thread's CPU time per step (with --threads 1; for a busy machine)")
     parser.add_argument("--startup-runs", type=int, default=3,
                         help="runs of each start-up measurement (median printed; 0: skip them)")
+    parser.add_argument("--whole-runs", type=int, default=3,
+                        help="whole default runs, each paired with Lightning's run of the same work (0: skip them)")
+    parser.add_argument("--lightning-python", default=os.environ.get("LIGHTNING_PYTHON"),
+                        help="an interpreter that imports lightning, for its whole run (default: $LIGHTNING_PYTHON, "
+                             "else this one where it can)")
     parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu counts the main thread only: use it with --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     if args.startup_runs:  # first, before this process's own training loads the machine
-        bench_startup(args.startup_runs)
+        bench_startup(args.startup_runs, args.whole_runs, args.lightning_python)
         print()
     if args.threads:
         torch.set_num_threads(args.threads)

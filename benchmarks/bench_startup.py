@@ -7,7 +7,10 @@ Each case is a fresh process, measured two ways:
   run is interrupted, as on Ctrl-C);
 - CPU seconds (user + system, every thread) of the process over the same span: at the first step the
   process reads its own clock (os.times), at its exit the parent reads the child's rusage. On a machine
-  other processes load, the CPU figure is the steadier one.
+  other processes load, the CPU figure is the steadier one. At the first step, the CPU seconds of the run's
+  tracking process so far (runner/tracking/store_process.py: MLflow's import and the store's opening, on
+  another core) are read from /proc and printed beside them ("+ tracking"); a whole run's rusage holds
+  them, as the run waits for that process.
 
 The default run's MLflow store is a fresh one for the first (untimed) run and an existing one for the
 rest, as a user's is; what another case builds on its first run (gpt_small's token cache) is built by
@@ -42,8 +45,23 @@ class FirstStep(AddOn):
     def on_step_end(self, step, loss_sum, samples):
         if step == 1:
             cpu = os.times()
-            print(f"{FIRST_STEP_MARK}{cpu.user + cpu.system:.3f}", flush=True)
+            print(f"{FIRST_STEP_MARK}{cpu.user + cpu.system:.3f} {_tracking_cpu():.3f}", flush=True)
         return None
+
+
+def _tracking_cpu() -> float:
+    """CPU seconds so far of this process's tracking processes (0 without one)."""
+    from runner.tracking import store_process
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for process in list(store_process._live):
+        try:
+            fields = Path(f"/proc/{process.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,7 @@ class Timing:
     wall: float
     cpu: float
     code: int
+    tracking_cpu: float = 0.0  # at the first step: the run's tracking process's CPU seconds so far
 
 
 def _env() -> dict[str, str]:
@@ -91,7 +110,8 @@ def timed(command: list[str], cwd: Path, to_first_step: bool) -> Timing:
             wall = time.perf_counter() - started
             proc.send_signal(signal.SIGINT)  # enough measured: the run ends KILLED, as on Ctrl-C
             proc.communicate()
-            return Timing(wall, float(line[len(FIRST_STEP_MARK):]), proc.returncode)
+            cpu, tracking = (float(f) for f in line[len(FIRST_STEP_MARK):].split())
+            return Timing(wall, cpu, proc.returncode, tracking)
     code = proc.wait()
     wall = time.perf_counter() - started
     if to_first_step:
@@ -124,8 +144,10 @@ def bench_startup(runs: int, whole: int = 0, python: str | None = None) -> None:
             wall, cpu = statistics.median(t.wall for t in times), statistics.median(t.cpu for t in times)
             target = f"{case.target_s:.1f}" if case.target_s is not None else case.target_note
             verdict = "" if case.target_s is None else "ok" if wall <= case.target_s else "over"
+            tracking = (f" + tracking {_each([t.tracking_cpu for t in times])}"
+                        if any(t.tracking_cpu for t in times) else "")
             print(f"{case.what:<38} {wall:>7.2f} {cpu:>7.2f} {target:>9}  {verdict:<7}  "
-                  f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])})", flush=True)
+                  f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])}{tracking})", flush=True)
         print(f"{'default run, fresh MLflow store':<38} {fresh.wall:>7.2f} {fresh.cpu:>7.2f} {'':>9}  {'':<7}  (once)")
         if whole:
             whole_runs(whole, cwd, python)
