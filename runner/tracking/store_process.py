@@ -35,6 +35,7 @@ class StoreGone(ConnectionError):
     """The tracking process died: nothing more reaches the store from this run."""
 
     refused = False
+    process_gone = True  # what runner/tracking/writer.py looks for (it imports nothing from here)
 
 
 class StoreError(Exception):

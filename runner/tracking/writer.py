@@ -24,8 +24,6 @@ import time
 import weakref
 from typing import Any, Callable
 
-from runner.tracking.store_process import StoreGone
-
 log = logging.getLogger(__name__)
 
 BATCH = 1000          # MLflow's limit of metric values per log_batch
@@ -176,7 +174,7 @@ class StoreWriter:
                 send()
             except Exception as e:  # noqa: BLE001  (sorted below: retried, or kept for the tracker to raise)
                 self.call_started = None
-                if isinstance(e, StoreGone):
+                if getattr(e, "process_gone", False):  # runner/tracking/store_process.py's StoreGone
                     self.gone = str(e)
                     log.warning("MLflow: %s at step %d; training goes on, %s holds every metric and call, and "
                                 "`trainer.resume` of this run or the next runner command on this store (on this host) "
