@@ -176,7 +176,7 @@ class StoreWriter:
                 self.call_started = None
                 if getattr(e, "process_gone", False):  # runner/tracking/store_process.py's StoreGone
                     self.gone = str(e)
-                    log.warning("MLflow: %s at step %d; training goes on, %s holds every metric and call, and "
+                    log.warning("MLflow: %s (seen at step %d); training goes on, %s holds every metric and call, and "
                                 "`trainer.resume` of this run or the next runner command on this store (on this host) "
                                 "completes the MLflow run from it", e, self.last_step, self.journal)
                     return False

@@ -14,7 +14,6 @@ from mlflow.tracking import MlflowClient
 
 from runner.spec.run import RunSpec
 from runner.tracking import journal
-from runner.tracking.mlflow_store import open_client
 from runner.tracking.tracker import params_of
 from tests.conftest import run_cli
 from tests.runner.tracking.tracking_process_marks import MARKS, KillsTrackingProcess, SeesMlflow
@@ -91,7 +90,7 @@ def test_a_store_refusal_from_the_tracking_process_comes_before_training_and_lea
     assert client.search_runs(experiments, run_view_type=3) == []
 
 
-def test_a_killed_tracking_process_is_one_line_training_finishes_and_the_next_opening_completes_the_run(
+def test_a_killed_tracking_process_is_one_line_training_finishes_and_the_resume_completes_the_run(
         tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     done = _cli([*SHORT, _callback(KillsTrackingProcess)], tmp_path, monkeypatch)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -105,9 +104,14 @@ def test_a_killed_tracking_process_is_one_line_training_finishes_and_the_next_op
     assert journal.ended(run_dir / journal.FILE, run_id) == "FINISHED"
     client = MlflowClient(_uri(tmp_path))
     assert client.get_run(run_id).info.status == "RUNNING"  # its end never reached the store
-    open_client(_uri(tmp_path))  # the next command on the store completes it from the journal
+    # the resume's opening completes the run from the journal, then the run goes on to epoch 3 in it
+    resumed = run_cli([f"trainer.resume={run_dir}", "trainer.max_epochs=3"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"({run_id}) ended FINISHED while this store could not be reached: completed now" in resumed.stdout
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert _store_values(client, run_id) == _journal_values(run_dir, run_id)
+    logged = _journal_values(run_dir, run_id)
+    assert sorted(logged["train/loss"]) == [10, 20, 30, 40, 50, 60]
+    assert _store_values(client, run_id) == logged  # each value once, exactly as the journal holds it
     assert run.data.tags["test_from"].startswith("best@step")  # calls made after the death, from the journal
     assert "curves.png" in {a.path for a in client.list_artifacts(run_id)}
