@@ -32,7 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError, SweepHook
-from hydra_plugins.runner_optuna_sweeper.storage import once_per_study
+from hydra_plugins.runner_optuna_sweeper.storage import once_per_study, open_storage
 from runner.spec.fields import SpecError
 from runner.tracking.mlflow_store import open_client, open_experiment, owner_tags
 from runner.search.sweep_summary import Job, best_job, log_jobs_table, mark_best, print_summary, run_link
@@ -271,7 +271,7 @@ class RunnerSweepHook(SweepHook):
                 "optuna.pruner": d["pruner"], "optuna.storage": d["storage"], "sweep_dir": d["sweep_dir"],
                 "n_trials": str(d["n_trials"])}
         # one parent per study, however many sweep processes start on it at once (the sweeper's claim)
-        run_id, made = once_per_study(study, PARENT_RUN_ATTR,
+        run_id, made = once_per_study(open_storage(d["storage"]), study.study_name, PARENT_RUN_ATTR,
                                       lambda: self.parent.start(name=d["study_name"], tags=tags, params=params),
                                       usable=lambda run: run_exists(self.parent.client, run))
         if not made:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+UPLOAD_TAG = "runner.upload"  # a logged model's: the saved model it was made from, for a retry to find
 
 
 def make(client: Any, run_id: str, kind: str, args: dict) -> None:
@@ -83,13 +84,21 @@ def upload_model(client: Any, run_id: str, args: dict) -> None:
     from mlflow.models import Model
 
     run = client.get_run(run_id)
+    upload = f"{args['source']} from {args['dir']}"
     if "model_id" in args:  # an earlier try created it, then the store went away
         model = client.get_logged_model(args["model_id"])
-    else:
-        model = client.create_logged_model(run.info.experiment_id, name=args["name"], source_run_id=run_id,
-                                           tags=args["tags"], params=dict(run.data.params))
+    else:  # a try whose process or journal kept no id (a replay from the journal) finds it by its upload tag
+        made = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'")
+        model = next((m for m in made if m.tags.get(UPLOAD_TAG) == upload), None)
+        if model is None:
+            model = client.create_logged_model(run.info.experiment_id, name=args["name"], source_run_id=run_id,
+                                               tags={**args["tags"], UPLOAD_TAG: upload}, params=dict(run.data.params))
         args["model_id"] = model.model_id
+    if model.model_id not in {o.model_id for o in getattr(run.outputs, "model_outputs", None) or []}:
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=args["step"])])
+    if str(model.status).endswith("READY"):  # logged whole by a try that died before its confirmation
+        client.set_tag(run_id, "runner.logged_model", f"models:/{model.model_id} ({args['source']})")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "model"
         shutil.copytree(args["dir"], local)

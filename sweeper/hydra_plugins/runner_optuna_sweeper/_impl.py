@@ -162,12 +162,13 @@ class OptunaSweeperImpl(Sweeper):
                 stop = self._too_many_failures()
                 while free and not stop and (trial := self._next_trial()) is not None:
                     slot = free.pop(0)
+                    overrides = self._draw(trial)  # here, in trial-number order: a seed fixes each trial's params
                     if pool is None:
-                        self._run_trial(trial, slot)
+                        self._run_trial(trial, slot, overrides)
                         free.append(slot)
                         stop = self._too_many_failures()
                     else:
-                        running[pool.submit(self._run_trial, trial, slot)] = slot
+                        running[pool.submit(self._run_trial, trial, slot, overrides)] = slot
                 if running:
                     done, _ = wait(list(running), timeout=self._poll_s(), return_when=FIRST_COMPLETED)
                     for future in done:
@@ -204,12 +205,22 @@ class OptunaSweeperImpl(Sweeper):
             return None
         return trial
 
-    def _run_trial(self, trial: optuna.Trial, slot: int) -> None:
+    def _draw(self, trial: optuna.Trial) -> list[str] | Exception:
+        """The trial's overrides, its params sampled now, in the sweep's thread: slot threads sampling at
+        once would take the sampler's random numbers in whatever order they ran. What stops them from
+        being drawn fails the trial in _run_trial, as if its job had raised it."""
+        try:
+            return self._overrides(trial)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def _run_trial(self, trial: optuna.Trial, slot: int, overrides: list[str] | Exception) -> None:
         self.mine.add(trial.number)
         state, values, killed = TrialState.FAIL, None, False
         try:
             with books.heartbeat(self.storage, trial._trial_id, self.s.heartbeat_interval):
-                overrides = self._overrides(trial)
+                if isinstance(overrides, Exception):
+                    raise overrides
                 # the hook's overrides reach the job but not its "#N : ..." line: that shows what the user swept
                 internal = self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
                 if self.workers is not None:  # a slot's process runs trial after trial

@@ -2,6 +2,7 @@
 job that reports to its trial), and what the sweeper writes into it for the jobs."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.parse
@@ -54,37 +55,44 @@ def check_storage(url: str) -> None:
             raise SweepConfigError(f"hydra.sweeper.storage: {problem}")
 
 
-def once_per_study(study: Any, attr: str, make: Callable[[], str], usable: Callable[[str], bool] = lambda value: True,
-                   wait_s: float = 120.0) -> tuple[str, bool]:
+CLAIM_BEAT_S = 1.0  # how often a claim's maker stamps it while it makes the value
+CLAIM_SILENT_S = 10.0  # a claim not stamped for this long (by the waiter's own clock) lost its maker
+
+
+def once_per_study(storage: "str | BaseStorage", study_name: str, attr: str, make: Callable[[], str],
+                   usable: Callable[[str], bool] = lambda value: True,
+                   silent_s: float = CLAIM_SILENT_S) -> tuple[str, bool]:
     """The study's user attr `attr`, made by `make` in exactly one of the sweep processes that share the
     study, however they race (runner's hook: the study's one MLflow parent run); (value, made here).
 
     A user attr is read-then-written, which two processes can interleave; creating a study is atomic in
-    every storage (a unique name), so the maker is whoever creates the claim study `<study>:<attr>`: it
-    makes the value, stores it, and deletes the claim; the others wait for the value. A claim older than
-    wait_s is a claimant that died: it is deleted and claimed anew. `usable` rejects a stored value
-    that no longer works (a deleted run): it is made again, under the same claim."""
+    every storage (a unique name), so the maker is whoever creates the claim study `<study>:<attr>:<n>`:
+    it makes the value, stores it, and deletes the claim; the others wait for the value. The maker stamps
+    its claim every CLAIM_BEAT_S with its host and process: a waiter takes the claim over (creates claim
+    n+1) once that process is gone (same host) or its stamp has not changed for `silent_s` seconds
+    (another host's maker, or a frozen one). Only Optuna's public API: create_study, load_study,
+    Study.user_attrs / set_user_attr, get_all_study_names, delete_study. `usable` rejects a stored value
+    that no longer works (a deleted run): it is made again, under a claim."""
     import optuna
-    from optuna.study import StudyDirection
 
-    storage, claim = study._storage, f"{study.study_name}:{attr}"
-    first_seen: Optional[float] = None
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    prefix = f"{study_name}:{attr}:"
+    seen: dict[str, tuple[Any, float]] = {}  # claim -> (its stamp as last read, when this process first read it)
     while True:
         value = study.user_attrs.get(attr)
         if value is not None and usable(value):
             return value, False
-        try:
-            claim_id = storage.create_new_study([StudyDirection.MINIMIZE], claim)
-        except optuna.exceptions.DuplicatedStudyError:
-            first_seen = first_seen or time.time()
-            if time.time() - first_seen > wait_s:  # its maker died holding it
-                try:
-                    storage.delete_study(storage.get_study_id_from_name(claim))
-                except KeyError:
-                    pass  # another waiter deleted it first
-                first_seen = None
+        claims = sorted(int(n[len(prefix):]) for n in optuna.get_all_study_names(storage)
+                        if n.startswith(prefix) and n[len(prefix):].isdigit())
+        if claims and not _claim_lost(storage, prefix + str(claims[-1]), seen, silent_s):
             time.sleep(0.2)
             continue
+        generation = claims[-1] + 1 if claims else 0
+        try:
+            claim = optuna.create_study(study_name=prefix + str(generation), storage=storage)
+        except optuna.exceptions.DuplicatedStudyError:
+            continue  # another waiter took it over first
+        stop = _stamp(claim)
         try:
             value = study.user_attrs.get(attr)  # stored by a maker that finished between the read and the claim
             if value is not None and usable(value):
@@ -93,7 +101,79 @@ def once_per_study(study: Any, attr: str, make: Callable[[], str], usable: Calla
             study.set_user_attr(attr, value)
             return value, True
         finally:
-            storage.delete_study(claim_id)
+            stop()
+            for n in range(generation + 1):  # this claim, and the lost ones it took over
+                try:
+                    optuna.delete_study(study_name=prefix + str(n), storage=storage)
+                except KeyError:
+                    pass
+
+
+def _stamp(claim: Any) -> Callable[[], None]:
+    """Stamp the claim with this process (host, pid, its start) and a beat every CLAIM_BEAT_S, on a
+    thread, until the returned function is called."""
+    import threading
+
+    # one attr, written at once: a waiter never reads a pid without its start
+    claim.set_user_attr("owner", {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_started(os.getpid())})
+    stop = threading.Event()
+
+    def beat() -> None:
+        count = 0
+        while True:
+            try:
+                claim.set_user_attr("beat", count)
+            except Exception:  # noqa: BLE001 - a storage hiccup: the next beat tries again
+                pass
+            count += 1
+            if stop.wait(CLAIM_BEAT_S):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True, name="claim-beat")
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join()
+    return stopped
+
+
+def _claim_lost(storage: Any, name: str, seen: dict[str, tuple[Any, float]], silent_s: float) -> bool:
+    """Whether the claim's maker is gone: its process ended (on this host), or its stamp stood still for silent_s."""
+    import optuna
+
+    try:
+        attrs = optuna.load_study(study_name=name, storage=storage).user_attrs
+    except KeyError:
+        return False  # deleted meanwhile: the value is stored, or the next look finds a newer claim
+    owner = attrs.get("owner") or {}
+    if owner.get("host") == socket.gethostname() and _process_started(int(owner["pid"])) != owner["started"]:
+        return True  # the pid is gone (or names a newer process)
+    stamp, now = (owner.get("pid"), attrs.get("beat")), time.monotonic()
+    if name not in seen or seen[name][0] != stamp:
+        seen[name] = (stamp, now)
+        return False
+    return now - seen[name][1] > silent_s
+
+
+def _process_started(pid: int) -> Optional[str]:
+    """The process's start (clock ticks after boot, from /proc) while it runs and is no zombie; None once it
+    is gone. Where /proc is missing, "alive" for any pid that answers signal 0."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "alive"
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def masked_url(url: str) -> str:
