@@ -1,6 +1,8 @@
-"""runner on a real one-host SLURM cluster (tests/servers/slurm.py): the README's sbatch template, a job
-preempted for real that requeues itself and finishes as if never stopped, the `hydra/launcher=slurm`
-defaults on a CPU partition. One fast case (the trivial job) runs in CI; the rest are slow."""
+"""runner on a real one-host SLURM cluster (tests/servers/slurm.py): the README's sbatch templates, a job
+preempted for real that requeues itself and finishes as if never stopped, a two-node job signalled on both
+nodes that does the same, a two-node job that loses a node (one line, then a resume as if never stopped), the
+`hydra/launcher=slurm` defaults on a CPU partition and its refusal. One fast case (the trivial job) runs in
+CI; the rest are slow."""
 from __future__ import annotations
 
 import os
