@@ -307,7 +307,8 @@ def _describe_failure(error: Exception) -> str:
     parts = []
     for rank, failure in sorted(failures.items()):
         code = failure.exitcode
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        how = (f"killed by signal {-code}" if code < 0 else "lost a peer" if code == rendezvous.PEER_GONE_EXIT
+               else f"exit code {code}")
         parts.append(f"rank {rank} ({how})")
     return "workers failed: " + (", ".join(parts) or str(error).splitlines()[0])
 
