@@ -4,7 +4,8 @@ refusal said in one line.
 When sbatch refuses a job (what the partition does not have: GPUs on a CPU partition, more memory or CPUs
 than a node holds, an unknown partition), submitit raises its FailedJobError and Hydra prints some 30 lines
 of traceback around sbatch's own one-line reason. Here that reason comes with what the job asked and the
-launcher keys that decide it, and the sweep exits 2 (its configuration, not a run, was wrong).
+launcher keys that decide it, and the sweep exits 2 (its configuration, not a run, was wrong), leaving no
+parent run of a sweep that never ran.
 """
 from __future__ import annotations
 
@@ -41,5 +42,8 @@ if _SubmititSlurmLauncher is not None:
             try:
                 return super().launch(job_overrides, initial_job_idx)
             except FailedJobError as e:
+                from runner.search.sweep_hook import discard_childless_parents
+
+                discard_childless_parents()  # nothing ran: no FAILED parent run left behind
                 print(refusal(str(e), self.params), file=sys.stderr, flush=True)
                 sys.exit(2)

@@ -208,7 +208,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
         run_id=f"runner-{par.rdzv_endpoint}" if multi_node else f"runner-{uuid.uuid4().hex[:8]}",
         rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=par.rdzv_endpoint if multi_node else "127.0.0.1:0",
         rdzv_configs={"join_timeout": par.rdzv_timeout, "read_timeout": max(1, int(par.rdzv_timeout)),
-                      "is_host": par.node_rank == 0, rendezvous.NODE_RANK_PARAM: par.node_rank},
+                      "is_host": par.node_rank == 0, rendezvous.NODE_RANK_PARAM: par.node_rank,
+                      rendezvous.RUN_DIR_PARAM: spec.run_dir},
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
@@ -222,7 +223,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
         diverged = Path(spec.run_dir) / DIVERGED_FILE
         if diverged.exists():
             raise Diverged(diverged.read_text()) from None
-        raise WorkersFailed(_describe_failure(e)) from None
+        raise WorkersFailed(_group_failure(spec, e)) from None
     except KeyboardInterrupt:
         end_left_running(spec, "KILLED")
         raise
@@ -236,13 +237,18 @@ def launch_workers(spec: RunSpec) -> RunResult:
         raise
     except Exception as e:  # rendezvous errors: the other nodes or the endpoint never answered
         end_left_running(spec, "FAILED")
-        if multi_node and rendezvous.current is not None and rendezvous.current.completed:
-            raise WorkersFailed(_lost_node(spec)) from None  # the nodes trained together: one was lost since
+        if multi_node and rendezvous.current is not None and rendezvous.current.roll_call is not None:
+            # the nodes trained together: one was lost since
+            roll_call = rendezvous.current.roll_call
+            raise WorkersFailed(_lost_node(spec, roll_call.lost_nodes(), roll_call, restarting=True)) from None
         if "Rendezvous" in type(e).__name__ or "DistStore" in type(e).__name__ or "timed out" in str(e).lower():
             raise SpecError(f"parallelism.rdzv_endpoint: no rendezvous at {par.rdzv_endpoint} within {par.rdzv_timeout:g} s "
                             f"(waited for {par.nnodes} nodes to join); check the address, the port, and that every node "
                             "was started") from None
         raise
+    finally:
+        if rendezvous.current is not None and rendezvous.current.roll_call is not None:
+            rendezvous.current.roll_call.stop()
     preemption.run_finished()  # the workers ended the run: a signal now leaves it as they did
     pruned = Path(spec.run_dir) / PRUNED_FILE
     if pruned.exists():
@@ -303,27 +309,60 @@ def _describe_failure(error: Exception) -> str:
     parts = []
     for rank, failure in sorted(failures.items()):
         code = failure.exitcode
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        how = (f"killed by signal {-code}" if code < 0 else "lost a peer" if code == rendezvous.PEER_GONE_EXIT
+               else f"exit code {code}")
         parts.append(f"rank {rank} ({how})")
     return "workers failed: " + (", ".join(parts) or str(error).splitlines()[0])
 
 
-def _lost_node(spec: RunSpec) -> str:
-    """One line for a node lost after the nodes had trained together: which (two nodes: the other one), after
-    which step (the newest checkpoint, where this node holds the run), what is kept and how to go on."""
+def _group_failure(spec: RunSpec, error: Exception) -> str:
+    """The line for workers that failed with no restart left. On several nodes, workers that only lost a peer
+    (PEER_GONE_EXIT) say nothing about their own node: the roll call (runner/cli/rendezvous.py) tells which node
+    was lost, or whose workers failed by themselves; workers that failed by themselves tell the other nodes."""
+    own = _describe_failure(error)
+    roll_call = rendezvous.current.roll_call if spec.parallelism.nnodes > 1 and rendezvous.current else None
+    if roll_call is None:
+        return own
+    failures = getattr(error, "failures", {}).values()
+    if not failures or any(f.exitcode != rendezvous.PEER_GONE_EXIT for f in failures):
+        roll_call.report_failed(f"node {spec.parallelism.node_rank}'s {own}")
+        return own
+    lost = roll_call.lost_nodes()
+    if roll_call.failed:  # another node's own workers failed: its line says why
+        return "; ".join(f"{what} (host {roll_call.hosts.get(r, '?')}; its log says why)"
+                         for r, what in sorted(roll_call.failed.items()))
+    return _lost_node(spec, lost, roll_call, restarting=False) if lost else own
+
+
+def _lost_node(spec: RunSpec, lost: list[int], roll_call: "rendezvous.RollCall | None", restarting: bool) -> str:
+    """One line for a node lost after the nodes had trained together: which (node rank and host, from the roll
+    call), after which step (node 0's newest checkpoint: on node 0 its own disk, elsewhere what node 0 last said),
+    what is kept and how to go on (node 0's run directory, which holds the run)."""
     par = spec.parallelism
-    who = f"node {1 - par.node_rank}" if par.nnodes == 2 else "a node"
-    run_dir = Path(spec.run_dir)
+    hosts = roll_call.hosts if roll_call is not None else {}
+    if len(lost) == 1:
+        who = f"node {lost[0]} of {par.nnodes}" + (f" (host {hosts[lost[0]]})" if lost[0] in hosts else "") + " was"
+    else:
+        who = ("nodes " + ", ".join(f"{r}" + (f" (host {hosts[r]})" if r in hosts else "") for r in lost)
+               if lost else "a node") + f" of {par.nnodes} " + ("were" if len(lost) > 1 else "was")
+    run_dir = Path(spec.run_dir) if par.node_rank == 0 or roll_call is None or not roll_call.run_dir \
+        else Path(roll_call.run_dir)
     try:
-        newest = checkpoint.resolve(run_dir)
+        newest = checkpoint.resolve(spec.run_dir) if par.node_rank == 0 else Path(roll_call.kept) if \
+            roll_call is not None and roll_call.kept else None
+    except SpecError:  # no checkpoint was written yet
+        newest = None
+    if newest is not None:
         match = re.fullmatch(r"step-0*(\d+)\.pt", newest.name)
-        kept = (f"after step {match.group(1)} ({newest} is kept)" if match else f"after its newest checkpoint "
-                f"({newest} is kept)")
-    except SpecError:  # node 0 holds the run (global rank 0 writes it), or no checkpoint was written yet
-        kept = ("after its newest checkpoint (kept in node 0's run directory)" if par.node_rank != 0 else
-                "before its first checkpoint (set trainer.checkpoint_every_n_steps)")
-    return (f"{who} of {par.nnodes} was lost {kept} and did not rejoin within {par.rdzv_timeout:g} s; "
-            f"resume with the same command on every node plus trainer.resume={run_dir}")
+        kept = (f"after step {match.group(1)} ({newest} is kept" if match else
+                f"after its newest checkpoint ({newest} is kept") + ("" if par.node_rank == 0 else " on node 0") + ")"
+    elif par.node_rank != 0:  # node 0 had not said (it says every half second): its disk may hold one
+        kept = "after its newest checkpoint (kept in node 0's run directory)"
+    else:
+        kept = "before its first checkpoint (set trainer.checkpoint_every_n_steps)"
+    why = (f"did not rejoin within {par.rdzv_timeout:g} s" if restarting else
+           "no restart was left (parallelism.max_restarts)")
+    return f"{who} lost {kept} and {why}; resume with the same command on every node plus trainer.resume={run_dir}"
 
 
 def print_summary(spec: RunSpec, result: RunResult, tracking: str) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from runner.engine import checkpoint, preemption
 from runner.engine.engine import pick_device
 from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
+from runner.cli.rendezvous import PEER_GONE_EXIT
 from runner.engine.monitor import Diverged
 from runner.engine.parallel import broadcast_object, gather_objects, init_process_group
 from runner.spec.run import RunSpec, SpecError
@@ -60,7 +61,7 @@ def main(spec_path: str) -> None:
         # another rank's process died (a killed worker, a lost node): its agent restarts the group or the launcher
         # says which node was lost; this rank's traceback would only bury that line
         print(f"runner: rank {rank} lost a peer: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(PEER_GONE_EXIT)  # the launcher then asks the roll call which node it was
     except BaseException as e:
         if not is_pruned(e):
             raise

@@ -74,6 +74,7 @@ class ParentRun:
                 self.client.log_batch(self.run_id, params=items[i:i + 100])
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
         os.environ[PARENT_RUN_ENV] = self.run_id
+        _open_parents.append(self)
         return self.run_id
 
     def finish(self, status: str) -> None:
@@ -82,6 +83,27 @@ class ParentRun:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status)
             self.run_id = None
+        if self in _open_parents:
+            _open_parents.remove(self)
+
+
+_open_parents: list[ParentRun] = []  # this process's parents not finished yet
+
+
+def discard_childless_parents() -> None:
+    """A launcher refused the sweep's submission (hydra_plugins/runner_slurm_launcher): a parent run opened for it
+    that holds no child is deleted, not left FAILED beside the runs of sweeps that ran (nothing of it ran); a
+    parent with children ends as it would."""
+    for parent in list(_open_parents):
+        run = parent.client.get_run(parent.run_id)
+        children = parent.client.search_runs([run.info.experiment_id], max_results=1,
+                                             filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
+        if not children:
+            parent.client.delete_run(parent.run_id)
+            if os.environ.get(PARENT_RUN_ENV) == parent.run_id:
+                del os.environ[PARENT_RUN_ENV]
+            parent.run_id = None
+            _open_parents.remove(parent)
 
 
 JOB_FILE = "sweep_job.json"        # a grid job's outcome, written by the process that ran the job

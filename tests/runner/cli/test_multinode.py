@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,10 +36,10 @@ def assert_equal_weights(a: dict, b: dict) -> None:
 
 
 def start_node(tmp_path: Path, args: list[str], node_rank: int, port: int, run_dir: Path, env: dict | None = None,
-               nproc: int = 1) -> subprocess.Popen:
+               nproc: int = 1, nnodes: int = 2) -> subprocess.Popen:
     """One node: runner's launcher (its own torch elastic agent), in its own session so it dies with its workers."""
     cmd = [sys.executable, "-m", "runner", *args, "parallelism=ddp", f"parallelism.nproc_per_node={nproc}",
-           "parallelism.nnodes=2", f"parallelism.node_rank={node_rank}", f"parallelism.rdzv_endpoint=127.0.0.1:{port}",
+           f"parallelism.nnodes={nnodes}", f"parallelism.node_rank={node_rank}", f"parallelism.rdzv_endpoint=127.0.0.1:{port}",
            f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -218,7 +219,7 @@ def test_a_lost_node_is_one_line_naming_it_the_step_and_the_resume_and_the_resum
         results = finish(nodes, timeout=300)
     code, out, err = results[0]
     assert code == 1, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("runner: node 1 of 2 was lost")]
+    lines = [line for line in err.splitlines() if line.startswith(f"runner: node 1 of 2 (host {socket.gethostname()}) was lost")]
     assert len(lines) == 1, err[-3000:]
     assert "after step " in lines[0] and "did not rejoin within 10 s" in lines[0]
     assert f"trainer.resume={run_dirs[0]}" in lines[0]
@@ -226,6 +227,82 @@ def test_a_lost_node_is_one_line_naming_it_the_step_and_the_resume_and_the_resum
     # resumed by hand as the line says, on every node (node 1 holds no checkpoint: node 0 reads it for both)
     port = free_port()
     nodes = [start_node(tmp_path, [*args, f"trainer.resume={run_dirs[r]}"], r, port, tmp_path / f"resume{r}")
+             for r in range(2)]
+    results = finish(nodes)
+    assert [c for c, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
+    assert_equal_weights(weights(run_dirs[0]), uninterrupted)
+
+
+def lose_node(node: subprocess.Popen) -> None:
+    """A node lost: its launcher (the agent) and its workers (torch starts them in sessions of their own) killed."""
+    workers = workers_of(node.pid)
+    os.killpg(node.pid, signal.SIGKILL)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_without_restarts_the_survivors_of_three_nodes_name_the_lost_node_its_host_and_step(tmp_path: Path) -> None:
+    """parallelism.max_restarts=0 (the default): the survivors' workers lose a peer and no restart is left. Both
+    survivors used to say 'workers failed: rank 0 (exit code 1)'; with three nodes the line said 'a node'. Now
+    each names node 1 and its host, node 0's newest checkpoint (node 2 from node 0's word), and the resume."""
+    port = free_port()
+    args = [*TRAIN, "tracking=none", "parallelism.rdzv_timeout=30"]
+    run_dirs = [tmp_path / f"node{r}" for r in range(3)]
+    nodes = [start_node(tmp_path, args, r, port, run_dirs[r], nnodes=3) for r in range(3)]
+    try:
+        wait_for(run_dirs[0] / "checkpoints" / "step-00000020.pt", nodes)
+        lose_node(nodes[1])
+    finally:
+        results = finish(nodes, timeout=300)
+    host = socket.gethostname()
+    for r in (0, 2):
+        code, out, err = results[r]
+        assert code == 1, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("runner: node ")]
+        assert len(lines) == 1 and lines[0].startswith(f"runner: node 1 of 3 (host {host}) was lost after step "), err[-3000:]
+        step = int(lines[0].split(" was lost after step ")[1].split()[0])
+        checkpoint_file = run_dirs[0] / "checkpoints" / f"step-{step:08d}.pt"
+        assert checkpoint_file.exists() and f"({checkpoint_file} is kept" in lines[0], lines[0]
+        assert lines[0].endswith(f"and no restart was left (parallelism.max_restarts); resume with the same command "
+                                 f"on every node plus trainer.resume={run_dirs[0]}"), lines[0]
+        assert "Traceback" not in err and "workers failed" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_losing_node_0_leaves_node_1_one_line_and_the_resume_on_every_node_ends_as_if_never_stopped(
+        tmp_path: Path, uninterrupted: dict, max_restarts: int) -> None:
+    """Node 0 holds the rendezvous store and global rank 0 (which writes the checkpoints): lost, node 1 learns it
+    from the store going away, names it, the checkpoint node 0 last said it kept, and node 0's run directory.
+    The resume the line gives, on both nodes, ends with the weights of a run never stopped."""
+    port = free_port()
+    args = [*TRAIN, "tracking=none", f"parallelism.max_restarts={max_restarts}", "parallelism.rdzv_timeout=10"]
+    run_dirs = [tmp_path / f"node{r}" for r in range(2)]
+    nodes = [start_node(tmp_path, args, r, port, run_dirs[r]) for r in range(2)]
+    try:
+        wait_for(run_dirs[0] / "checkpoints" / "step-00000020.pt", nodes)
+        # node 0's worker held past its launcher's next roll call (every 0.5 s, which reports the newest
+        # checkpoint), as a step longer than that would: then node 0 goes
+        [worker] = workers_of(nodes[0].pid)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(2)
+        lose_node(nodes[0])
+    finally:
+        results = finish(nodes, timeout=300)
+    code, out, err = results[1]
+    assert code == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("runner: node ")]
+    host = socket.gethostname()
+    assert len(lines) == 1 and lines[0].startswith(f"runner: node 0 of 2 (host {host}) was lost after step "), err[-3000:]
+    newest = sorted((run_dirs[0] / "checkpoints").glob("step-*.pt"))[-1]  # 20, or 30 if it got there before the stop
+    assert f"after step {int(newest.stem[5:])} ({newest} is kept on node 0)" in lines[0], lines[0]
+    assert lines[0].endswith(f"trainer.resume={run_dirs[0]}") and "Traceback" not in err, lines[0]
+    resume = lines[0].rsplit("trainer.resume=", 1)[1]
+    port = free_port()
+    nodes = [start_node(tmp_path, [*args, f"trainer.resume={resume}"], r, port, tmp_path / f"resume{r}")
              for r in range(2)]
     results = finish(nodes)
     assert [c for c, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
