@@ -5,10 +5,12 @@ group, and runs the engine. After an elastic restart it resumes from the run's n
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch.distributed as dist
@@ -45,6 +47,7 @@ def main(spec_path: str) -> None:
         with preemption.handled():  # every rank stops at one step boundary, its checkpoint written
             run_in_process(spec, env)
         dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
+        _exit_before_teardown()
     except preemption.Stopped as e:  # the agent forwarded SIGTERM/SIGHUP: exit as the signal would
         sys.exit(e.exit_code)
     except SpecError as e:
@@ -68,6 +71,25 @@ def main(spec_path: str) -> None:
         # every rank gets the prune decision together; the launcher tells the sweeper
         if rank == 0:
             (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
+
+
+def _exit_before_teardown() -> None:
+    """End the finished worker as Python's exit would, but without tearing the interpreter down.
+
+    torch keeps the device mesh, and with it the gloo process group, in caches past destroy_process_group
+    (DTensor's sharding and redistribution plans, the collectives' mesh topology), so the group's threads live
+    into the interpreter's teardown. One that frees its last collective's tensor there (a rank descheduled on a
+    busy machine) takes the GIL of a finalizing interpreter, which ends the thread inside a noexcept frame: the
+    rank aborts with "terminate called without an active exception" after a run that succeeded. Exit handlers,
+    threads and streams are finished here, while the interpreter is whole; then the process ends at once."""
+    for thread in threading.enumerate():  # as the interpreter's exit waits for them (the tracker's opener)
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rounds_before() -> int:

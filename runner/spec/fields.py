@@ -99,12 +99,21 @@ def convert(tp: Any, value: Any, key: str, meta: Any = None) -> Any:
         if math.isinf(number):  # 1e400 reads as inf too; no setting of a run means infinity
             raise SpecError(f"{key}: {value!r} is not a finite number{_range_text(meta)}")
         _check_range(key, number, meta)
+        if meta and meta.get("gt") == 0 and number < SMALLEST_POSITIVE:
+            raise SpecError(f"{key}: {value!r} is too small to act; allowed: a value >= {SMALLEST_POSITIVE:.6g} "
+                            "(float32's smallest normal number: below it the value, or its product with a gradient, "
+                            "is denormal or zero in the weights' precision)")
         return number
     if tp is str:
         if not isinstance(value, str):
             raise SpecError(f"{key}: {value!r} is not a string")
         return value
     raise TypeError(f"spec field {key} has an unsupported type {tp}")
+
+
+# a positive real (gt=0: a learning rate, an epsilon, a temperature) at least float32's smallest normal number:
+# fp32 and bf16 weights (fp16's keep fp32 masters) hold nothing smaller, so 1e-320 would train as 0 does
+SMALLEST_POSITIVE = 1.1754943508222875e-38
 
 
 def _choice(value: Any) -> str:

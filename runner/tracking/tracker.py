@@ -402,12 +402,15 @@ class MlflowTracker:
         return self._store_here()
 
     def describe(self) -> str:
+        run = f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'"
+        if self.parent_run_id:  # a fold, a sweep's job, a PBT member: their parent run says how to see them, once
+            return run
         if self.uri.startswith("http"):
             where = experiment_page(self.uri, self.experiment_id or "0")
         else:  # the link opens the runs table, not MLflow 3's GenAI overview
             ui = "make ui" if self.uri == DEFAULT_URI else f"python -m runner.tracking.mlflow_ui --backend-store-uri {self.uri}"
             where = f"{ui}, then {experiment_page('http://127.0.0.1:5000', self.experiment_id or '0')}"
-        return f"MLflow run '{self.run_name}' ({self.run_id}) in experiment '{self.experiment}'; see it with: {where}"
+        return f"{run}; see it with: {where}"
 
 
 def _patience() -> float:

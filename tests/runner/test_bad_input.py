@@ -106,6 +106,10 @@ CASES = [
     case("optimizer.lr=1e400", "error: optimizer.lr: inf is not a finite number"),
     case("optimizer.lr=-inf", "error: optimizer.lr: -inf is not a finite number"),
     case("optimizer.lr=nan", "error: optimizer.lr: nan is not a number"),
+    # a denormal is above 0 yet trains as 0 does: a positive real is at least float32's smallest normal number
+    case("optimizer.lr=1e-320", "error: optimizer.lr: 1e-320 is too small to act; allowed: a value >= 1.17549e-38 "
+         "(float32's smallest normal number", sub=True),
+    case("optimizer.eps=1e-39", "error: optimizer.eps: 1e-39 is too small to act; allowed: a value >= 1.17549e-38"),
     case(["optimizer.lr=1" + "0" * 400], "error: optimizer.lr: 100000000000... (401 digits) is too large"),
     case("optimizer.weight_decay=inf", "error: optimizer.weight_decay: inf is not a finite number"),
     case("optimizer.weight_decay=-0.1", "error: optimizer.weight_decay: -0.1 is out of range; allowed: a value >= 0"),
@@ -299,6 +303,11 @@ CASES = [
     case("-m hparams_search=digits_pbt scheduler.warmup=interval(0,10)", "error: scheduler.warmup: interval(0,10): "
          "population-based training changes only hyperparameters that may change in the middle of a run; allowed: "
          "optimizer.lr, optimizer.lr_multipliers.*, optimizer.weight_decay,", RUN),
+    # an interval the key's check refuses at one end: the interval named, not a member's sampled value
+    case("-m hparams_search=digits_pbt optimizer.lr=interval(-1,0.1)", "error: optimizer.lr: interval(-1,0.1): its low "
+         "-1.0 is out of range; allowed: a value > 0", RUN),
+    case("-m hparams_search=digits_pbt optimizer.momentum=interval(0.5,1.5)", "error: optimizer.momentum: "
+         "interval(0.5,1.5): its high 1.5 is out of range; allowed: a value >= 0 and < 1", RUN),
     case("-m hparams_search=digits_pbt hydra.sweeper.quantile=0.9", "error: hydra.sweeper.quantile: 0.9; allowed: "
          "above 0 and at most 0.5", RUN),
     case("-m hparams_search=digits_pbt hydra.sweeper.pb2_kappa=-1", "error: hydra.sweeper.pb2_kappa: -1.0; allowed: 0 or "

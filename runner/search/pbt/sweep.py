@@ -47,7 +47,8 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     settings = dict(settings)
     settings.pop("_target_", None)
     fixed, sweeps = split_arguments(arguments)
-    space = explore.parse_space({**(settings.pop("params", None) or {}), **sweeps})  # before anything is made
+    texts = {**(settings.pop("params", None) or {}), **sweeps}
+    space = explore.parse_space(texts)  # before anything is made
     settings["perturb"] = tuple(float(f) for f in settings.get("perturb", (0.8, 1.2)))
     pbt = Settings(**settings)
     sweep_dir = Path(str(config.hydra.sweep.dir))
@@ -56,6 +57,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     container["run_dir"] = str(sweep_dir / "base")
     base = with_task_declarations(RunSpec.from_config(container, tuple(fixed)))  # its objective's direction ranks members
     pbt.check(base)
+    _check_bounds(base, space, texts)
     launched = None
     if not members_launcher.is_basic(launcher):
         members_launcher.check(launcher, pbt.n_jobs)  # one that cannot serve: one line, before anything is made
@@ -96,6 +98,27 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
                                           for s, h in best["schedule"]) +
           f"\n  sweep directory: {sweep_dir}", flush=True)
     return schedule["objective"]
+
+
+def _check_bounds(base: RunSpec, space: dict[str, explore.Dim], texts: dict[str, str]) -> None:
+    """Every value a member may get is one its run takes: the spec's own check on each end of an interval (the
+    checks are ranges, so what lies between passes too) and on each choice, before any member starts. A member
+    refused later would name a sampled value, not the interval the user typed."""
+    import yaml
+
+    from runner.spec.fields import set_dotted
+    from runner.spec.run import SpecError
+
+    for key, dim in space.items():
+        ends = dim.choices or (dim.low, dim.high)
+        for which, value in zip(("choice",) * len(ends) if dim.choices else ("low", "high"), ends):
+            tree = base.to_dict()
+            set_dotted(tree, key, value)
+            try:
+                RunSpec.from_yaml(yaml.safe_dump(tree))
+            except SpecError as e:
+                reason = str(e).removeprefix(f"{key}: ")
+                raise SpecError(f"{key}: {texts[key]}: its {which} {reason}") from None
 
 
 def _open_parent(cfg: DictConfig, sweep_dir: Path, base: RunSpec, pbt: Settings, space: dict) -> Any:

@@ -275,3 +275,22 @@ def test_under_torchrun_the_run_goes_to_the_users_run_directory(tmp_path: Path) 
     assert [(r.info.status, r.data.tags["run_dir"]) for r in run] == [("FINISHED", str(run_dir))]
     artifacts = {a.path for a in MlflowClient(f"sqlite:///{db}").list_artifacts(run[0].info.run_id)}
     assert "spec.yaml" in artifacts
+
+
+@pytest.mark.parametrize("command", [
+    ["trainer.cross_validation.folds=2"],  # K fold runs, then the K-fold run's table
+    pytest.param(["-m", "optimizer.lr=0.01,0.02"], marks=pytest.mark.slow),  # a grid: two jobs, then its summary
+])
+def test_a_command_of_several_runs_says_how_to_open_the_mlflow_ui_once(tmp_path: Path, migrated_mlflow_store: Path,
+                                                                        command: list[str]) -> None:
+    """Each run's summary names its MLflow run; how to see them (the UI command and its page) is printed once, by
+    the command's parent run, not again by every fold or job."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(migrated_mlflow_store, db)
+    proc = run_cli([*command, "trainer.max_steps=2", "trainer.progress_bar=off", "trainer.memory_estimate=false",
+                    f"tracking.uri=sqlite:///{db}", f"hydra.run.dir={tmp_path / 'run'}",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("runner: trained 2 optimizer steps") == 2  # both runs printed their summary
+    assert proc.stdout.count(f"mlflow_ui --backend-store-uri sqlite:///{db}") == 1, proc.stdout
+    assert proc.stdout.count("MLflow run '") == 3 - (command[0] == "-m")  # a grid's parent has its own line
