@@ -124,6 +124,7 @@ class Engine:
             self.pipeline.after_tensor_plan(spec.parallelism, self.env)
         self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
         self.dp_degree = self.env.dp_degree  # read once: a step's loss scale is dp degree / units
+        self.distributed = self.env.distributed  # one process: the step's unit count is its own, no collective asked
         # tp's vocabulary-sharded loss needs its context around the loss and its backward; otherwise a shared no-op
         sharded_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
         self._loss_context = (lambda: tensor_parallel.loss_context(spec.parallelism, self.env)) if sharded_loss \
@@ -347,7 +348,8 @@ class Engine:
             return self._pipeline_step(step_batches, counts)
         losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-            total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
+            # a device tensor under ddp/fsdp: no host sync here
+            total = parallel.global_count(sum(counts), self.device) if self.distributed else sum(counts)
             scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
@@ -455,7 +457,7 @@ class Engine:
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        model = self._model_for(batch)
+        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model  # _model_for
         with self.precision.autocast():
             output = batches.call_model(model, batch, self.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it
