@@ -142,13 +142,20 @@ class AddOns:
         # what is switched on
         self._with = {hook: [a for a in self.all if getattr(type(a), hook) is not getattr(AddOn, hook)
                              and hook not in a.idle] for hook in _HOOKS}
+        # the one hook called every step: its add-ons' bound methods, looked up once
+        self._step_end = [a.on_step_end for a in self._with["on_step_end"]]
 
     def on_epoch_start(self, epoch: int) -> None:
         for addon in self._with["on_epoch_start"]:
             addon.on_epoch_start(epoch)
 
     def on_step_end(self, step: int, loss_sum: "torch.Tensor", samples: int) -> Stop | None:
-        return first_stop([a.on_step_end(step, loss_sum, samples) for a in self._with["on_step_end"]])
+        stops = None
+        for hook in self._step_end:
+            stop = hook(step, loss_sum, samples)
+            if stop is not None:
+                stops = [*(stops or ()), stop]
+        return stops and first_stop(stops)
 
     def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
         return first_stop([a.after_evaluation(metrics) for a in self._with["after_evaluation"]])

@@ -123,6 +123,12 @@ class Engine:
         if self.pipeline is not None:  # pp x tp: the stages compute with the split parameters, whole between stages
             self.pipeline.after_tensor_plan(spec.parallelism, self.env)
         self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
+        self.dp_degree = self.env.dp_degree  # read once: a step's loss scale is dp degree / units
+        self.distributed = self.env.distributed  # one process: the step's unit count is its own, no collective asked
+        # tp's vocabulary-sharded loss needs its context around the loss and its backward; otherwise a shared no-op
+        sharded_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
+        self._loss_context = (lambda: tensor_parallel.loss_context(spec.parallelism, self.env)) if sharded_loss \
+            else lambda: _NO_CONTEXT
         if self.cp_mesh is not None:
             context.check_model(self.module, spec.model.target)
         # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
@@ -273,24 +279,25 @@ class Engine:
         trainer, p = self.spec.trainer, self.progress
         stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
         global_micro_batch = self.spec.dataset.batch_size * self.env.dp_degree
+        train_size = self.split_sizes["train"]
+        monitor, addons, profiler = self.monitor, self.addons, self.profiler
         self.model.train()
-        self.monitor.window.start()
+        monitor.window.start()
         while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
-            self.addons.on_epoch_start(p.epoch)  # gradual unfreezing
-            for micro_batches in self.profiler.steps(optimizer_steps(self.train_loader, self.accum)):
+            addons.on_epoch_start(p.epoch)  # gradual unfreezing
+            for micro_batches in profiler.steps(optimizer_steps(self.train_loader, self.accum)):
                 # the step's own rates, read before the scheduler moves them; only a log step logs them
-                lrs = learning_rates(self.optimizer) if self.monitor.is_log_step(p.step + 1) else None
-                self.monitor.step_starts()
+                lrs = learning_rates(self.optimizer) if monitor.is_log_step(p.step + 1) else None
+                monitor.step_starts()
                 loss_sum, samples, grad_norm = self.train_step(micro_batches)
                 p.step += 1
-                p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch,
-                                         self.split_sizes["train"])
+                p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch, train_size)
                 # a profiled step is timed apart, like one that compiled: neither is throughput
-                self.monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
-                                     self.last_step_flops, timed=not self.profiler.profiling)
+                monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
+                                self.last_step_flops, timed=not profiler.profiling)
                 # the EMA, the non-finite watch, the overfit goal, the stop vote (SIGTERM/SIGHUP), a user's callbacks
-                stop = self.addons.on_step_end(p.step, loss_sum, samples)
+                stop = addons.on_step_end(p.step, loss_sum, samples)
                 evaluate = trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0
                 save = trainer.checkpoint_every_n_steps and p.step % trainer.checkpoint_every_n_steps == 0
                 signum = 0
@@ -303,7 +310,8 @@ class Engine:
                             self.save_checkpoint()
                 if signum:
                     raise preemption.Stopped(signum, p.step, self.spec.run_dir if self.env.is_main else None)
-                stop = stop or pause_due(trainer.stop_at_step, p.step, self.total_steps)  # PBT's round boundary
+                if stop is None and trainer.stop_at_step is not None:  # PBT's round boundary
+                    stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
                 if p.step >= self.total_steps or stop is not None:
                     break
             if p.samples_in_epoch >= self.split_sizes["train"]:  # the epoch ran to its end
@@ -340,8 +348,9 @@ class Engine:
             return self._pipeline_step(step_batches, counts)
         losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
         with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-            total = parallel.global_count(sum(counts), self.device)  # a device tensor under ddp/fsdp: no host sync here
-            scale = self.env.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+            # a device tensor under ddp/fsdp: no host sync here
+            total = parallel.global_count(sum(counts), self.device) if self.distributed else sum(counts)
+            scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
@@ -350,16 +359,17 @@ class Engine:
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
                     step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
                 # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
-                shared = context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else contextlib.nullcontext(batch)
-                with shared as share:
-                    with phase.forward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
+                with context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else _NO_CONTEXT as share:
+                    share = share or batch
+                    with phase.forward, self._loss_context():
                         loss = self._loss_sum(share, count)
-                    with phase.backward, tensor_parallel.loss_context(self.spec.parallelism, self.env):
+                    with phase.backward, self._loss_context():
                         self.precision.backward(loss, scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
-        loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
+        if self.cp_mesh is not None:
+            context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
+            loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
         with phase.optimizer:
             grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
             if self.precision.step(self.optimizer):
@@ -447,7 +457,7 @@ class Engine:
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        model = self._model_for(batch)
+        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model  # _model_for
         with self.precision.autocast():
             output = batches.call_model(model, batch, self.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import operator
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from runner.spec.run import RunSpec
 
 log = logging.getLogger(__name__)
+_requires_grad = operator.attrgetter("requires_grad")
 
 # Dense (no sparsity) peak TFLOP/s per device from the vendors' datasheets, by the precision the
 # matmuls run in. fp32 is plain fp32: torch does not use TF32 for matmuls unless precision=tf32.
@@ -141,13 +143,17 @@ class FlopCount:
         its training clock there)."""
         if self.failed:
             return None
-        tensors = [t for t in _tensors(batch.inputs) if t.dim()]
-        if not tensors:
-            return None
-        samples = tensors[0].shape[0]
-        labels = _tensors(batch.labels) if self.pass_labels else []
-        trainable = tuple(p.requires_grad for p in self.params)
-        key = (trainable, *(tuple(t.shape[1:]) for t in tensors), *(tuple(t.shape[1:]) for t in labels))
+        inputs = batch.inputs
+        trainable = tuple(map(_requires_grad, self.params))
+        if type(inputs) is torch.Tensor and inputs.dim() and not self.pass_labels:  # the usual batch: one key, no walk
+            samples, key = inputs.shape[0], (trainable, inputs.shape[1:])
+        else:
+            tensors = [t for t in _tensors(inputs) if t.dim()]
+            if not tensors:
+                return None
+            samples = tensors[0].shape[0]
+            labels = _tensors(batch.labels) if self.pass_labels else []
+            key = (trainable, *(t.shape[1:] for t in tensors), *(t.shape[1:] for t in labels))
         per_sample = self.per_sample.get(key)
         if per_sample is None:
             with counting():

@@ -16,6 +16,9 @@ from runner.spec.run import SpecError
 log = logging.getLogger(__name__)
 
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it has no state
+# the call torch.autograd.backward ends in (the C++ engine, with the context its device threads read);
+# private to torch, so where a version lacks it every backward goes through the public call
+_run_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
 
 
 class Precision:
@@ -103,6 +106,12 @@ class Precision:
         if cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device:
             # a fill, not a copy from the host: nothing waits for the kernels queued before it
             cached = self._gradient = (scale, torch.full((), scale, dtype=loss.dtype, device=loss.device))
+        if _run_backward is not None and type(loss) is torch.Tensor and loss.dim() == 0:
+            # what loss.backward(gradient) ends in, less its Python checks of a gradient made right here to
+            # the loss's shape, dtype and device (~15 us: a tenth of a tiny step); a subclass (DTensor) goes
+            # the whole way, through its __torch_function__
+            _run_backward((loss,), (cached[1],), False, False, (), allow_unreachable=True, accumulate_grad=True)
+            return
         loss.backward(cached[1])
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:

@@ -46,12 +46,17 @@ if TYPE_CHECKING:
     import torch
 
 IGNORE = -100  # label that counts for nothing: padding tokens
+_COUNTED_IN_PYTHON = 512  # labels: past about this many, listing them costs more than the tensor ops (~25 ns each)
 
 
 def units_kept(labels: torch.Tensor) -> int | torch.Tensor:
     """The labels that are not IGNORE: an int on the CPU; on an accelerator a 0-dim tensor there. Reading
     it as an int there would wait for every kernel queued before it, each micro-step, and leave the GPU
-    idle while the next step is launched (data gathered on the GPU keeps its labels there)."""
+    idle while the next step is launched (data gathered on the GPU keeps its labels there). A small batch
+    of class ids on the CPU is counted in Python: its three tensor ops cost ~40 us in a tiny step (where
+    other work has left the caches cold), listing 64 labels ~2 us."""
+    if labels.is_cpu and labels.dim() == 1 and len(labels) <= _COUNTED_IN_PYTHON:
+        return len(labels) - labels.tolist().count(IGNORE)
     kept = (labels != IGNORE).sum()
     return int(kept) if kept.device.type == "cpu" else kept
 Direction = Literal["maximize", "minimize"]

@@ -178,3 +178,16 @@ def test_counts_kept_on_the_device_train_evaluate_and_checkpoint_as_ints_do(tmp_
     assert as_tensor.monitor.samples_seen == as_int.monitor.samples_seen == 6 * 32
     window = as_tensor.monitor.window.state_dict()
     assert all(type(c) is int for c in window["counts"]) and type(window["untimed"]) is int
+
+
+@pytest.mark.parametrize("shape", [(64,), (512,), (513,), (4, 8)])
+def test_units_kept_counted_in_python_equals_the_tensor_count(shape: tuple[int, ...]) -> None:
+    """A small CPU batch's labels are counted from a list (runner/tasks units_kept), a larger or 2-D one by
+    tensor ops: both give exactly the labels that are not IGNORE, as an int."""
+    from runner.tasks import IGNORE, units_kept
+
+    labels = torch.randint(0, 10, shape)
+    labels.view(-1)[::3] = IGNORE
+    kept = units_kept(labels)
+    assert type(kept) is int and kept == int((labels != IGNORE).sum()) == labels.numel() - len(labels.view(-1)[::3])
+    assert units_kept(torch.full(shape, IGNORE)) == 0

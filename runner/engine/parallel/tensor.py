@@ -83,10 +83,16 @@ def apply(module: nn.Module, spec: ParallelismSpec, env: Any) -> None:
         apply_huggingface_plan(module, tp_mesh)
 
 
+def shards_loss(spec: ParallelismSpec, env: Any) -> bool:
+    """Whether the loss is computed on vocabulary-sharded logits (tp > 1 with loss_parallel): only then has
+    `loss_context` anything to do (the step loop decides this once per run)."""
+    return env.dims.tp > 1 and spec.loss_parallel
+
+
 def loss_context(spec: ParallelismSpec, env: Any) -> ContextManager:
     """torch's loss_parallel() while tp > 1 with loss_parallel: cross-entropy on vocabulary-sharded logits
     (and its backward, which must run inside it too); a no-op context otherwise."""
-    if env.dims.tp > 1 and spec.loss_parallel:
+    if shards_loss(spec, env):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()

@@ -240,3 +240,26 @@ def test_channels_last_keeps_conv_weights_channels_last_and_trains_to_the_same_w
     convs = [p for p in last.module.parameters() if p.dim() == 4]
     assert convs and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous() for p in convs)
     assert_same_weights(plain, last, rtol=1e-4)
+
+
+def test_the_engines_backward_gives_the_gradients_of_loss_backward_with_the_scale() -> None:
+    """Precision.backward hands its scalar gradient to autograd's engine call directly (runner/engine/
+    precision.py): the gradients are bit for bit those of the public loss.backward(scale)."""
+    from runner.engine import precision
+    from runner.engine.precision import Precision
+    from runner.spec.precision import PrecisionSpec
+
+    assert precision._run_backward is not None  # this torch has the call: the direct path is the one tested
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    inputs, labels = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    grads = []
+    for public in (True, False):
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(inputs), labels, reduction="sum")
+        if public:
+            loss.backward(torch.tensor(1 / 7))
+        else:
+            Precision(PrecisionSpec(name="fp32"), torch.device("cpu")).backward(loss, 1 / 7)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
