@@ -206,7 +206,7 @@ def serve(requests_fd: int, answers_fd: int) -> None:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     forwarded = _Forwarded()
     logging.root.addHandler(forwarded)
-    logging.root.setLevel(logging.INFO)
+    logging.root.setLevel(_FORWARD_LEVEL)  # records below it would be made only to be dropped
     requests, answers = Connection(requests_fd, writable=False), Connection(answers_fd, readable=False)
     from runner.tracking.store import Store
     from runner.tracking.writer import refused

@@ -90,6 +90,7 @@ def test_a_store_refusal_from_the_tracking_process_comes_before_training_and_lea
     assert client.search_runs(experiments, run_view_type=3) == []
 
 
+@pytest.mark.slow  # two runs through the CLI (about 25 s on a quiet machine)
 def test_a_killed_tracking_process_is_one_line_training_finishes_and_the_resume_completes_the_run(
         tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     done = _cli([*SHORT, _callback(KillsTrackingProcess)], tmp_path, monkeypatch)
