@@ -307,3 +307,23 @@ def test_losing_node_0_leaves_node_1_one_line_and_the_resume_on_every_node_ends_
     results = finish(nodes)
     assert [c for c, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
     assert_equal_weights(weights(run_dirs[0]), uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_without_restarts_a_worker_killed_on_node_1_is_named_by_node_0_not_taken_for_a_lost_node(tmp_path: Path) -> None:
+    """Node 1's agent lives on and says its worker was killed; node 0's worker only lost a peer, so node 0 names
+    node 1's failure (from the roll call) rather than a lost node or its own 'rank 0 (lost a peer)'."""
+    port = free_port()
+    args = [*TRAIN, "tracking=none", "parallelism.rdzv_timeout=30"]
+    nodes = [start_node(tmp_path, args, r, port, tmp_path / f"node{r}") for r in range(2)]
+    try:
+        wait_for(tmp_path / "node0" / "checkpoints" / "step-00000020.pt", nodes)
+        [victim] = workers_of(nodes[1].pid)
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        results = finish(nodes, timeout=300)
+    assert [code for code, _, _ in results] == [1, 1], [err[-2000:] for _, _, err in results]
+    assert "runner: workers failed: rank 1 (killed by signal 9)" in results[1][2].splitlines()
+    assert f"runner: node 1's workers failed: rank 1 (killed by signal 9) (host {socket.gethostname()}; its log says " \
+           "why)" in results[0][2].splitlines(), results[0][2][-3000:]
