@@ -428,6 +428,7 @@ def test_a_finished_worker_ends_before_the_interpreter_teardown_its_gloo_threads
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    cause = "gloo threads after destroy_process_group: ['gloo_tcp_loop', 'pt_gloo_runloop'"
-    assert lines[0].startswith(cause)  # torch's, as of 2.14
+    # torch 2.14 prints ['gloo_tcp_loop', 'pt_gloo_runloop', 'pt_gloo_runloop'] here (the cause); a torch that
+    # lets the group go prints [], and the exit below is still what a finished worker does
+    assert lines[0].startswith("gloo threads after destroy_process_group: [")
     assert lines[1:] == ["a line not yet flushed", "exit handlers"]  # and no "interpreter teardown"
