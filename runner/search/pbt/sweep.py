@@ -6,6 +6,7 @@ Each member's run is a child of it. A rerun with the same hydra.sweep.dir goes o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from runner.search.pbt import explore
 from runner.search.pbt import launcher as members_launcher
 from runner.search.pbt.explore import mlflow_key
 from runner.search.pbt.population import Population, Settings, ranked
+from runner.search.sweep_summary import run_link
 from runner.cli.preflight import resolved
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec
@@ -71,7 +73,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
         # SIGTERM/SIGHUP between members' training (ranking, exploit, waiting on member processes) stop the
         # sweep as Ctrl-C does: members stopped, the parent KILLED, one line; inside an in-process member's
         # training its own handler stops it at a step boundary first
-        with preemption.handled():
+        with preemption.handled(), _job_console():
             state = Population(base, space, pbt, sweep_dir, parent.run_id if parent else None, on_round,
                                launched).run()
         status = "FINISHED"
@@ -83,6 +85,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
             alive.stop()
         if parent is not None and status != "FINISHED":
             parent.finish(status)
+    link = None
     best = ranked(state["members"], base.objective.direction == "maximize")[0]
     schedule = {"member": best["id"], "objective": best["objectives"][-1][1], "metric": base.objective.metric,
                 "schedule": [{"from_step": s, **h} for s, h in best["schedule"]], "lineage": best["lineage"]}
@@ -92,12 +95,28 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
         parent.client.set_tag(parent.run_id, "pbt.winner", f"member {best['id']} ({best['run_id']})")
         if math.isfinite(schedule["objective"]):
             parent.client.log_metric(parent.run_id, "best_objective", schedule["objective"])
+        link = run_link(parent.client, parent.uri, parent.run_id)  # the members' summaries leave it to the parent
         parent.finish("FINISHED")
     print(f"PBT: best {base.objective.metric} {schedule['objective']:.4f} (member {best['id']}, {best['run_dir']})\n"
           f"  its schedule: " + "; ".join(f"from step {s}: " + ", ".join(f"{k}={v:.4g}" for k, v in h.items())
                                           for s, h in best["schedule"]) +
-          f"\n  sweep directory: {sweep_dir}", flush=True)
+          f"\n  sweep directory: {sweep_dir}" + (f"\n  parent MLflow run: {link}" if link else ""), flush=True)
     return schedule["objective"]
+
+
+@contextlib.contextmanager
+def _job_console() -> Any:
+    """Members that train in this process, and PBT's rounds, print as a job's lines do: the message alone. The
+    sweep process logs through Hydra's own console handler, which stamps each line `[time][HYDRA]`."""
+    handlers = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler]  # not its files
+    formats = [h.formatter for h in handlers]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    try:
+        yield
+    finally:
+        for handler, fmt in zip(handlers, formats):
+            handler.setFormatter(fmt)
 
 
 def _check_bounds(base: RunSpec, space: dict[str, explore.Dim], texts: dict[str, str]) -> None:

@@ -277,9 +277,10 @@ def test_under_torchrun_the_run_goes_to_the_users_run_directory(tmp_path: Path) 
     assert "spec.yaml" in artifacts
 
 
+@pytest.mark.slow  # in CI: test_extending_a_finished_k_fold_run_extends_every_fold_and_recomputes_the_mean
 @pytest.mark.parametrize("command", [
     ["trainer.cross_validation.folds=2"],  # K fold runs, then the K-fold run's table
-    pytest.param(["-m", "optimizer.lr=0.01,0.02"], marks=pytest.mark.slow),  # a grid: two jobs, then its summary
+    ["-m", "optimizer.lr=0.01,0.02"],  # a grid: two jobs, then its summary
 ])
 def test_a_command_of_several_runs_says_how_to_open_the_mlflow_ui_once(tmp_path: Path, migrated_mlflow_store: Path,
                                                                         command: list[str]) -> None:

@@ -363,6 +363,8 @@ def test_extending_a_finished_k_fold_run_extends_every_fold_and_recomputes_the_m
     messages = caplog.text
     assert "holds no checkpoint yet" not in messages and "starts over" not in messages
     assert "extending folds 0, 1 from their checkpoints to trainer.max_steps=5" in messages
+    # each fold's summary names its run; how to open the UI is said once, with the K-fold run's table
+    assert messages.count("runner: trained") == 2 and messages.count(f"mlflow_ui --backend-store-uri {store}") == 1
 
 
 def test_latest_is_the_k_fold_run_not_its_newest_fold(tmp_path: Path) -> None:

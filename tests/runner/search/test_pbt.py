@@ -410,3 +410,15 @@ def test_after_a_sigterm_mid_member_its_explored_values_are_logged_at_the_rounds
     assert copier["id"] == 0
     assert set(history(store, copier["run_id"], "pbt/optimizer.lr")) == {0, 10}
     assert set(history(store, source["run_id"], "pbt/optimizer.lr")) == {0}
+
+
+@pytest.mark.slow  # a population of 2 from the command line: ~30 s
+def test_a_pbt_commands_console_shows_each_line_once_without_hydras_stamps_and_the_ui_once(tmp_path: Path) -> None:
+    """Members train in the sweep's process, whose logging is Hydra's (each line stamped `[time][HYDRA]`): their
+    lines and PBT's rounds read as a job's do, and how to open the MLflow UI is said once, by the parent."""
+    proc = run_cli(["-m", *_pbt_command(tmp_path, "trainer.max_steps=6", "hydra.sweeper.ready=3")], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert sum("PBT round" in ln for ln in lines) == 2 and sum(ln.startswith("epoch ") for ln in lines) > 0
+    assert not [ln for ln in lines if "][HYDRA]" in ln and ("PBT" in ln or "epoch " in ln or "val/" in ln)], lines
+    assert sum("mlflow_ui --backend-store-uri" in ln for ln in lines) == 1, lines
