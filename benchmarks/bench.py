@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from benchmarks.bench_startup import bench_startup
-from benchmarks.bench_workloads import WORKLOADS, interleaved, workload_spec
+from benchmarks.bench_workloads import WORKLOADS, interleaved, phase_table, workload_spec
 from runner.engine.parallel import pick_device
 
 TARGET_RATIO, TARGET_FROM_MS = 1.02, 5.0  # the engine may cost at most 2% on any step of 5 ms or more
@@ -59,11 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lightning-python", default=os.environ.get("LIGHTNING_PYTHON"),
                         help="an interpreter that imports lightning, for its whole run (default: $LIGHTNING_PYTHON, "
                              "else this one where it can)")
+    parser.add_argument("--phases", action="store_true",
+                        help="only where a tiny step's us go: the digits MLP's step, stretch by stretch, engine beside hand loop")
     parser.add_argument("overrides", nargs="*", help="extra overrides for both, e.g. trainer.device=cuda")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu counts the main thread only: use it with --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.phases:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print_phases(args.steps or 600, time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns,
+                     args.overrides)
+        return
     if args.startup_runs:  # first, before this process's own training loads the machine
         bench_startup(args.startup_runs, args.whole_runs, args.lightning_python)
         print()
@@ -93,6 +101,20 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     if args.nproc > 1:
         bench_parallel(args.steps or 300, 32, args.nproc, args.overrides)
+
+
+def print_phases(steps: int, clock, extra: list[str]) -> None:
+    """The digits MLP's tiny step on the CPU, stretch by stretch (benchmarks/bench_workloads.py phase_table)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = workload_spec(["dataset=digits", "model=mlp", "trainer.device=cpu", *extra], steps + 20, Path(tmp))
+        engine, hand = phase_table(spec, clock=clock)
+    print(f"digits MLP, CPU, {torch.get_num_threads()} thread(s): median us of each stretch of a step "
+          f"(a stretch runs from one call's edge to the next)")
+    for title, stretches in (("engine", engine), ("hand loop", hand)):
+        print(f"\n{title}")
+        for name, us in stretches.items():
+            print(f"  {name:<34} {us:8.1f}")
+        print(f"  {'sum of the medians':<34} {sum(stretches.values()):8.1f}")
 
 
 PARALLEL_CASE = ["dataset=synthetic", "model=cnn", "model.norm=false", "trainer.eval_every_epoch=false",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +141,88 @@ def interleaved(spec: RunSpec, block: int = 1, hand: Callable[[RunSpec], Iterato
     since.append(clock())
     engine.fit()
     return engine_times, hand_times, engine
+
+
+def phase_table(spec: RunSpec, skip: int = 20, clock: Callable[[], int] = time.perf_counter_ns
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Where a tiny step's microseconds go: median us of each stretch of the engine's step between the
+    calls it makes (the parts' own methods wrapped with a clock), and of the hand loop's (timed inline),
+    steps interleaved as in `interleaved`. Each stretch also carries a clock read (~0.1-0.5 us)."""
+    engine = Engine(spec, build_tracker(spec))
+    marks: list[tuple[str, int]] = []
+
+    def wrap(obj, name: str, label: str) -> None:
+        call = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            marks.append((label + ">", clock()))
+            out = call(*args, **kwargs)
+            marks.append((label + "<", clock()))
+            return out
+        setattr(obj, name, timed)
+
+    for obj, name, label in ((engine, "train_step", "train_step"), (engine.task, "count", "count"),
+                             (engine, "_prepare", "prepare"), (engine.flop_count, "of", "flops"),
+                             (engine, "_loss_sum", "forward+loss"), (engine.precision, "backward", "backward"),
+                             (engine, "_clip_gradients", "clip"), (engine.precision, "step", "optimizer"),
+                             (engine.schedule, "step", "schedule"), (engine.optimizer, "zero_grad", "zero_grad"),
+                             (engine.monitor, "step_starts", "step_starts"), (engine.monitor, "on_step", "monitor"),
+                             (engine.addons, "on_step_end", "addons")):
+        wrap(obj, name, label)
+    hand_marks: list[tuple[str, int]] = []
+    engine_stretches: dict[str, list[int]] = {}
+    hand_stretches: dict[str, list[int]] = {}
+
+    def collect(points: list[tuple[str, int]], into: dict[str, list[int]]) -> None:
+        for (a, ta), (b, tb) in zip(points, points[1:]):
+            into.setdefault(f"{a} .. {b}", []).append(tb - ta)
+
+    def hand_loop() -> Iterator[None]:
+        seed_everything(spec.seed, False)
+        data = components.build_data(spec)
+        model = components.build_model(spec, data)
+        optimizer = build_optimizer(spec.optimizer, model, torch.device("cpu"))
+        loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0,
+                             pin_memory=False, collate=data.collate)
+        epoch = 0
+        while True:
+            loader.batch_sampler.set_epoch(epoch)
+            batches = iter(loader)
+            while True:
+                hand_marks.append(("loader>", clock()))
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                hand_marks.append(("loader<", clock()))
+                inputs, labels = batch
+                loss = F.cross_entropy(model(inputs), labels, ignore_index=IGNORE)
+                hand_marks.append(("forward+loss<", clock()))
+                loss.backward()
+                hand_marks.append(("backward<", clock()))
+                optimizer.step()
+                hand_marks.append(("optimizer<", clock()))
+                optimizer.zero_grad(set_to_none=True)
+                hand_marks.append(("zero_grad<", clock()))
+                yield
+            epoch += 1
+
+    loop = hand_loop()
+    on_step = engine.monitor.on_step
+
+    def stamped(step: int, *args, **kwargs) -> None:  # the engine's step ends with the monitor; the hand's follows
+        on_step(step, *args, **kwargs)
+        if step > skip:
+            collect(marks, engine_stretches)
+        hand_marks[:] = [("start", clock())]
+        next(loop)
+        hand_marks.append(("end", clock()))
+        if step > skip:
+            collect(hand_marks, hand_stretches)
+        marks[:] = [("hand step done", clock())]
+
+    engine.monitor.on_step = stamped
+    engine.fit()
+    # a stretch seen on most steps (not only log steps, nor an epoch's first)
+    least = (spec.trainer.max_steps - skip) // 2
+    return ({k: statistics.median(v) / 1e3 for k, v in engine_stretches.items() if len(v) >= least},
+            {k: statistics.median(v) / 1e3 for k, v in hand_stretches.items() if len(v) >= least})

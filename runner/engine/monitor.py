@@ -67,7 +67,9 @@ class NonFiniteWatch(AddOn):
         self.log_every, self.total_steps = view.spec.trainer.log_every_n_steps, view.total_steps
 
     def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
-        self.on_step(step, loss_sum)
+        if not self.pending:  # on_step's, inline: this runs every step
+            self.first_pending = step
+        self.pending.append(loss_sum)
         if self.check_every or step % self.log_every == 0 or step == self.total_steps:  # the monitor's log steps
             self.check(all_reduce_max)
 
@@ -162,7 +164,8 @@ class Monitor:
             self.window.exclude(compiled, samples, flops)
         elif not timed:  # its training seconds: a pause inside it (a FLOP count) is not counted twice
             self.window.exclude(self.window.elapsed() - self.step_started, samples, flops)
-        self.bar.update(1)
+        if not self.bar.disable:
+            self.bar.update(1)
         if not self.is_log_step(step):
             return
         loss, count, seconds, timed_units, timed_flops = self.window.close(self.reduce_sum, loss_sum.device)

@@ -143,3 +143,30 @@ def test_padded_text_batches_are_counted_at_their_own_length(tmp_path: Path, sql
     # FLOPs per token logged x the step's tokens = the counter's FLOPs of that step's batch
     assert [per_token[step] * tokens for step, (_, tokens) in enumerate(steps, start=1)] == pytest.approx(counted,
                                                                                                       rel=1e-9)
+
+
+def test_a_plain_tensor_batch_is_counted_once_per_shape_and_trainable_set_as_a_dict_batch_is() -> None:
+    """FlopCount.of keys a plain tensor batch without walking it (the tiny step's path): its FLOPs equal the
+    hand count at any batch size, a new shape or a parameter unfrozen is counted anew, and a dict batch of
+    the same tensor (the general path) gives the same number."""
+    from runner.tasks import Batch
+
+    class DictNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    net = DictNet()
+    count = flops.FlopCount(net, pass_labels=False)
+    labels = torch.zeros(7, dtype=torch.long)
+    assert count.of(Batch(torch.zeros(7, 1, 8, 8), labels)) == mlp_step_by_hand(7, [64, 32, 10])
+    assert count.of(Batch(torch.zeros(3, 1, 8, 8), labels)) == mlp_step_by_hand(3, [64, 32, 10])
+    assert len(count.per_sample) == 1  # one shape past the batch dimension: counted once
+    assert count.of(Batch({"x": torch.zeros(3, 1, 8, 8)}, labels)) == mlp_step_by_hand(3, [64, 32, 10])
+    net.body[1].requires_grad_(False)
+    assert count.of(Batch(torch.zeros(3, 1, 8, 8), labels)) == mlp_step_by_hand(3, [64, 32, 10], [False, True])
+    assert count.of(Batch(torch.zeros(3, 64), labels)) == mlp_step_by_hand(3, [64, 32, 10], [False, True])
+    assert len(count.per_sample) == 3
