@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner.cli import registry
-from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
+from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved, start_tracking_early
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec, SpecError
@@ -57,21 +57,12 @@ def main(cfg: DictConfig) -> float:
 
 
 def _open_store_early(spec: RunSpec) -> None:
-    """A run this process trains starts its tracking process now, which imports MLflow and opens the store on
-    another core while this one imports torch and builds the run (runner/tracking/store_process.py). Not for
-    a multirun's jobs (one process, one MLflow import for them all), workers' launchers or k-fold's runs."""
+    """Preflight started the tracking process already (before torch's import); a job whose preflight did not
+    run (a multirun's, where nothing starts) is left to the tracker."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from runner.spec.parallelism import nominal_world
-
-    if (spec.mode != "train" or spec.tracking.name == "none" or under_torchrun() or HydraConfig.get().mode == RunMode.MULTIRUN
-            or spec.parallelism.name != "single" or nominal_world(spec.parallelism) != 1
-            or spec.trainer.cross_validation.folds or "mlflow" in sys.modules):
-        return
-    from runner.tracking import store_process
-
-    store_process.start_early(spec.tracking.uri, spec.tracking.experiment, spec.tracking.artifact_root)
+    start_tracking_early(spec, HydraConfig.get().mode == RunMode.MULTIRUN)
 
 
 def _to_job_log(line: str) -> None:

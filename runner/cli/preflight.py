@@ -111,6 +111,7 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         from runner.tracking.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 
         check_tracking(spec.tracking)
+        start_tracking_early(spec, multirun=dir_key == "hydra.sweep.dir")
     # last, as it imports the model's and dataset's modules (torch): their keys against their signatures
     from runner.spec import components
     from runner.spec.resume import typed_keys
@@ -124,6 +125,22 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not under_torchrun():
         check_writable(dir_key, run_dir)
+
+
+def start_tracking_early(spec: RunSpec, multirun: bool) -> None:
+    """A run this process trains starts its tracking process now, before torch is imported: it imports MLflow
+    and opens the store on another core while this one imports torch and builds the run
+    (runner/tracking/store_process.py). Not for a multirun's jobs (one process, one MLflow import for them
+    all), torchrun's workers, parallel launchers or k-fold's runs. Started at most once per store."""
+    from runner.spec.parallelism import nominal_world
+
+    if (spec.mode != "train" or spec.tracking.name == "none" or under_torchrun() or multirun
+            or spec.parallelism.name != "single" or nominal_world(spec.parallelism) != 1
+            or spec.trainer.cross_validation.folds or "mlflow" in sys.modules):
+        return
+    from runner.tracking import store_process
+
+    store_process.start_early(spec.tracking.uri, spec.tracking.experiment, spec.tracking.artifact_root)
 
 
 def _refuse_sweeps(overrides: list[Any]) -> None:
