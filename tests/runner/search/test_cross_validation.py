@@ -347,6 +347,7 @@ def test_extending_a_finished_k_fold_run_extends_every_fold_and_recomputes_the_m
 
     monkeypatch.setattr(Engine, "train_step", counted)
     caplog.set_level("INFO")
+    caplog.clear()  # the extending command's lines only (the first run's may be captured too)
     result = launch.run(compose_spec([f"trainer.resume={run_dir}", "trainer.max_steps=5"], tmp_path / "unused",
                                      tracking_uri=store))
     # each fold resumes its own step-3 checkpoint and trains on to step 5
