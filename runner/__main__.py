@@ -100,6 +100,10 @@ def cli() -> None:
         sys.argv += shared_run_dir_overrides(run_dir)
     try:
         main()
+        if under_torchrun():  # a rank that finished: ended before the interpreter's teardown, as a worker is
+            from runner.cli.worker import exit_before_teardown
+
+            exit_before_teardown()
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (runner.engine.preemption.Stopped)
         requeued = f"; SLURM job {e.requeued_job} requeued to continue it" if getattr(e, "requeued_job", "") else ""
         print(f"runner: {str(e) or 'interrupted'}; the run was marked KILLED{requeued}", file=sys.stderr)

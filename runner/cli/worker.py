@@ -47,7 +47,7 @@ def main(spec_path: str) -> None:
         with preemption.handled():  # every rank stops at one step boundary, its checkpoint written
             run_in_process(spec, env)
         dist.destroy_process_group()  # only after a clean run: with a peer gone it can block
-        _exit_before_teardown()
+        exit_before_teardown()
     except preemption.Stopped as e:  # the agent forwarded SIGTERM/SIGHUP: exit as the signal would
         sys.exit(e.exit_code)
     except SpecError as e:
@@ -73,7 +73,7 @@ def main(spec_path: str) -> None:
             (Path(spec.run_dir) / PRUNED_FILE).write_text(str(e))
 
 
-def _exit_before_teardown() -> None:
+def exit_before_teardown() -> None:
     """End the finished worker as Python's exit would, but without tearing the interpreter down.
 
     torch keeps the device mesh, and with it the gloo process group, in caches past destroy_process_group

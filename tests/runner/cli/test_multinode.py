@@ -225,12 +225,19 @@ def test_a_lost_node_is_one_line_naming_it_the_step_and_the_resume_and_the_resum
     assert f"trainer.resume={run_dirs[0]}" in lines[0]
     assert "rdzv_endpoint" not in err and "Traceback" not in err
     # resumed by hand as the line says, on every node (node 1 holds no checkpoint: node 0 reads it for both)
+    resume_on_every_node(tmp_path, args, [str(run_dirs[r]) for r in range(2)], run_dirs[0], uninterrupted)
+
+
+def resume_on_every_node(tmp_path: Path, args: list[str], resumes: list[str], run_dir: Path,
+                         uninterrupted: dict) -> None:
+    """Both nodes resumed by hand (node r with trainer.resume=resumes[r]): they finish, and run_dir's final
+    weights equal the uninterrupted run's."""
     port = free_port()
-    nodes = [start_node(tmp_path, [*args, f"trainer.resume={run_dirs[r]}"], r, port, tmp_path / f"resume{r}")
+    nodes = [start_node(tmp_path, [*args, f"trainer.resume={resumes[r]}"], r, port, tmp_path / f"resume{r}")
              for r in range(2)]
     results = finish(nodes)
     assert [c for c, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
-    assert_equal_weights(weights(run_dirs[0]), uninterrupted)
+    assert_equal_weights(weights(run_dir), uninterrupted)
 
 
 def lose_node(node: subprocess.Popen) -> None:
@@ -301,12 +308,7 @@ def test_losing_node_0_leaves_node_1_one_line_and_the_resume_on_every_node_ends_
     assert f"after step {int(newest.stem[5:])} ({newest} is kept on node 0)" in lines[0], lines[0]
     assert lines[0].endswith(f"trainer.resume={run_dirs[0]}") and "Traceback" not in err, lines[0]
     resume = lines[0].rsplit("trainer.resume=", 1)[1]
-    port = free_port()
-    nodes = [start_node(tmp_path, [*args, f"trainer.resume={resume}"], r, port, tmp_path / f"resume{r}")
-             for r in range(2)]
-    results = finish(nodes)
-    assert [c for c, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
-    assert_equal_weights(weights(run_dirs[0]), uninterrupted)
+    resume_on_every_node(tmp_path, args, [resume, resume], run_dirs[0], uninterrupted)
 
 
 @pytest.mark.slow

@@ -411,7 +411,7 @@ class Teardown:
 teardown = Teardown()
 atexit.register(lambda: print("exit handlers", flush=True))
 sys.stdout.write("a line not yet flushed\\n")
-worker._exit_before_teardown()
+worker.exit_before_teardown()
 """
 
 

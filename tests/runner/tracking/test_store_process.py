@@ -19,12 +19,18 @@ from tests.conftest import run_cli
 from tests.runner.tracking.tracking_process_marks import MARKS, KillsTrackingProcess, SeesMlflow
 
 SHORT = ["trainer.max_epochs=2", "trainer.progress_bar=off"]
+REPO = Path(__file__).resolve().parents[3]
+
+
 def _callback(cls: type) -> str:
     return f"trainer.callbacks=[{{_target_:{cls.__module__}.{cls.__name__}}}]"
 
 
 def _cli(args: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(MARKS, str(tmp_path / "marks.json"))
+    # the marks' module (tests/...) importable by the run, as a user's own package would be (an install does not
+    # make the checkout's tests/ importable from another directory)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return run_cli([f"tracking.uri={_uri(tmp_path)}", f"tracking.artifact_root={tmp_path / 'artifacts'}",
                     f"hydra.run.dir={tmp_path / 'run'}", *args], tmp_path)
 
