@@ -181,6 +181,15 @@ def test_run_logs_the_export_as_artifacts_of_a_finished_run_tagged_with_its_sour
         assert torch.equal(rebuilt(copy)(**inputs), mlp_run[1](**inputs))
 
 
+def _holds(directory: Path, name: str) -> bool:
+    """Whether a file `name` is under directory yet. The directory may come and go first: preflight makes it
+    and removes it again (its write probe) before Hydra makes it for the run."""
+    try:
+        return any(f.name == name for f in directory.rglob("*"))
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("signum", [9, 15])
 def test_an_export_killed_while_writing_leaves_no_partial_export_and_a_sigterm_ends_its_mlflow_run_killed(
         tmp_path: Path, gpt_run: tuple, store: str, signum: int) -> None:
@@ -199,7 +208,7 @@ def test_an_export_killed_while_writing_leaves_no_partial_export_and_a_sigterm_e
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if any(f.name == "model.safetensors" for f in out_dir.rglob("*")) if out_dir.exists() else False:
+        if _holds(out_dir, "model.safetensors"):
             break
         time.sleep(0.005)
     assert proc.poll() is None, "the export ended before its first file could be seen"
