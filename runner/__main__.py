@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner.cli import registry
-from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved, start_tracking_early
+from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec, SpecError
@@ -26,7 +26,6 @@ def main(cfg: DictConfig) -> float:
         spec = spec_from_hydra(cfg)
     except SpecError as e:
         fail(str(e))
-    _open_store_early(spec)
     # torch, MLflow and the engine: only now that the spec is known to be good
     from runner.engine.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
     from runner.cli.launch import WorkersFailed, run
@@ -54,15 +53,6 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"error: {line}")
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(1)
-
-
-def _open_store_early(spec: RunSpec) -> None:
-    """Preflight started the tracking process already (before torch's import); a job whose preflight did not
-    run (a multirun's, where nothing starts) is left to the tracker."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    start_tracking_early(spec, HydraConfig.get().mode == RunMode.MULTIRUN)
 
 
 def _to_job_log(line: str) -> None:

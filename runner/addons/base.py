@@ -150,12 +150,7 @@ class AddOns:
             addon.on_epoch_start(epoch)
 
     def on_step_end(self, step: int, loss_sum: "torch.Tensor", samples: int) -> Stop | None:
-        stops = None
-        for hook in self._step_end:
-            stop = hook(step, loss_sum, samples)
-            if stop is not None:
-                stops = [*(stops or ()), stop]
-        return stops and first_stop(stops)
+        return first_stop([hook(step, loss_sum, samples) for hook in self._step_end])
 
     def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
         return first_stop([a.after_evaluation(metrics) for a in self._with["after_evaluation"]])

@@ -340,18 +340,25 @@ def _lost_node(spec: RunSpec, lost: list[int], roll_call: "rendezvous.RollCall |
     what is kept and how to go on (node 0's run directory, which holds the run)."""
     par = spec.parallelism
     hosts = roll_call.hosts if roll_call is not None else {}
+
+    def host(r: int) -> str:
+        return f" (host {hosts[r]})" if r in hosts else ""
+
     if len(lost) == 1:
-        who = f"node {lost[0]} of {par.nnodes}" + (f" (host {hosts[lost[0]]})" if lost[0] in hosts else "") + " was"
+        who = f"node {lost[0]} of {par.nnodes}{host(lost[0])} was"
+    elif lost:
+        who = "nodes " + ", ".join(f"{r}{host(r)}" for r in lost) + f" of {par.nnodes} were"
     else:
-        who = ("nodes " + ", ".join(f"{r}" + (f" (host {hosts[r]})" if r in hosts else "") for r in lost)
-               if lost else "a node") + f" of {par.nnodes} " + ("were" if len(lost) > 1 else "was")
-    run_dir = Path(spec.run_dir) if par.node_rank == 0 or roll_call is None or not roll_call.run_dir \
-        else Path(roll_call.run_dir)
-    try:
-        newest = checkpoint.resolve(spec.run_dir) if par.node_rank == 0 else Path(roll_call.kept) if \
-            roll_call is not None and roll_call.kept else None
-    except SpecError:  # no checkpoint was written yet
-        newest = None
+        who = f"a node of {par.nnodes} was"
+    node_0_said = roll_call is not None and par.node_rank != 0  # what node 0 posted: its run directory, its newest checkpoint
+    run_dir = Path(roll_call.run_dir) if node_0_said and roll_call.run_dir else Path(spec.run_dir)
+    if par.node_rank == 0:
+        try:
+            newest = checkpoint.resolve(spec.run_dir)
+        except SpecError:  # no checkpoint was written yet
+            newest = None
+    else:
+        newest = Path(roll_call.kept) if node_0_said and roll_call.kept else None
     if newest is not None:
         match = re.fullmatch(r"step-0*(\d+)\.pt", newest.name)
         kept = (f"after step {match.group(1)} ({newest} is kept" if match else

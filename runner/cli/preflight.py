@@ -131,7 +131,7 @@ def start_tracking_early(spec: RunSpec, multirun: bool) -> None:
     """A run this process trains starts its tracking process now, before torch is imported: it imports MLflow
     and opens the store on another core while this one imports torch and builds the run
     (runner/tracking/store_process.py). Not for a multirun's jobs (one process, one MLflow import for them
-    all), torchrun's workers, parallel launchers or k-fold's runs. Started at most once per store."""
+    all), torchrun's workers, parallel launchers or k-fold's runs."""
     from runner.spec.parallelism import nominal_world
 
     if (spec.mode != "train" or spec.tracking.name == "none" or under_torchrun() or multirun

@@ -457,7 +457,7 @@ class Engine:
         DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        model = compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model  # _model_for
+        model = self._model_for(batch)
         with self.precision.autocast():
             output = batches.call_model(model, batch, self.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it

@@ -151,13 +151,9 @@ _early: StoreProcess | None = None  # started as the run starts, for the tracker
 
 
 def start_early(uri: str, experiment: str, artifact_root: str) -> None:
-    """Start the tracking process and its opening of the store now (the entry does, before importing torch);
+    """Start the tracking process and its opening of the store now (preflight does, before importing torch);
     the run's tracker takes it (`started`) where it tracks to the same store."""
     global _early
-    if _early is not None and _early._opening == (uri, experiment, artifact_root):
-        return  # preflight started it; the entry asks again
-    if _early is not None:
-        _early.close()
     _early = StoreProcess()
     _early.open(uri, experiment, artifact_root)
 

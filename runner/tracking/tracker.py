@@ -33,7 +33,6 @@ from runner.tracking.writer import StoreWriter, first_line, refused
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views)
 from runner.spec.run import RunSpec, SpecError
-from runner.spec.tracking import TrackingSpec
 
 log = logging.getLogger(__name__)
 
@@ -447,12 +446,6 @@ def run_exists(client: Any, run_id: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def logged_steps(client: Any, run_id: str) -> dict[str, set[int]]:
-    """Metric key -> the steps the run already holds."""
-    keys = client.get_run(run_id).data.metrics
-    return {key: {m.step for m in client.get_metric_history(run_id, key)} for key in keys}
 
 
 def _parent_key(spec: RunSpec) -> str:
