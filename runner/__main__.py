@@ -1,7 +1,9 @@
 """`python -m runner [overrides]`: Hydra composes conf/ once; the run spec takes it from there.
 
 Before Hydra starts the run, runner/cli/preflight.py checks everything a user can get wrong without
-importing torch, MLflow or Optuna; a mistake is one `error: <key>: ...` line and exit code 2.
+importing torch, MLflow or Optuna; a mistake is one `error: <key>: ...` line and exit code 2. A single
+run is then run from the config preflight composed (run_composed); a multirun, and the modes that are
+Hydra's own business, go through hydra.main.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
 from runner.cli import registry
-from runner.cli.preflight import CONFIG_NAME, expand_accum, fail, preflight, resolved
+from runner.cli.preflight import CONFIG_NAME, Checked, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec, SpecError
@@ -75,6 +77,33 @@ def spec_from_hydra(cfg: DictConfig) -> RunSpec:
     return with_task_declarations(RunSpec.from_config(container, tuple(hydra_cfg.overrides.task)))
 
 
+def run_composed(checked: Checked) -> None:
+    """A single run from the config preflight composed and checked, as hydra.main runs one: Hydra's logging,
+    its callbacks, and its run_job (the run directory, .hydra/, the job's log file, hydra.job.env_set and
+    chdir, HydraConfig), with Hydra's own report of an exception that escapes the job. hydra.main would
+    compose the same config twice more first (once to read hydra.mode, once to run): 0.3-0.5 s of start-up."""
+    from hydra._internal.utils import run_and_report
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import read_write
+
+    cfg = checked.config
+    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+
+    def run() -> None:
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=cfg.hydra.job.config_name)
+        ret = run_job(hydra_context=HydraContext(config_loader=checked.config_loader, callbacks=callbacks),
+                      task_function=main, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None)
+        callbacks.on_run_end(config=cfg, config_name=cfg.hydra.job.config_name, job_return=ret)
+        ret.return_value  # noqa: B018 -- raises the job's exception, as Hydra's run does
+
+    run_and_report(run)
+
+
 # `runner <subcommand> ...`: a first argument Hydra would never take (an override holds `=`)
 SUBCOMMANDS = {"reproduce": "runner.results.reproduce", "compare": "runner.results.compare"}
 
@@ -84,12 +113,15 @@ def cli() -> None:
         import importlib
 
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
-    run_dir = preflight(sys.argv[1:])
     sys.argv[1:] = expand_accum(sys.argv[1:])
+    checked = preflight(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
-        sys.argv += shared_run_dir_overrides(run_dir)
+        sys.argv += shared_run_dir_overrides(checked.run_dir)
     try:
-        main()
+        if checked.config is not None and not under_torchrun():
+            run_composed(checked)
+        else:
+            main()
         if under_torchrun():  # a rank that finished: ended before the interpreter's teardown, as a worker is
             from runner.cli.worker import exit_before_teardown
 

@@ -7,6 +7,7 @@ with nothing created; Hydra's multi-line composition errors are rewritten to tha
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
@@ -42,9 +43,19 @@ def resolved(cfg: DictConfig) -> dict:
     return out
 
 
-def preflight(argv: list[str]) -> str | None:
-    """Check the command line as Hydra will read it; `fail` at the first mistake. Returns the run
-    directory of a single run as Hydra will name it (`${now:...}` resolved here), None otherwise."""
+@dataclass(frozen=True)
+class Checked:
+    """What preflight found good. A single run's: its run directory as Hydra names it (`${now:...}` resolved
+    here) and its composed config, Hydra's node included, which the entry runs as composed
+    (runner/__main__.py run_composed) rather than having Hydra compose it twice more."""
+
+    run_dir: str | None = None
+    config: DictConfig | None = None
+    config_loader: Any = None  # Hydra's, of that composition: a job's HydraContext carries it
+
+
+def preflight(argv: list[str]) -> Checked:
+    """Check the command line as Hydra will read it; `fail` at the first mistake."""
     from hydra._internal.utils import get_args_parser  # hydra.main's own parser: flags as Hydra reads them
 
     args, unknown = get_args_parser().parse_known_args(argv)
@@ -57,7 +68,7 @@ def preflight(argv: list[str]) -> str | None:
              f"--shell-completion, --run")
     if args.help or args.hydra_help or args.shell_completion or args.config_path or args.config_dir \
             or args.experimental_rerun:
-        return None  # Hydra's own business: nothing of the run is composed
+        return Checked()  # Hydra's own business: nothing of the run is composed
     try:
         return _check_command_line(args)
     except SpecError as e:
@@ -73,7 +84,7 @@ def expand_accum(argv: list[str]) -> list[str]:
     return [f"accumulation.steps={a.split('=', 1)[1]}" if a.startswith("+accum=") else a for a in argv]
 
 
-def _check_command_line(args: Any) -> str | None:
+def _check_command_line(args: Any) -> Checked:
     overrides = _parse(args.overrides)
     _check_groups(overrides)
     if not args.multirun:
@@ -82,9 +93,9 @@ def _check_command_line(args: Any) -> str | None:
     dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     first: tuple[RunSpec, str] | None = None
     for variant in variants:
-        cfg = _compose(args.config_name or CONFIG_NAME, variant)
+        cfg, config_loader = _compose(args.config_name or CONFIG_NAME, variant)
         if args.cfg or args.info:
-            return None  # printing the config: the values are the user's to inspect, not to run
+            return Checked()  # printing the config: the values are the user's to inspect, not to run
         run_dir = str(_select(cfg, dir_key))
         container = resolved(cfg)
         container["run_dir"] = run_dir
@@ -93,7 +104,9 @@ def _check_command_line(args: Any) -> str | None:
         first = first or (spec, run_dir)
     if first is not None:  # every job's values are good: now what they name outside themselves
         _check_surroundings(first[0], dir_key, first[1])
-    return None if args.multirun or first is None else first[1]
+    if args.multirun or first is None:
+        return Checked()
+    return Checked(first[1], cfg, config_loader)
 
 
 def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
@@ -236,8 +249,11 @@ def _variants(overrides: list[Any], limit: int = 32) -> list[list[str]]:
     return variants
 
 
-def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+def _compose(config_name: str, overrides: list[str]) -> tuple[DictConfig, Any]:
+    """The config a run of these overrides gets, as Hydra composes it for a job (RUN mode, Hydra's node
+    included), and the config loader that composed it."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
 
@@ -246,8 +262,9 @@ def _compose(config_name: str, overrides: list[str]) -> DictConfig:
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as e:
             raise SpecError(_composition_error(e, config_name, overrides)) from None
+        config_loader = GlobalHydra.instance().config_loader()
     HydraConfig.instance().set_config(cfg)  # as Hydra does for a job: ${hydra:...} resolves
-    return cfg
+    return cfg, config_loader
 
 
 def _composition_error(error: Exception, config_name: str, overrides: list[str]) -> str:

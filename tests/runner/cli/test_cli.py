@@ -80,6 +80,42 @@ def test_default_run_trains_to_95_percent_and_prints_a_summary(tmp_path: Path, m
     assert_run_log(proc.stdout, run_dirs[0], epochs=None)
 
 
+# what a run's start-up costs in Hydra: preflight's composition, none after it (each is 0.2-0.3 s)
+COUNT_COMPOSITIONS = """
+import atexit, runpy, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+load, calls = ConfigLoaderImpl.load_configuration, []
+def counted(self, *args, **kwargs):
+    calls.append(1)
+    return load(self, *args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+atexit.register(lambda: print(f"compositions: {len(calls)}"))
+sys.argv = ["runner", *sys.argv[1:]]
+runpy.run_module("runner", run_name="__main__")
+"""
+
+
+def test_a_single_run_is_composed_once_and_run_as_hydra_runs_a_job(tmp_path: Path) -> None:
+    """preflight's composition is the one the run runs; what Hydra's run of a job does is all there: the run
+    directory and its .hydra/ record, the job's log file, hydra.job.env_set around the job, +accum as its key."""
+    args = ["trainer.max_steps=2", "tracking=none", "+accum=2", "hydra.run.dir=run", "+hydra.job.env_set.RUNNER_PROBE=on"]
+    proc = subprocess.run([sys.executable, "-c", COUNT_COMPOSITIONS, *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "compositions: 1\n" in proc.stdout, proc.stdout[-500:]
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == [
+        "trainer.max_steps=2", "tracking=none", "accumulation.steps=2"]
+    job = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    assert job["accumulation"]["steps"] == 2 and job["trainer"]["max_steps"] == 2 and "hydra" not in job
+    hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert hydra["mode"] == "RUN" and hydra["runtime"]["output_dir"] == str(run)
+    assert hydra["job"]["env_set"] == {"RUNNER_PROBE": "on"}
+    # the job ran inside env_set: the process state it recorded has the variable
+    assert "RUNNER_PROBE" in yaml.safe_load((run / "process_state.yaml").read_text())["environ_sha256"]
+    assert "runner: trained 2 optimizer steps" in (run / "runner.log").read_text()
+
+
 def assert_run_log(console: str, run_dir: Path, epochs: int | None) -> None:
     """The epoch lines and the summary: once each on the console, all of them in <run dir>/runner.log."""
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["runner.log"]
