@@ -93,11 +93,16 @@ class Timing:
 
 
 def _env() -> dict[str, str]:
-    # the runs find this checkout (and FirstStep) wherever they start; one thread, as on a shared machine
+    # the runs find this checkout (and FirstStep) wherever they start; one thread, as on a shared machine.
+    # Python writes its bytecode cache as a user's does: where PYTHONDONTWRITEBYTECODE is set (some sandboxes and
+    # CI images set it), a checkout installed in editable mode has no cache, and every run would compile
+    # runner's ~85 modules again (0.1 s), which no user pays after their first run (the untimed one here)
     root = str(Path(__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}:{path}" if path else root,
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}:{path}" if path else root,
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
 
 
 def timed(command: list[str], cwd: Path, to_first_step: bool) -> Timing:
