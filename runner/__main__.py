@@ -82,8 +82,10 @@ def run_composed(checked: Checked) -> None:
     its callbacks, and its run_job (the run directory, .hydra/, the job's log file, hydra.job.env_set and
     chdir, HydraConfig), with Hydra's own report of an exception that escapes the job. hydra.main would
     compose the same config twice more first (once to read hydra.mode, once to run): 0.3-0.5 s of start-up."""
-    from hydra._internal.utils import run_and_report
     from hydra._internal.callbacks import Callbacks
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import run_and_report
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext, RunMode
     from omegaconf import read_write
@@ -101,7 +103,12 @@ def run_composed(checked: Checked) -> None:
         callbacks.on_run_end(config=cfg, config_name=cfg.hydra.job.config_name, job_return=ret)
         ret.return_value  # noqa: B018 -- raises the job's exception, as Hydra's run does
 
-    run_and_report(run)
+    # as under hydra.main, Hydra is initialized while the job runs: a user's code may compose configs there
+    GlobalHydra.instance().initialize(Hydra(task_name=cfg.hydra.job.name, config_loader=checked.config_loader))
+    try:
+        run_and_report(run)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 # `runner <subcommand> ...`: a first argument Hydra would never take (an override holds `=`)

@@ -43,3 +43,21 @@ class StepCounter(AddOn):
 
 class NotAnAddOn:
     """A class that is no engine add-on: trainer.callbacks refuses it."""
+
+
+class ComposesAConfig(AddOn):
+    """Composes the app's config with Hydra's compose API while the job runs, as a user's code may (to read another
+    option's values), and writes the optimizer it names to <run dir>/composed.txt."""
+
+    name = "composes_a_config"
+
+    def __init__(self, overrides: list[str]) -> None:
+        self.overrides = list(overrides)
+
+    def setup(self, view: EngineView) -> None:
+        from pathlib import Path
+
+        from hydra import compose
+
+        cfg = compose("config", overrides=self.overrides)
+        (Path(view.spec.run_dir) / "composed.txt").write_text(str(cfg.optimizer._target_))

@@ -85,11 +85,11 @@ COUNT_COMPOSITIONS = """
 import atexit, runpy, sys
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 load, calls = ConfigLoaderImpl.load_configuration, []
-def counted(self, *args, **kwargs):
-    calls.append(1)
-    return load(self, *args, **kwargs)
+def counted(self, config_name, overrides, *args, **kwargs):
+    calls.append(list(overrides))
+    return load(self, config_name, overrides, *args, **kwargs)
 ConfigLoaderImpl.load_configuration = counted
-atexit.register(lambda: print(f"compositions: {len(calls)}"))
+atexit.register(lambda: print(f"compositions: {calls}"))
 sys.argv = ["runner", *sys.argv[1:]]
 runpy.run_module("runner", run_name="__main__")
 """
@@ -97,15 +97,21 @@ runpy.run_module("runner", run_name="__main__")
 
 def test_a_single_run_is_composed_once_and_run_as_hydra_runs_a_job(tmp_path: Path) -> None:
     """preflight's composition is the one the run runs; what Hydra's run of a job does is all there: the run
-    directory and its .hydra/ record, the job's log file, hydra.job.env_set around the job, +accum as its key."""
-    args = ["trainer.max_steps=2", "tracking=none", "+accum=2", "hydra.run.dir=run", "+hydra.job.env_set.RUNNER_PROBE=on"]
+    directory and its .hydra/ record, the job's log file, hydra.job.env_set around the job, Hydra initialized for a
+    user's compose call inside the job, +accum as its key."""
+    composes = "trainer.callbacks=[{_target_: tests.user_pkg.callbacks.ComposesAConfig, overrides: ['optimizer=adamw']}]"
+    args = ["trainer.max_steps=2", "tracking=none", "+accum=2", "hydra.run.dir=run", "+hydra.job.env_set.RUNNER_PROBE=on",
+            composes]
     proc = subprocess.run([sys.executable, "-c", COUNT_COMPOSITIONS, *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr
-    assert "compositions: 1\n" in proc.stdout, proc.stdout[-500:]
+    # preflight's, then the user's inside the job (Hydra's run added two more of the run's before the job)
+    assert f"compositions: {[args, ['optimizer=adamw']]}\n".replace("+accum=2", "accumulation.steps=2") in proc.stdout, \
+        proc.stdout[-800:]
     run = tmp_path / "run"
     assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == [
-        "trainer.max_steps=2", "tracking=none", "accumulation.steps=2"]
+        "trainer.max_steps=2", "tracking=none", "accumulation.steps=2", composes]
+    assert (run / "composed.txt").read_text() == "torch.optim.AdamW"
     job = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     assert job["accumulation"]["steps"] == 2 and job["trainer"]["max_steps"] == 2 and "hydra" not in job
     hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
