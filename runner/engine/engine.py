@@ -106,7 +106,7 @@ class Engine:
                                         **loader_args)
         self.eval_loaders = {split: make_loader(on_device(getattr(data, split), self.device), spec.dataset.batch_size,
                                                 shuffle=False, **loader_args) for split in ("val", "test")}
-        self._count = _unit_count(self.task, self.train_loader.dataset)  # a micro-batch's units: decided once where the data fixes them
+        self._count = _unit_count(self.task, self.train_loader.dataset)  # decided once where the data fixes it
         self.accum = spec.accumulation.steps
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
@@ -646,9 +646,9 @@ class Engine:
 
 
 def _unit_count(task: tasks.Task, train: torch.utils.data.Dataset) -> Callable[[torch.Tensor], int | torch.Tensor]:
-    """The task's unit count of a training micro-batch; the batch's length where the split fixes it: a tensor dataset read as
-    it is (no collate), whose labels are class ids on the CPU none of which is IGNORE, so that every sample counts
-    one, as the task's count would find again each step (listing a batch's labels for it costs ~9 us of a tiny step)."""
+    """The task's unit count of a training micro-batch; the batch's length where the split fixes it: a tensor dataset
+    read as it is (no collate), whose labels are class ids on the CPU none of which is IGNORE, so that every sample
+    counts one, as the task's count would find again each step (listing a batch's labels costs ~9 us of a tiny step)."""
     if type(task).count is not Classification.count or not isinstance(train, BatchedTensors) or len(train.tensors) != 2:
         return task.count
     labels = train.tensors[1]

@@ -63,8 +63,8 @@ class Schedule:
         if self.constant_from is None or type(s) is not LambdaLR or s.last_epoch + 1 < self.constant_from or s._step_count < 2:
             return False
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        # the lists first (a tensor lr equal to its float compares True), then that each is a float: no generator
-        return lrs == s.base_lrs == s._last_lr and set(map(type, lrs)) == _FLOATS
+        # floats only (a tensor's comparison would read it, a device sync), tested without a generator
+        return set(map(type, lrs)) == _FLOATS and lrs == s.base_lrs == s._last_lr
 
     def on_eval(self, metrics: dict[str, float]) -> None:
         if self.monitor is None:
