@@ -161,8 +161,8 @@ def phase_table(spec: RunSpec, skip: int = 20, clock: Callable[[], int] = time.p
             return out
         setattr(obj, name, timed)
 
-    for obj, name, label in ((engine, "train_step", "train_step"), (engine.task, "count", "count"),
-                             (engine, "_prepare", "prepare"), (engine.flop_count, "of", "flops"),
+    for obj, name, label in ((engine, "train_step", "train_step"), (engine, "_count", "count"),
+                             (engine, "_prepare", "prepare"), (engine, "_micro_step_flops", "flops"),
                              (engine, "_loss_sum", "forward+loss"), (engine.precision, "backward", "backward"),
                              (engine, "_clip_gradients", "clip"), (engine.precision, "step", "optimizer"),
                              (engine.schedule, "step", "schedule"), (engine.optimizer, "zero_grad", "zero_grad"),

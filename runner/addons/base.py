@@ -150,7 +150,12 @@ class AddOns:
             addon.on_epoch_start(epoch)
 
     def on_step_end(self, step: int, loss_sum: "torch.Tensor", samples: int) -> Stop | None:
-        return first_stop([hook(step, loss_sum, samples) for hook in self._step_end])
+        stop = None  # every hook runs, also after one stopped; no list is built on a step none stops (nearly all)
+        for hook in self._step_end:
+            this = hook(step, loss_sum, samples)
+            if this is not None:
+                stop = this if stop is None else first_stop([stop, this])
+        return stop
 
     def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
         return first_stop([a.after_evaluation(metrics) for a in self._with["after_evaluation"]])

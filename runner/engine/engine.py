@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import time
 import traceback
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, memory_estimate, parallel, preemption
 from runner.engine.parallel import pipeline
@@ -33,8 +34,9 @@ from runner.addons.base import AddOn, AddOns, EngineView, Progress, first_stop
 from runner.addons.overfit_goal import OverfitGoal
 from runner.addons.unfreezing import GradualUnfreezing
 from runner.tasks import batches
+from runner.tasks.classification import Classification
 from runner.addons.best_weights import BestWeights
-from runner.engine.loader import make_loader, on_device, optimizer_steps
+from runner.engine.loader import BatchedTensors, make_loader, on_device, optimizer_steps
 from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
@@ -50,6 +52,7 @@ from runner.tracking.tracker import NullTracker, Tracker
 log = logging.getLogger(__name__)
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it has no state
+_LENGTH = operator.methodcaller("size", 0)  # a tensor's length, read in C (len() runs Tensor.__len__'s Python)
 
 
 @dataclass
@@ -96,12 +99,14 @@ class Engine:
         self.task = components.build_task(spec.task, data.num_classes)
         metric_names.check_produced(spec, self.task, self.split_sizes)
         self.batch_transform = data.batch_transform
+        self.moves_batches = self.device.type != "cpu"
         loader_args = dict(seed=spec.seed, num_workers=spec.dataset.num_workers, pin_memory=self.device.type == "cuda",
                            dp_rank=self.env.dp_rank, dp_degree=self.env.dp_degree, collate=data.collate)
         self.train_loader = make_loader(on_device(data.train, self.device), spec.dataset.batch_size, shuffle=True,
                                         **loader_args)
         self.eval_loaders = {split: make_loader(on_device(getattr(data, split), self.device), spec.dataset.batch_size,
                                                 shuffle=False, **loader_args) for split in ("val", "test")}
+        self._count = _unit_count(self.task, self.train_loader.dataset)  # decided once where the data fixes it
         self.accum = spec.accumulation.steps
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
@@ -124,6 +129,7 @@ class Engine:
             self.pipeline.after_tensor_plan(spec.parallelism, self.env)
         self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
         self.dp_degree = self.env.dp_degree  # read once: a step's loss scale is dp degree / units
+        self.clips = spec.trainer.clip_grad_norm is not None or spec.trainer.clip_grad_value is not None
         self.distributed = self.env.distributed  # one process: the step's unit count is its own, no collective asked
         # tp's vocabulary-sharded loss needs its context around the loss and its backward; otherwise a shared no-op
         sharded_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
@@ -161,7 +167,14 @@ class Engine:
         self.monitor.flop_rate = flop_rate
         self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
         self.view = self._view()
-        self.addons = AddOns([*self._addons(spec, data), *components.build_callbacks(spec), *addons], self.view)
+        own, foreign = self._addons(spec, data), [*components.build_callbacks(spec), *addons]
+        self.addons = AddOns([*own, *foreign], self.view)
+        # FLOPs per sample that no step can change: every sample of a tensor dataset read as it is has one shape, and
+        # only another's add-on or unfreezing could change which parameters train. Then the first step's count gives
+        # every step's, with no walk over the parameters and no lookup per step (~10 us of a tiny step)
+        self.fixed_flops = isinstance(self.train_loader.dataset, BatchedTensors) and not self.pass_labels and not foreign \
+            and not any(isinstance(a, GradualUnfreezing) for a in own)
+        self.flops_per_sample: float | None = None  # fixed_flops: FlopCount's own, once it counted the training shape
         self.finished, self.final, self.test_from = False, {}, ""
         self._eval_names: list[str] | None = None  # under pp: the metric sums' names, for the stages without the head
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
@@ -339,7 +352,7 @@ class Engine:
         FLOPs (this rank's) are left in last_step_flops."""
         step_batches = [batches.split_batch(b) for b in micro_batches]
         # samples, or tokens that are not padding; a stand-in for an empty share counts 0
-        counts = [0 if b.empty else self.task.count(b.labels) for b in step_batches]
+        counts = [0 if b.empty else self._count(b.labels) for b in step_batches]
         # The mean over every unit of the step on all replicas: DDP/FSDP average gradients over the
         # data-parallel replicas, so each one's sum is scaled by dp degree / (units on all replicas),
         # whatever each holds.
@@ -347,17 +360,18 @@ class Engine:
         if self.pipeline is not None:
             return self._pipeline_step(step_batches, counts)
         losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
-        with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-            # a device tensor under ddp/fsdp: no host sync here
-            total = parallel.global_count(sum(counts), self.device) if self.distributed else sum(counts)
-            scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+        total = sum(counts)
+        if self.distributed:
+            with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
+                total = parallel.global_count(total, self.device)  # a device tensor: no host sync here
+        scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
                 with phase.to_device:
                     batch = self._prepare(batch, train=True)
                 if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
-                    step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
+                    step_flops += self._micro_step_flops(batch)
                 # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
                 with context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else _NO_CONTEXT as share:
                     share = share or batch
@@ -371,12 +385,23 @@ class Engine:
             context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
             loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
         with phase.optimizer:
-            grad_norm = self._clip_gradients(need_norm=self.monitor.is_log_step(self.progress.step + 1))
+            # the norm is computed where it clips, or is logged
+            grad_norm = self._clip_gradients() if self.clips or self.monitor.is_log_step(self.progress.step + 1) else None
             if self.precision.step(self.optimizer):
                 self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.last_step_flops = step_flops
         return loss_sum, sum(counts), grad_norm
+
+    def _micro_step_flops(self, batch: tasks.Batch) -> float:
+        """FLOPs of a training micro-step on a prepared batch (0 where the model cannot be counted); under fixed_flops
+        the per-sample count FlopCount.of keeps for the batch's shape, times its samples, as `of` computes it."""
+        if self.flops_per_sample is not None:
+            return self.flops_per_sample * batch.inputs.shape[0]
+        flops = self.flop_count.of(batch, self.monitor.window.paused) or 0.0
+        if self.fixed_flops and len(self.flop_count.per_sample) == 1:  # the one shape's, with these parameters training
+            self.flops_per_sample = next(iter(self.flop_count.per_sample.values()))
+        return flops
 
     def _pipeline(self, spec: RunSpec) -> "pipeline.Pipeline":
         pipeline.check_composition(spec, self.env.dims)
@@ -436,9 +461,11 @@ class Engine:
         return batches.loss_sum(output, batch, count, self.task, self.spec.model.target)
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
-        if not _on_device(batch, self.device):  # a tensor's .to() there would return it as it is
+        # on the CPU every batch is where it trains already; elsewhere a tensor's .to() there would return it as it is
+        if self.moves_batches and not _on_device(batch, self.device):
             batch = batches.to_device(batch, self.device)
-        batch = self.precision.prepare_batch(batch)
+        if self.precision.casts_batches:
+            batch = self.precision.prepare_batch(batch)
         if train and self.batch_transform is not None and not batch.empty:  # a stand-in's loss counts 0 anyway
             inputs, labels = self.batch_transform(batch.inputs, batch.labels)  # mixup/cutmix: soft labels
             batch = tasks.Batch(inputs, labels)
@@ -464,10 +491,9 @@ class Engine:
         task = self.compiled_task if self.compiled_task is not None and model is self.model else self.task
         return batches.loss_sum(output, batch, count, task, self.spec.model.target)
 
-    def _clip_gradients(self, need_norm: bool) -> torch.Tensor | None:
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clips as the run says; returns the gradients' norm (before clipping)."""
         trainer = self.spec.trainer
-        if trainer.clip_grad_norm is None and trainer.clip_grad_value is None and not need_norm:
-            return None
         self.precision.unscale(self.optimizer)
         params = [p for p in self.params if p.grad is not None]
         if trainer.clip_grad_value is not None:
@@ -617,6 +643,18 @@ class Engine:
                 self.resumed_from["runner.resumed_from_run"] = source_run
         log.info("resuming at step %d (epoch %d, sample %d of the epoch) from %s", self.progress.step,
                  self.progress.epoch, self.progress.samples_in_epoch, state["path"])
+
+
+def _unit_count(task: tasks.Task, train: torch.utils.data.Dataset) -> Callable[[torch.Tensor], int | torch.Tensor]:
+    """The task's unit count of a training micro-batch; the batch's length where the split fixes it: a tensor dataset
+    read as it is (no collate), whose labels are class ids on the CPU none of which is IGNORE, so that every sample
+    counts one, as the task's count would find again each step (listing a batch's labels costs ~9 us of a tiny step)."""
+    if type(task).count is not Classification.count or not isinstance(train, BatchedTensors) or len(train.tensors) != 2:
+        return task.count
+    labels = train.tensors[1]
+    if labels.is_cpu and labels.dim() == 1 and not labels.is_floating_point() and not bool((labels == tasks.IGNORE).any()):
+        return _LENGTH
+    return task.count
 
 
 def _on_device(batch: tasks.Batch, device: torch.device) -> bool:

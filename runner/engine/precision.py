@@ -43,6 +43,7 @@ class Precision:
             # torch.amp's GradScaler (not FSDP1's ShardedGradScaler) is the one to use (torchtitan's docs)
             self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale)
         self.skipped_steps = 0
+        self.casts_batches = spec.name in ("bf16_true", "fp8")  # whether prepare_batch changes a batch
         self._scale: float | None = None  # the scaler's scale as the last step left it (read once a step)
         self._gradient: tuple[float, torch.Tensor] | None = None  # the last backward's scale, as a tensor
         if spec.name == "tf32":
@@ -68,7 +69,7 @@ class Precision:
         return model
 
     def prepare_batch(self, batch: "Batch") -> "Batch":
-        if self.name not in ("bf16_true", "fp8"):  # nothing to cast or pad
+        if not self.casts_batches:  # nothing to cast or pad
             return batch
         from runner.tasks import IGNORE, Batch
 

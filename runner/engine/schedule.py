@@ -29,6 +29,8 @@ from runner.spec.components import build_component, complaint, load_target
 from runner.spec.run import SpecError
 from runner.spec.scheduler import SchedulerSpec
 
+_FLOATS = {float}  # a constant schedule holds only rates that are plain floats
+
 
 class Schedule:
     """The lr schedule as the engine drives it: `step()` after every optimizer step, `on_eval()` after every
@@ -61,7 +63,8 @@ class Schedule:
         if self.constant_from is None or type(s) is not LambdaLR or s.last_epoch + 1 < self.constant_from or s._step_count < 2:
             return False
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        return all(type(lr) is float for lr in lrs) and lrs == s.base_lrs == s._last_lr
+        # floats only (a tensor's comparison would read it, a device sync), tested without a generator
+        return set(map(type, lrs)) == _FLOATS and lrs == s.base_lrs == s._last_lr
 
     def on_eval(self, metrics: dict[str, float]) -> None:
         if self.monitor is None:

@@ -46,7 +46,20 @@ if TYPE_CHECKING:
     import torch
 
 IGNORE = -100  # label that counts for nothing: padding tokens
+_functional: Any = None  # torch.nn.functional once a loss imported it (`functional`)
 _COUNTED_IN_PYTHON = 512  # labels: past about this many, listing them costs more than the tensor ops (~25 ns each)
+
+
+def functional() -> Any:
+    """torch.nn.functional, imported at a task's first loss (this module imports no torch). A loss runs every step:
+    an import statement in it would go through the import machinery each time (~4 us of a tiny step). A global,
+    not functools.cache: torch.compile, tracing a compiled loss, warns at a cached function."""
+    global _functional
+    if _functional is None:
+        import torch.nn.functional as F
+
+        _functional = F
+    return _functional
 
 
 def units_kept(labels: torch.Tensor) -> int | torch.Tensor:

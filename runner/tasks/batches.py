@@ -32,10 +32,10 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def call_model(model: torch.nn.Module, batch: Batch, pass_labels: bool) -> Any:
-    labels = {"labels": batch.labels} if pass_labels else {}
-    if isinstance(batch.inputs, dict):
-        return model(**batch.inputs, **labels)
-    return model(batch.inputs, **labels)
+    inputs = batch.inputs
+    if isinstance(inputs, dict):
+        return model(**inputs, labels=batch.labels) if pass_labels else model(**inputs)
+    return model(inputs, labels=batch.labels) if pass_labels else model(inputs)  # a plain call: no keyword dict built
 
 
 def accepts_labels(model: torch.nn.Module) -> bool:
@@ -75,8 +75,9 @@ def eval_sums(output: Any, batch: Batch, count: int, task: Task, model: str) -> 
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value as a plain tensor (differentiable), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A replicated DTensor's value as a plain tensor (differentiable), or the tensor itself (asked by type
+    first: a failed hasattr on a plain tensor raises and catches an AttributeError, each step)."""
+    return t if type(t) is torch.Tensor or not hasattr(t, "to_local") else t.to_local()
 
 
 def own_loss(output: Any, task: Task, model: str) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runner.tasks import IGNORE, Task, units_kept
+from runner.tasks import IGNORE, Task, functional, units_kept
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ class Classification(Task):
                             "taking num_classes gets it from the data)")
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py
+        F = functional()  # torch's, imported once, not at the top: see runner/tasks/__init__.py
 
         self.check_outputs(logits)
         return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from runner.tasks import IGNORE, Task, units_kept
+from runner.tasks import IGNORE, Task, functional, units_kept
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +24,7 @@ class LanguageModeling(Task):
         return units_kept(labels)
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py
+        F = functional()  # torch's, imported once, not at the top: see runner/tasks/__init__.py
 
         return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum", ignore_index=IGNORE,
                                label_smoothing=self.label_smoothing)

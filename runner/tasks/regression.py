@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runner.tasks import Task
+from runner.tasks import Task, functional
 
 if TYPE_CHECKING:
     import torch
@@ -13,7 +13,7 @@ class Regression(Task):
     metrics = {"loss": "minimize", "mae": "minimize"}
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F  # here, not at the top: see runner/tasks/__init__.py
+        F = functional()  # torch's, imported once, not at the top: see runner/tasks/__init__.py
 
         prediction = logits.float().reshape(labels.shape)
         return F.mse_loss(prediction, labels.float(), reduction="sum") / _per_sample(labels)

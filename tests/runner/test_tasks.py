@@ -191,3 +191,28 @@ def test_units_kept_counted_in_python_equals_the_tensor_count(shape: tuple[int, 
     kept = units_kept(labels)
     assert type(kept) is int and kept == int((labels != IGNORE).sum()) == labels.numel() - len(labels.view(-1)[::3])
     assert units_kept(torch.full(shape, IGNORE)) == 0
+
+
+def test_a_micro_batchs_units_are_its_length_only_where_no_label_of_the_split_is_ignored() -> None:
+    """The engine decides the unit count once (runner/engine/engine.py _unit_count): the length for a classification
+    tensor dataset of class ids none of which is IGNORE; the task's own count where one is, for soft labels, for a
+    dataset read through a collate, and for another task."""
+    from torch.utils.data import TensorDataset
+
+    from runner.engine.engine import _unit_count
+    from runner.engine.loader import BatchedTensors
+    from runner.tasks import IGNORE
+    from runner.tasks.classification import Classification
+    from runner.tasks.language_modeling import LanguageModeling
+
+    task, inputs = Classification(num_classes=3), torch.zeros(6, 2)
+    ids = torch.tensor([0, 1, 2, 0, 1, 2])
+    length = _unit_count(task, BatchedTensors(TensorDataset(inputs, ids)))
+    assert length != task.count and length(ids[:4]) == 4 and type(length(ids[:4])) is int
+    some_ignored = torch.tensor([0, IGNORE, 2, 0, IGNORE, 2])
+    count = _unit_count(task, BatchedTensors(TensorDataset(inputs, some_ignored)))
+    assert count == task.count and count(some_ignored[:4]) == 3 and count(some_ignored) == 4
+    assert _unit_count(task, BatchedTensors(TensorDataset(inputs, torch.rand(6, 3)))) == task.count  # soft labels
+    assert _unit_count(task, TensorDataset(inputs, ids)) == task.count  # read through a collate
+    lm = LanguageModeling()
+    assert _unit_count(lm, BatchedTensors(TensorDataset(inputs, ids))) == lm.count

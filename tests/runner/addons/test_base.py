@@ -35,3 +35,37 @@ def test_one_entry_per_addon_and_an_old_layout_checkpoint_resumes_exactly(tmp_pa
     assert ema["count"] == ema_again["count"] == 4
     assert all(torch.equal(ema["values"][k], ema_again["values"][k]) for k in ema["values"])
     assert whole["addons"]["early_stopping"] == again["addons"]["early_stopping"]
+
+
+def test_each_step_end_hook_runs_in_order_with_the_steps_values_and_the_stop_that_wins_is_first_stops() -> None:
+    """The one hook called every step (AddOns.on_step_end): every add-on that overrides it and uses it in this run is
+    called in the list's order with the step, this rank's loss sum and count, also after one of them stopped; of
+    several stops a signal's wins, then a pruner's, then the first; an add-on that leaves it idle is not called."""
+    from runner.addons.base import AddOn, AddOns
+    from runner.engine.stopping import Stop
+
+    calls = []
+
+    class Hook(AddOn):
+        def __init__(self, name: str, stop: Stop | None = None, idle: frozenset[str] = frozenset()) -> None:
+            self.name, self.stop, self.idle = name, stop, idle
+
+        def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> Stop | None:
+            calls.append((self.name, step, loss_sum, samples))
+            return self.stop
+
+    class Quiet(AddOn):  # no on_step_end of its own
+        name = "quiet"
+
+    plain, other, pruned, signal = Stop("plain"), Stop("other"), Stop("pruned", pruned=True), Stop("sig", signal=15)
+    loss = torch.tensor(2.5)
+    cases = [([Hook("a"), Quiet(), Hook("b")], None),
+             ([Hook("a"), Hook("b", plain), Hook("c", other)], plain),
+             ([Hook("a", plain), Hook("b", pruned), Hook("c", other)], pruned),
+             ([Hook("a", pruned), Hook("b", signal), Hook("c", Stop("late", signal=1))], signal),
+             ([Hook("a", signal), Hook("b", pruned)], signal)]
+    for hooks, wins in cases:
+        calls.clear()
+        addons = AddOns([*hooks, Hook("off", plain, idle=frozenset({"on_step_end"}))], view=None)
+        assert addons.on_step_end(7, loss, 64) is wins
+        assert calls == [(h.name, 7, loss, 64) for h in hooks if isinstance(h, Hook)]

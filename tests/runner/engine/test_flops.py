@@ -170,3 +170,52 @@ def test_a_plain_tensor_batch_is_counted_once_per_shape_and_trainable_set_as_a_d
     assert count.of(Batch(torch.zeros(3, 1, 8, 8), labels)) == mlp_step_by_hand(3, [64, 32, 10], [False, True])
     assert count.of(Batch(torch.zeros(3, 64), labels)) == mlp_step_by_hand(3, [64, 32, 10], [False, True])
     assert len(count.per_sample) == 3
+
+
+def test_a_run_of_its_own_add_ons_counts_once_and_logs_the_hand_count_on_every_step_a_ragged_one_too(
+        tmp_path: Path, sqlite_uri: str) -> None:
+    """Where no step can change the FLOPs per sample (a tensor dataset, only the run's own add-ons), the engine takes
+    FlopCount's per-sample count once and multiplies (the tiny step's path): every logged step, the epoch's ragged
+    last one included, logs the hand count per sample."""
+    from tests.runner.engine.test_engine import tracked
+
+    engine = tracked(["model.hidden=[16]", "trainer.max_epochs=1", "dataset.batch_size=256", "trainer.log_every_n_steps=1",
+                      "trainer.eval_every_epoch=false", "trainer.progress_bar=off"], tmp_path / "run", sqlite_uri)
+    assert engine.fixed_flops
+    engine.fit()
+    per_sample = logged_flops_per_unit(tmp_path / "mlflow.db")
+    assert engine.split_sizes["train"] % 256  # the last step's batch is ragged
+    assert sorted(per_sample) == list(range(1, engine.steps_per_epoch + 1))
+    assert list(per_sample.values()) == pytest.approx([mlp_step_by_hand(1, [64, 16, 10])] * engine.steps_per_epoch,
+                                                      rel=1e-9)
+    assert engine.flops_per_sample == mlp_step_by_hand(1, [64, 16, 10])
+
+
+def test_a_callback_freezing_a_layer_mid_run_logs_the_frozen_count_from_the_next_step_on(tmp_path: Path,
+                                                                                         sqlite_uri: str) -> None:
+    """Another's add-on may change which parameters train at any hook: with one in the run the count is looked up
+    each step (no fixed count), so the steps after it froze the first layer log the frozen hand count."""
+    from runner.addons.base import AddOn
+    from runner.engine.engine import Engine
+    from runner.tracking.tracker import build_tracker
+    from tests.conftest import compose_spec
+
+    class FreezeFirstLayer(AddOn):
+        name = "freeze_first_layer"
+
+        def setup(self, view) -> None:
+            self.module = view.module
+
+        def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+            if step == 3:
+                self.module[1].requires_grad_(False)
+
+    spec = compose_spec(["model.hidden=[16]", "trainer.max_steps=6", "dataset.batch_size=256", "trainer.log_every_n_steps=1",
+                         "trainer.eval_every_epoch=false", "trainer.progress_bar=off"], tmp_path / "run",
+                        tracking_uri=sqlite_uri)
+    engine = Engine(spec, build_tracker(spec), addons=[FreezeFirstLayer()])
+    assert not engine.fixed_flops
+    engine.fit()
+    per_sample = logged_flops_per_unit(tmp_path / "mlflow.db")
+    frozen, whole = mlp_step_by_hand(1, [64, 16, 10], [False, True]), mlp_step_by_hand(1, [64, 16, 10])
+    assert [per_sample[s] for s in range(1, 7)] == pytest.approx([whole] * 3 + [frozen] * 3, rel=1e-9)
