@@ -102,8 +102,11 @@ def test_a_single_run_is_composed_once_and_run_as_hydra_runs_a_job(tmp_path: Pat
     composes = "trainer.callbacks=[{_target_: tests.user_pkg.callbacks.ComposesAConfig, overrides: ['optimizer=adamw']}]"
     args = ["trainer.max_steps=2", "tracking=none", "+accum=2", "hydra.run.dir=run", "+hydra.job.env_set.RUNNER_PROBE=on",
             composes]
+    # the callback's package importable as a user's is (a fresh clone does not install tests/)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", COUNT_COMPOSITIONS, *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     # preflight's, then the user's inside the job (Hydra's run added two more of the run's before the job)
     assert f"compositions: {[args, ['optimizer=adamw']]}\n".replace("+accum=2", "accumulation.steps=2") in proc.stdout, \
