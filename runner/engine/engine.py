@@ -428,10 +428,8 @@ class Engine:
         loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
         self.pipeline.sync_tied_gradients()
         self.pipeline.average_over_replicas()
-        trainer = self.spec.trainer
-        grad_norm = None
-        if trainer.clip_grad_norm is not None or trainer.clip_grad_value is not None or \
-                self.monitor.is_log_step(self.progress.step + 1):
+        trainer, grad_norm = self.spec.trainer, None
+        if self.clips or self.monitor.is_log_step(self.progress.step + 1):  # the norm where it clips, or is logged
             grad_norm = self.pipeline.clip_gradients(trainer.clip_grad_norm, trainer.clip_grad_value)
         if self.precision.step(self.optimizer):
             self.schedule.step()

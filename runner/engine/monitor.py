@@ -166,7 +166,7 @@ class Monitor:
             self.window.exclude(self.window.elapsed() - self.step_started, samples, flops)
         if not self.bar.disable:
             self.bar.update(1)
-        if step % self.log_every and step != self.total_steps:  # not a log step (is_log_step, inline: every step)
+        if not self.is_log_step(step):
             return
         loss, count, seconds, timed_units, timed_flops = self.window.close(self.reduce_sum, loss_sum.device)
         self.samples_seen += count
