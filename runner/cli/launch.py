@@ -26,7 +26,8 @@ from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
-from runner.engine.parallel import tensor as tensor_parallel
+from runner.engine.parallel import pipeline, tensor as tensor_parallel
+from runner.spec import composition
 from runner.spec.parallelism import ParallelismSpec, world_source
 from runner.engine.parallel.context import check_context_parallel, check_model
 from runner.spec.run import RunSpec, SpecError
@@ -214,8 +215,10 @@ def launch_workers(spec: RunSpec) -> RunResult:
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    log.info("starting %d %s workers on this node (%d node%s)", nproc, par.name, par.nnodes,
-             "s" if multi_node else "")
+    # the mesh as resolved (-1 taken, the preset's degrees): hsdp's or tp's layout is said here, not only typed
+    mesh = " x ".join(f"{d}={n}" for d, n in composition.degrees(par).items() if n > 1) or "one replica"
+    log.info("starting %d workers on this node (%d node%s), parallelism=%s: %s", nproc, par.nnodes,
+             "s" if multi_node else "", par.name, mesh)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
     except ChildFailedError as e:
@@ -275,15 +278,20 @@ def check_parallel(spec: RunSpec) -> None:
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
     dims = resolve_dims(par, nominal_world(par), world_source(par))
     check_context_parallel(spec, device)
-    if par.dp_shard != 1 or par.cp != 1 or dims.tp > 1:  # fsdp, hsdp; context parallel's model; tensor parallel
+    if nominal_world(par) > 1 or par.dp_shard != 1:  # what the model decides, on the meta device
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
+        composition.check_model(spec, model)  # its BatchNorm layers, in a dimension that does not build them
         if par.dp_shard != 1:
             shard_blocks(model)  # raises when the model has nothing to shard
         if par.cp != 1:
             check_model(model, spec.model.target)
         tensor_parallel.check(model, par, dims.tp)  # a plan, and tp dividing the heads
+        if dims.pp > 1:  # every stage can be cut (a plan, enough blocks), as each worker will cut its own
+            num_stages = dims.pp * pipeline.stages_per_rank(par)
+            for index in range(num_stages):
+                pipeline.cut_stage(model, par.pp_plan, spec.model.target, index, num_stages)
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

@@ -101,6 +101,8 @@ def _check_command_line(args: Any) -> Checked:
         container["run_dir"] = run_dir
         spec = RunSpec.from_config(container, tuple(line for line in variant if not _key_of(line).startswith("hydra")))
         spec = with_task_declarations(spec)  # metric names, the objective's direction: the task's checks
+        if args.multirun:
+            _check_sweeper(cfg, spec)
         first = first or (spec, run_dir)
     if first is not None:  # every job's values are good: now what they name outside themselves
         _check_surroundings(first[0], dir_key, first[1])
@@ -138,6 +140,21 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not under_torchrun():
         check_writable(dir_key, run_dir)
+
+
+# the sweepers whose jobs are a feature of the composition table (runner/spec/composition.py), by their class
+SWEEPER_FEATURES = {"PbtSweeper": ("pbt", "hydra/sweeper=pbt"), "OptunaSweeper": ("optuna", "hydra/sweeper=runner_optuna")}
+
+
+def _check_sweeper(cfg: DictConfig, spec: RunSpec) -> None:
+    """A sweep's jobs in a parallel dimension the table refuses for them: one line before Hydra makes the sweep
+    directory (the spec of a job does not know the sweeper that runs it)."""
+    from runner.spec import composition
+
+    target = str(OmegaConf.select(cfg, "hydra.sweeper._target_") or "")
+    feature = SWEEPER_FEATURES.get(target.rpartition(".")[2])
+    if feature is not None:
+        composition.check_feature(feature[0], feature[1], spec)
 
 
 def start_tracking_early(spec: RunSpec, multirun: bool) -> None:

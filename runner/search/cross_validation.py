@@ -103,10 +103,7 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
         raise SpecError(f"trainer.cross_validation.folds: {cv.folds} folds cannot run inside torchrun; start "
                         "`python -m runner parallelism=ddp parallelism.nproc_per_node=N ...` without torchrun: it "
                         "starts each fold's workers itself")
-    if spec.tune.name and spec.parallelism.name != "single":
-        raise SpecError(f"tune: {spec.tune.name} runs once on a k-fold run, in this process, so not with "
-                        f"parallelism={spec.parallelism.name}; run the finder without trainer.cross_validation.folds "
-                        "and give its suggested override to the k-fold run")
+    # a finder with several processes: refused while the spec was built (runner/spec/composition.py)
     size, val_sizes, stratified = folds.plan(components.build_data(spec), cv.folds, cv.seed)  # refusals come now
     done = read_record(run_dir)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())

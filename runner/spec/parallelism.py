@@ -200,9 +200,8 @@ def check_model_parallel_options(par: ParallelismSpec, batch_size: Optional[int]
         if par.pp_schedule in MULTI_STAGE_SCHEDULES and stages == 1:
             raise SpecError(f"parallelism.pp_stages_per_rank: 1, but pp_schedule={par.pp_schedule} holds several "
                             "stages per rank; use 2 or more (or -1 for 2), or pp_schedule=1f1b or gpipe")
-    if batch_size is not None and par.pp_microbatches > batch_size:
-        raise SpecError(f"parallelism.pp_microbatches: {par.pp_microbatches} micro-batches cannot be cut from a batch "
-                        f"of {batch_size} (dataset.batch_size, per data-parallel rank); allowed: 1 to {batch_size}")
+    if par.pp > 1:
+        check_pipeline_keys(par, batch_size)
     if par.cp != 1 and device == "cpu":
         raise SpecError(f"parallelism.cp: {par.cp}, but context parallelism needs CUDA (torch's context-parallel "
                         "attention runs on GPUs) and trainer.device=cpu; use trainer.device=cuda or parallelism.cp=1")
@@ -211,3 +210,34 @@ def check_model_parallel_options(par: ParallelismSpec, batch_size: Optional[int]
         raise SpecError(f"parallelism.sync_batchnorm: true with parallelism.{key}={getattr(par, key)} is not supported "
                         "(SyncBatchNorm syncs over every process, and the ranks of one tensor or pipeline group hold "
                         "the same samples); use it with ddp, fsdp or hsdp alone")
+
+
+def pp_stages_per_rank(par: ParallelismSpec) -> int:
+    """pp_stages_per_rank with -1 resolved: 1 for gpipe/1f1b, 2 for the multi-stage schedules."""
+    if par.pp_stages_per_rank != -1:
+        return par.pp_stages_per_rank
+    return 2 if par.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def pp_microbatches(par: ParallelismSpec) -> int:
+    """pp_microbatches with -1 resolved: the number of stages."""
+    return par.pp_microbatches if par.pp_microbatches != -1 else par.pp * pp_stages_per_rank(par)
+
+
+def check_pipeline_keys(par: ParallelismSpec, batch_size: Optional[int]) -> None:
+    """The micro-batches against the batch and the schedule, with -1 resolved: what torch's schedules would
+    refuse only once built, in every worker (runner/engine/parallel/pipeline.py)."""
+    micro, given = pp_microbatches(par), par.pp_microbatches != -1
+    shown = f"{micro}" if given else f"-1 (one per stage: {micro})"
+    if batch_size is not None and micro > batch_size:
+        raise SpecError(f"parallelism.pp_microbatches: {shown} micro-batches cannot be cut from a batch of {batch_size} "
+                        f"(dataset.batch_size, per data-parallel rank); allowed: 1 to {batch_size}, or a larger batch")
+    if par.pp_schedule == "1f1b" and micro < par.pp:
+        raise SpecError(f"parallelism.pp_microbatches: {shown} with pp_schedule=1f1b and parallelism.pp={par.pp}: 1F1B "
+                        f"needs at least one micro-batch per stage; allowed: {par.pp} or more, or pp_schedule=gpipe")
+    if par.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, micro // par.pp)
+        if micro % rounds:
+            raise SpecError(f"parallelism.pp_microbatches: {shown} with pp_schedule={par.pp_schedule} and parallelism.pp="
+                            f"{par.pp}: the micro-batches must be a multiple of their {rounds} rounds (micro-batches // pp); "
+                            f"allowed: e.g. {rounds * par.pp} or {par.pp}")

@@ -17,6 +17,7 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
     "num_nodes": ("Lightning", "parallelism.nnodes"),
     "strategy": ("Lightning", "parallelism group: parallelism=ddp, fsdp or hsdp"),
     "accelerator": ("Lightning", "trainer.device"),
+    "logger": ("Lightning", "tracking group: tracking=mlflow or none (tracking.uri, tracking.experiment)"),
     "val_check_interval": ("Lightning", "trainer.eval_every_n_steps"),
     "check_val_every_n_epoch": ("Lightning", "trainer.eval_every_epoch"),
     "limit_train_batches": ("Lightning", "trainer.limit_train"),
@@ -68,10 +69,17 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+# peer names that are a group of settings in the peer's API, so that a key under them is typed too
+GROUP_NAMES = ("logger",)
+
+
 def peer_hint(key: str) -> str:
     """'Lightning's X is runner's Y; ' for a peer's name typed as a key, else ''."""
     leaf = key.rsplit(".", 1)[-1]
     found = PEER_NAMES.get(leaf)
+    if found is None and key.split(".")[0] in GROUP_NAMES:  # logger.name=...: the peer's group, a key of it typed
+        leaf = key.split(".")[0]
+        found = PEER_NAMES[leaf]
     if found is None:
         return ""
     whose, ours = found

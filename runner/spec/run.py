@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from runner.spec import composition
 from runner.spec.accumulation import AccumulationSpec, check_accum_shorthand
 from runner.spec.dataset import DatasetSpec, check_dataset
 from runner.spec.fields import SpecError, build, did_you_mean, flat_keys, opt, to_plain
@@ -111,6 +112,7 @@ class RunSpec:
         check_dataset(self.dataset)
         check_mode(self)
         check_tune(self.tune)
+        composition.check(self)  # which feature composes with which parallel dimension
 
 
 # --- config-group options: each rule once, used by the CLI and the spec ----------------------------

@@ -172,7 +172,10 @@ def describe(spec: RunSpec, curve: LrCurve, s: LrSuggestion) -> list[str]:
         lines.append(f"  margin: the suggestion is {s.lowest_lr / s.lr:.3g}x below where divergence begins (lr "
                      f"{s.lowest_lr:.2g}) and {s.diverged_at / s.lr:.3g}x below where the sweep stopped (lr {s.diverged_at:.2g})")
     else:
-        lines.append(f"  margin: no divergence up to tune.max_lr={curve.lrs[-1]:.2g}; the suggestion is "
+        # the last lr measured is tune.max_lr only where the sweep ran its every step
+        last = (f"tune.max_lr={curve.lrs[-1]:.2g}" if math.isclose(curve.lrs[-1], spec.tune.max_lr, rel_tol=1e-6)
+                else f"lr {curve.lrs[-1]:.2g}, the last measured (tune.max_lr={spec.tune.max_lr:g} was not reached)")
+        lines.append(f"  margin: no divergence up to {last}; the suggestion is "
                      f"{s.lowest_lr / s.lr:.3g}x below the lowest loss")
     lines.append(f"  suggested: optimizer.lr={s.lr:g}   ({peak_note(spec)}; now {spec.optimizer.lr:g})")
     return lines

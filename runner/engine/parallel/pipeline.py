@@ -38,7 +38,8 @@ from torch import nn
 
 from runner.engine.parallel.mesh import DistEnv
 from runner.engine.parallel.state import local_tensor_of
-from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec
+from runner.spec import composition
+from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec, check_pipeline_keys
 from runner.spec.run import SpecError
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
@@ -52,44 +53,15 @@ def stages_per_rank(par: ParallelismSpec) -> int:
 
 
 def check_pipeline(par: ParallelismSpec, per_rank_batch: int) -> None:
-    """What can be refused from the keys alone (before any process group)."""
-    per_rank = stages_per_rank(par)
-    if par.pp_schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
-        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule={par.pp_schedule}, which runs one "
-                        f"stage per rank; use 1 (or -1), or a multi-stage schedule ({', '.join(MULTI_STAGE_SCHEDULES)})")
-    if par.pp_schedule in MULTI_STAGE_SCHEDULES and per_rank < 2:
-        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule={par.pp_schedule}, which "
-                        "interleaves several stages per rank; use 2 or more (or -1), or pp_schedule=gpipe or 1f1b")
-    if par.pp_schedule == "zbv_zero_bubble" and per_rank != 2:
-        raise SpecError(f"parallelism.pp_stages_per_rank: {per_rank} with pp_schedule=zbv_zero_bubble, whose V shape "
-                        "holds exactly 2 stages per rank; use 2 (or -1)")
-    micro = microbatches(par)
-    if micro > per_rank_batch:
-        raise SpecError(f"parallelism.pp_microbatches: {micro} micro-batches cannot be cut from a per-rank batch of "
-                        f"{per_rank_batch} (dataset.batch_size); use at most {per_rank_batch}, or a larger batch")
+    """What can be refused from the keys alone: the spec's rule (runner/spec/parallelism.py), which refused
+    it already while the spec was built; kept for callers holding only the keys."""
+    check_pipeline_keys(par, per_rank_batch)
 
 
-def check_composition(spec: Any, dims: Any) -> None:
-    """What pipeline parallelism does not combine with (yet), refused in one line before anything starts."""
-    par, trainer = spec.parallelism, spec.trainer
-    refused = [
-        (par.cp > 1, f"parallelism.cp: {par.cp} with parallelism.pp={par.pp}: pp x cp is not built yet; use one of them"),
-        (dims.dp_shard > 1 and par.tp > 1, f"parallelism.dp_shard: {dims.dp_shard} with parallelism.pp={par.pp} and "
-                                           f"parallelism.tp={par.tp}: pp x fsdp x tp is not built yet; use two of them"),
-        (dims.dp_shard > 1 and dims.dp_replicate > 1, f"parallelism.dp_replicate: {dims.dp_replicate} with parallelism."
-                                                      f"dp_shard={dims.dp_shard} and parallelism.pp={par.pp}: pp x hsdp "
-                                                      "is not built yet; use pp with dp_shard (fsdp) or dp_replicate (ddp)"),
-        (spec.precision.name == "fp16", f"precision: fp16's loss scaling is not built into the pipeline schedules "
-                                        f"(parallelism.pp={par.pp}); use precision=bf16 or fp32"),
-        (bool(trainer.compile), f"trainer.compile: {trainer.compile} with parallelism.pp={par.pp}: compiling the "
-                                "stages is not built yet; use trainer.compile=false"),
-        (spec.tracking.log_model != "none", f"tracking.log_model: {spec.tracking.log_model} with parallelism.pp="
-                                            f"{par.pp} is not built yet; log the checkpoint's model after the run "
-                                            "(python -m runner.results ... or runner export) or use none"),
-    ]
-    for bad, message in refused:
-        if bad:
-            raise SpecError(message)
+def check_composition(spec: Any, dims: Any = None) -> None:
+    """What pipeline parallelism does not combine with: the composition table's cells (runner/spec/composition.py),
+    refused while the spec was built."""
+    composition.check(spec)
 
 
 def microbatches(par: ParallelismSpec) -> int:

@@ -22,6 +22,7 @@ from runner.search.pbt.explore import mlflow_key
 from runner.search.pbt.population import Population, Settings, ranked
 from runner.search.sweep_summary import run_link
 from runner.cli.preflight import resolved
+from runner.spec import composition
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec
 
@@ -59,6 +60,7 @@ def run_sweep(settings: dict[str, Any], arguments: list[str], config: DictConfig
     container["run_dir"] = str(sweep_dir / "base")
     base = with_task_declarations(RunSpec.from_config(container, tuple(fixed)))  # its objective's direction ranks members
     pbt.check(base)
+    composition.check_feature("pbt", "hydra/sweeper=pbt", base)  # members train in one process each
     _check_bounds(base, space, texts)
     launched = None
     if not members_launcher.is_basic(launcher):

@@ -46,13 +46,12 @@ def test_the_agent_starts_the_processes_the_degrees_make(tmp_path: Path, monkeyp
 
 def test_eval_and_predict_refuse_a_model_parallel_degree_under_single(tmp_path: Path) -> None:
     """They run in one process on full weights: tp=2 would otherwise start two processes."""
-    from runner.results import modes
     from runner.spec.run import SpecError
 
-    spec = compose_spec(["mode=eval", f"trainer.resume={tmp_path}", "parallelism.tp=2"], tmp_path / "run")
-    with pytest.raises(SpecError) as e:
-        modes.run(spec)
-    assert str(e.value) == "parallelism.tp: mode=eval runs in one process; drop parallelism.tp=2"
+    with pytest.raises(SpecError) as e:  # the composition table's cell, while the spec is built
+        compose_spec(["mode=eval", f"trainer.resume={tmp_path}", "parallelism.tp=2"], tmp_path / "run")
+    assert str(e.value) == ("mode=eval with parallelism.tp=2: runs in one process (it reads weights saved at any mesh); "
+                            "drop the parallelism keys")
 
 
 @pytest.mark.slow  # two real processes through the CLI; the launch config itself is the unit test above
@@ -68,8 +67,36 @@ def test_a_model_parallel_degree_alone_runs_one_replica_on_its_processes(tmp_pat
                     f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{db}",
                     f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "starting 2 single workers on this node" in proc.stdout + proc.stderr
+    assert "starting 2 workers on this node (1 node), parallelism=single: tp=2" in proc.stdout + proc.stderr
     with sqlite3.connect(db) as con:
         tags = dict(con.execute("select key, value from tags"))
     # two processes, one data-parallel replica: the global batch is the per-rank batch
     assert (tags["world_size"], tags["dp_degree"], tags["global_batch_size"]) == ("2", "1", "4")
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["parallelism=hsdp", "parallelism.nproc_per_node=4", "parallelism.dp_replicate=2"],
+     "starting 4 workers on this node (1 node), parallelism=hsdp: dp_replicate=2 x dp_shard=2"),
+    (["parallelism.tp=2", "model=gpt", "dataset=synthetic_tokens", "task=language_modeling"],
+     "starting 2 workers on this node (1 node), parallelism=single: tp=2"),
+])
+def test_the_launcher_says_the_mesh_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture, overrides: list[str], said: str) -> None:
+    """hsdp's resolved degrees were logged nowhere, and tp=2 said "starting 2 single workers"."""
+    import logging
+
+    import torch.distributed.launcher.api as agent
+
+    from runner.cli import launch
+
+    def elastic_launch(config, entrypoint):
+        raise _Started
+
+    monkeypatch.setattr(agent, "elastic_launch", elastic_launch)
+    monkeypatch.setattr(launch, "check_parallel", lambda spec: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    spec = compose_spec(overrides, tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    with caplog.at_level(logging.INFO, logger="runner.cli.launch"), pytest.raises(_Started):
+        launch.launch_workers(spec)
+    assert said in caplog.text

@@ -302,40 +302,7 @@ def test_a_model_without_a_pipeline_plan_is_refused_in_one_line(tmp_path: Path) 
     assert "parallelism.pp_plan" in out["error"] and "\n" not in out["error"]
 
 
-@pytest.mark.parametrize("keys, batch, message", [
-    (dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=1), 8,
-     "parallelism.pp_stages_per_rank: 1 with pp_schedule=interleaved_1f1b"),
-    (dict(pp_schedule="gpipe", pp_stages_per_rank=2), 8, "parallelism.pp_stages_per_rank: 2 with pp_schedule=gpipe"),
-    (dict(pp_schedule="1f1b", pp_stages_per_rank=2), 8, "parallelism.pp_stages_per_rank: 2 with pp_schedule=1f1b"),
-    (dict(pp_schedule="zbv_zero_bubble", pp_stages_per_rank=3), 8,
-     "parallelism.pp_stages_per_rank: 3 with pp_schedule=zbv_zero_bubble"),
-    (dict(pp_microbatches=5), 4, "parallelism.pp_microbatches: 5 micro-batches cannot be cut from a per-rank batch of 4"),
-])
-def test_bad_pipeline_keys_are_refused_in_one_line(keys: dict, batch: int, message: str) -> None:
-    from runner.engine.parallel.pipeline import check_pipeline
-    from runner.spec.parallelism import ParallelismSpec
-
-    with pytest.raises(SpecError) as e:
-        check_pipeline(ParallelismSpec(name="ddp", pp=2, **keys), batch)
-    assert str(e.value).startswith(message) and "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize("overrides, dims, message", [
-    (["precision=fp16"], {}, "precision: fp16's loss scaling is not built into the pipeline schedules"),
-    (["parallelism.nproc_per_node=8", "parallelism.tp=2"], {"dp_shard": 2, "tp": 2},
-     "parallelism.dp_shard: 2 with parallelism.pp=2 and parallelism.tp=2: pp x fsdp x tp is not built yet"),
-    ([], {"dp_shard": 2, "dp_replicate": 2}, "parallelism.dp_replicate: 2 with parallelism.dp_shard=2 and "
-     "parallelism.pp=2: pp x hsdp is not built yet"),
-])
-def test_what_the_pipeline_does_not_compose_with_yet_is_refused_in_one_line(tmp_path: Path, overrides: list[str],
-                                                                             dims: dict, message: str) -> None:
-    from runner.engine.parallel import ParallelDims
-    from runner.engine.parallel.pipeline import check_composition
-
-    spec = compose_spec([*GPT, *PP2, *overrides], tmp_path)
-    with pytest.raises(SpecError) as e:
-        check_composition(spec, ParallelDims(**{"pp": 2, **dims}))
-    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+# the pipeline's keys and what it does not compose with: the spec's checks (tests/runner/spec/test_composition.py)
 
 
 def test_more_stages_than_blocks_are_refused_in_one_line() -> None:
