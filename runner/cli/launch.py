@@ -278,7 +278,8 @@ def check_parallel(spec: RunSpec) -> None:
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
     dims = resolve_dims(par, nominal_world(par), world_source(par))
     check_context_parallel(spec, device)
-    if nominal_world(par) > 1 or par.dp_shard != 1:  # what the model decides, on the meta device
+    # what the model decides, on the meta device: fsdp's blocks, cp's attention, tp's plan, pp's stages
+    if par.dp_shard != 1 or dims.cp > 1 or dims.tp > 1 or dims.pp > 1:
         data = components.build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)

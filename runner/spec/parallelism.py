@@ -15,7 +15,9 @@ class PlanSpec(Component):
     """A user's own tensor- or pipeline-parallel plan: a function named by `_target_` and its own arguments.
     tp_plan: fn(model, tp_mesh, **params) parallelizes the model in place (runner/engine/parallel/tensor.py);
     pp_plan: fn(model, stage_index, num_stages, **params) -> the stage's module, parameter names kept as in
-    the whole model (runner/engine/parallel/pipeline.py)."""
+    the whole model (runner/engine/parallel/pipeline.py). A block outside the stage becomes nn.Identity, so the
+    model must add each block's residual inside the block: `x = x + block(x)` in the model's forward would pass
+    x + x through a stage that lacks the block, and no check can see it."""
 
     target: str = ""
     params: dict = field(default_factory=dict)
