@@ -35,7 +35,7 @@ from runner.spec.precision import PrecisionSpec
 from runner.spec.scheduler import SchedulerSpec
 from runner.spec.task import TaskSpec
 from runner.spec.tracking import TrackingSpec
-from runner.spec.trainer import CallbackSpec, TrainerSpec, check_cross_validation, check_profile_window, check_trainer
+from runner.spec.trainer import CallbackSpec, TrainerSpec, check_cross_validation, check_trainer
 from runner.spec.trial import TrialSpec
 from runner.spec.tune import TuneSpec, check_tune
 
@@ -109,7 +109,6 @@ class RunSpec:
         check_trainer(self.trainer)
         check_parallelism(self.parallelism, self.dataset.batch_size, self.trainer.device)
         check_cross_validation(self)
-        check_profile_window(self)
         check_dataset(self.dataset)
         check_mode(self)
         check_tune(self.tune)

@@ -151,16 +151,6 @@ def check_trainer(trainer: TrainerSpec) -> None:
                         f" ends with epoch {trainer.max_epochs - 1}); allowed: 0 to {trainer.max_epochs - 1}")
 
 
-def check_profile_window(spec) -> None:
-    """trainer.profile_skip_steps typed past the run's end (trainer.max_steps): refused, where a default skip on a
-    short run is shortened by the profiler, which says so (runner/addons/profiling.py)."""
-    t = spec.trainer
-    typed = any(o.lstrip("+").startswith("trainer.profile_skip_steps=") for o in spec.overrides)
-    if t.profile and typed and t.max_steps is not None and t.profile_skip_steps >= t.max_steps:
-        raise SpecError(f"trainer.profile_skip_steps: {t.profile_skip_steps} skips past the run's end (trainer.max_steps="
-                        f"{t.max_steps}), so nothing would be profiled; allowed: 0 to {t.max_steps - 1}")
-
-
 def check_cross_validation(spec) -> None:
     """RunSpec.validate's rules for the k-fold keys (spec: a RunSpec; they concern its dataset and mode too)."""
     cv = spec.trainer.cross_validation

@@ -34,13 +34,3 @@ def test_a_loggers_key_is_told_that_tracking_is_the_logger_group(tmp_path: Path,
     assert proc.stderr.strip() == ("error: logger: unknown key; Lightning's logger is runner's tracking group: "
                                    "tracking=mlflow or none (tracking.uri, tracking.experiment)")
 
-
-def test_a_profile_skip_past_the_runs_end_is_refused_in_one_line(tmp_path: Path) -> None:
-    """It was accepted, and the window moved to the run's end; a default skip on a short run still is (said so)."""
-    from runner.spec.run import SpecError
-
-    with pytest.raises(SpecError) as e:
-        compose_spec(["trainer.profile=true", "trainer.profile_skip_steps=20", "trainer.max_steps=10"], tmp_path / "run")
-    assert str(e.value) == ("trainer.profile_skip_steps: 20 skips past the run's end (trainer.max_steps=10), so nothing "
-                            "would be profiled; allowed: 0 to 9")
-    compose_spec(["trainer.profile=true", "trainer.max_steps=3"], tmp_path / "run")  # the default skip (5): shortened

@@ -273,3 +273,13 @@ def test_pbt_in_a_parallel_dimension_is_refused_before_its_sweep_folder_exists(t
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_an_optuna_study_in_a_dimension_the_table_refuses_is_one_line_before_its_sweep_folder(tmp_path: Path) -> None:
+    """A job's spec does not know its sweeper: preflight checks the sweep's jobs against the table."""
+    proc = run_cli(["-m", "hparams_search=digits_optuna", "parallelism.tp=2", "task=language_modeling", "model=gpt",
+                    "dataset=synthetic_tokens", "tracking=none", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("error: hydra/sweeper=runner_optuna with parallelism.tp=2: Optuna trials under "
+                                   "sharding or model parallelism are not tested; search with ddp or one process")
+    assert not (tmp_path / "sweep").exists()
