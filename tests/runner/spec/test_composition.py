@@ -66,6 +66,25 @@ def test_every_built_cell_names_a_test_that_exists() -> None:
                 assert f'"{param.rstrip("]")}"' in source, cell.test
 
 
+def test_the_model_parallelism_sections_commands_are_accepted_as_written(tmp_path: Path) -> None:
+    """Every `python -m runner ...` of README's Model parallelism section passes the checks preflight makes (the
+    spec, the composition table, the model's and dataset's arguments against each other): they named model=gpt on
+    the default digits data and were refused as written."""
+    from runner.spec import components
+    from runner.spec.resume import typed_keys
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Model parallelism"):readme.index("## Where things go")]
+    commands = re.findall(r"`python -m runner ([^`]*)`", section)
+    assert len(commands) >= 10
+    built: set[str] = set()
+    for i, command in enumerate(commands):
+        spec = components.resolved_spec(compose_spec(command.split(), tmp_path / f"run{i}"), typed_keys(command.split()))
+        if repr(spec.dataset) not in built:  # the data against the model and the task, as the run builds them
+            components.build_data(spec)
+            built.add(repr(spec.dataset))
+
+
 # --- refusals, while the spec is built --------------------------------------------------------------------------
 
 LM = ["task=language_modeling", "model=gpt", "dataset=synthetic_tokens"]
