@@ -129,23 +129,35 @@ def test_a_refused_composition_is_one_line_while_the_spec_is_built(tmp_path: Pat
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["parallelism.pp=2"], "error: parallelism.pp: runner.models.mlp.MLP has no pipeline plan"),
-    ([*LM, "model.n_layer=2", "parallelism.pp=4", "dataset.batch_size=8"],
-     "error: parallelism.pp: stage 0 of 4 cannot be cut from runner.models.gpt.GPT: num_stages: 4 stages cannot be cut "
-     "from 2 blocks"),
-    (["model=cnn", "parallelism.pp=2"], "error: model: runner.models.cnn.CNN's BatchNorm layer"),
-])
-def test_pipeline_input_that_cannot_be_built_is_refused_before_any_worker_or_run_directory(
-        tmp_path: Path, args: list[str], message: str) -> None:
-    """Refused in the launcher on the model built on the meta device, before torch's launcher starts workers: one
-    line, exit 2, and no run directory, so the corrected command is not refused as "already holds a run"."""
-    proc = run_cli([*args, "tracking=none", "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+def test_pipeline_input_that_cannot_be_built_is_refused_before_any_worker_or_run_directory(tmp_path: Path) -> None:
+    """`python -m runner parallelism.pp=2` (mlp on digits) was refused only inside the workers, after torch's
+    launcher lines, leaving spec.yaml: the corrected command was then refused as "already holds a run". Now the
+    launcher refuses it on the model built on the meta device: one line, exit 2, no worker, no run directory."""
+    proc = run_cli(["parallelism.pp=2", "tracking=none", "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: parallelism.pp: runner.models.mlp.MLP has no pipeline plan")
     assert "workers" not in proc.stdout + proc.stderr  # no worker was started
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*LM, "model.n_layer=2", "parallelism.pp=4", "dataset.batch_size=8"],
+     "parallelism.pp: stage 0 of 4 cannot be cut from runner.models.gpt.GPT: num_stages: 4 stages cannot be cut "
+     "from 2 blocks"),
+    (["model=cnn", "parallelism.pp=2"], "model: runner.models.cnn.CNN's BatchNorm layer"),
+    (["model=cnn", "parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.tp=2"],
+     "model: runner.models.cnn.CNN's BatchNorm layer"),
+])
+def test_the_launcher_refuses_what_the_model_decides_before_it_starts_workers(tmp_path: Path, args: list[str],
+                                                                              message: str) -> None:
+    """launch_workers calls check_parallel before it writes spec.yaml or starts a worker (the test above)."""
+    from runner.cli import launch
+
+    with pytest.raises(SpecError) as e:
+        launch.check_parallel(compose_spec(args, tmp_path / "run"))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 # --- each built cell that needs processes, against one process --------------------------------------------------
