@@ -159,6 +159,9 @@ def check_parallelism(par: ParallelismSpec, batch_size: Optional[int] = None, de
         key, value = fsdp_only[0]
         raise SpecError(f"parallelism.{key}: {str(value).lower()} is an fsdp option, but parallelism={par.name}; "
                         "use parallelism=fsdp or drop it")
+    if par.node_rank >= par.nnodes and par.nnodes == 1:  # a machine of several, but nnodes left at one: nnodes is wrong
+        raise SpecError(f"parallelism.nnodes: 1, but parallelism.node_rank={par.node_rank} names machine {par.node_rank} "
+                        f"of several; set parallelism.nnodes to the number of machines (at least {par.node_rank + 1})")
     if par.node_rank >= par.nnodes:
         raise SpecError(f"parallelism.node_rank: {par.node_rank} is out of range; allowed: 0 to nnodes-1 ({par.nnodes - 1})")
     host, _, port = par.rdzv_endpoint.rpartition(":")

@@ -172,8 +172,10 @@ CASES = [
     case("parallelism.nnodes=2", "error: parallelism.nnodes: 2 needs several processes but parallelism=single runs one; "
          "add parallelism=ddp or parallelism=fsdp", sub=True),
     case("parallelism.nproc_per_node=4", "error: parallelism.nproc_per_node: 4 needs several processes"),
-    case("parallelism=ddp parallelism.node_rank=3", "error: parallelism.node_rank: 3 is out of range; allowed: 0 to "
-         "nnodes-1 (0)"),
+    case("parallelism=ddp parallelism.node_rank=3", "error: parallelism.nnodes: 1, but parallelism.node_rank=3 names "
+         "machine 3 of several; set parallelism.nnodes to the number of machines (at least 4)"),
+    case("parallelism=ddp parallelism.nnodes=2 parallelism.node_rank=3", "error: parallelism.node_rank: 3 is out of "
+         "range; allowed: 0 to nnodes-1 (1)"),
     case("parallelism=ddp parallelism.rdzv_endpoint=nohost", "error: parallelism.rdzv_endpoint: 'nohost' is not host:port"),
     case("parallelism=ddp parallelism.rdzv_timeout=inf", "error: parallelism.rdzv_timeout: inf is not a finite number"),
     # --- metric names: what the run evaluates, and when
