@@ -15,12 +15,15 @@ change when it will not fit.
 - per rank under every dimension: the figures are this rank's own tensors, so dp_shard's shards, tp's
   split layers and pp's stages on this rank are what is counted.
 - what the device has: free CUDA memory plus what this process already holds; on the CPU the
-  machine's available RAM (/proc/meminfo) plus what this process's tensors already use.
+  machine's available RAM (/proc/meminfo), or what a data limit (RLIMIT_DATA) leaves if less, plus what
+  this process's tensors already use.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import resource
 from dataclasses import dataclass
 from typing import Callable
 
@@ -231,7 +234,20 @@ def available_bytes(device: torch.device) -> int | None:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return kib * 1024 + (held_bytes(device) or 0)
+    return min(kib * 1024, _data_limit_left()) + (held_bytes(device) or 0)
+
+
+def _data_limit_left() -> float:
+    """What this process may still allocate under its data limit (RLIMIT_DATA: `ulimit -d`, prlimit), or inf."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft == resource.RLIM_INFINITY:
+        return math.inf
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) for line in f if line.startswith("VmData:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return math.inf
+    return max(soft - used, 0)
 
 
 class _MallInfo2(ctypes.Structure):

@@ -41,10 +41,13 @@ def capped_run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.C
                           text=True, timeout=timeout, preexec_fn=_cap_data)
 
 
-def test_one_process_under_the_cap_ends_in_one_line_saying_to_shard(tmp_path: Path) -> None:
+def test_one_process_under_the_cap_is_told_it_will_not_fit_and_ends_in_one_line_saying_to_shard(tmp_path: Path) -> None:
     done = capped_run(["trainer.max_steps=2", "dataset.batch_size=4"], tmp_path)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Traceback" not in done.stdout + done.stderr
+    # the estimate at its start saw the limit coming (what RLIMIT_DATA leaves is what the process has)
+    assert re.search(r"memory on rank 0 \(cpu\): .*: WILL NOT FIT", done.stdout + done.stderr)
+    assert "to make it fit, try: precision=bf16; parallelism=fsdp" in done.stdout + done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"error: out of memory: could not allocate [0-9.]+ [MG]iB more on the CPU; the model's training "
                         r"state and activations do not fit this process's memory: use parallelism=fsdp "
