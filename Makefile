@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: install run test test-all test-cluster bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory bench-parallel ui clean
+.PHONY: install run test test-all test-cluster bench bench-gpu bench-hpo bench-hpo-slots bench-pbt bench-memory bench-ranks bench-parallel ui clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,9 @@ bench-pbt: install      ## PBT and PB2 (4 members) vs random search, same total 
 
 bench-memory: install   ## activation checkpointing on gpt, none/selective/full: activation memory, step time (and peak on CUDA); ARGS="--compile" under torch.compile
 	$(PY) -m benchmarks.bench_memory $(ARGS)
+
+bench-ranks: install    ## each rank's peak memory (fsdp 2 and 4, tp=2, pp=2) beside one process's and the ideal, GPT-2 124M and 355M; ARGS="--models gpt2 --cases fsdp2,tp2"
+	$(PY) -m benchmarks.bench_rank_memory $(ARGS)
 
 bench-parallel: install ## gpt: ddp, fsdp, tp=2, pp=2 (gpipe, 1f1b), fsdp x tp (ARGS="--nproc 4"): step time beside one process, same global batch; pp bubble vs (p-1)/(m+p-1)
 	$(PY) -m benchmarks.bench_parallel $(ARGS)

@@ -46,10 +46,11 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"runner: {e}")
         print(f"runner: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception as e:  # the user's own component raised: their code's line, not runner's traceback
+    except Exception as e:  # out of memory, or the user's own component raised: one line, not runner's traceback
+        from runner.cli.out_of_memory import out_of_memory_line
         from runner.cli.user_code import user_failure
 
-        line = user_failure(e, spec)
+        line = out_of_memory_line(e, spec) or user_failure(e, spec)
         if line is None:
             raise
         _to_job_log(f"error: {line}")

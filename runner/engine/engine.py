@@ -251,10 +251,10 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                if self.spec.trainer.memory_estimate and self.pipeline is None:  # its micro-step calls the whole model (not under pp); tp's sharded loss
+                if self.spec.trainer.memory_estimate:  # tp's sharded loss; under pp no micro-step runs outside the schedule
                     with tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                        memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env,
-                                               self.tracker, self.train_loader, self._micro_loss)
+                        memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
+                                               self.train_loader, self._micro_loss if self.pipeline is None else None)
                 with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
                     stop = self._train()
                 self.addons.on_train_end(stop)  # the overfit goal's line, the profile, SWA's BatchNorm statistics

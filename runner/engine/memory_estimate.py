@@ -10,14 +10,20 @@ change when it will not fit.
 - activations: measured on one micro-step of a real batch, as the memory its forward pass keeps for
   the backward pass (on CUDA torch.cuda.memory_allocated; on the CPU glibc's count of bytes in use,
   mallinfo2, which also sees what checkpointed blocks keep). The micro-step leaves no trace: the
-  gradients are dropped, BatchNorm statistics and every random stream are put back.
+  gradients are dropped, BatchNorm statistics and every random stream are put back. Under pipeline
+  parallelism no micro-step runs the stages outside the schedule: the line says activations are not measured.
+- per rank under every dimension: the figures are this rank's own tensors, so dp_shard's shards, tp's
+  split layers and pp's stages on this rank are what is counted.
 - what the device has: free CUDA memory plus what this process already holds; on the CPU the
-  machine's available RAM (/proc/meminfo) plus what this process's tensors already use.
+  machine's available RAM (/proc/meminfo), or what a data limit (RLIMIT_DATA) leaves if less, plus what
+  this process's tensors already use.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import resource
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +53,7 @@ class Figures:
     micro_batch: int
     available: int | None     # None: unknown
     averages: int = 0         # the EMA/SWA copies of the weights; 0: no averaging
+    unmeasured: str = ""      # why the activations were not measured, as the line says it ("" or " (...)")
 
     @property
     def total(self) -> int:
@@ -59,7 +66,7 @@ class Figures:
     def line(self) -> str:
         optimizer = _mib(self.optimizer) if self.optimizer is not None else f"unknown for {self.optimizer_name}"
         activations = (f"{_mib(self.activations)} (measured, one micro-batch of {self.micro_batch})"
-                       if self.activations is not None else "not measured")
+                       if self.activations is not None else f"not measured{self.unmeasured}")
         has = f"{_mib(self.available)} available" if self.available is not None else "unknown available memory"
         verdict = "fits" if self.fits else "WILL NOT FIT"
         averages = f", averaged weights {_mib(self.averages)}" if self.averages else ""
@@ -96,15 +103,22 @@ def advice(figures: Figures, spec) -> str:
 
 
 def report(spec, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, env, tracker,
-           loader, loss_of: Callable) -> Figures:
-    """Every rank measures its own figures; the main rank logs one line per rank (and the advice when one
-    will not fit), and its own figures to MLflow as tags. `loss_of(raw_batch)` is one micro-batch's loss."""
-    state = loader.generator.get_state() if loader.generator is not None else None
-    raw = next(iter(loader))
-    if state is not None:  # the loader's own seed stream, as if this batch had never been drawn
-        loader.generator.set_state(state)
+           loader, loss_of: Callable | None) -> Figures:
+    """Every rank measures its own figures (`module`: this rank's part of the model, its own shards); the main
+    rank logs one line per rank (and the advice when one will not fit), and its own figures to MLflow as tags.
+    `loss_of(raw_batch)` is one micro-batch's loss; None where no micro-step can run outside the step (pp)."""
+    micro_step, unmeasured = None, ""
+    if loss_of is not None:
+        state = loader.generator.get_state() if loader.generator is not None else None
+        raw = next(iter(loader))
+        if state is not None:  # the loader's own seed stream, as if this batch had never been drawn
+            loader.generator.set_state(state)
+        micro_step = lambda: loss_of(raw)  # noqa: E731
+    elif spec.parallelism.pp > 1:
+        unmeasured = " (under parallelism.pp the schedule runs the micro-batches through the stages)"
     copies = (spec.trainer.ema.decay is not None) + (spec.trainer.swa.start_epoch is not None)
-    figures = estimate(module, optimizer, device, env.rank, lambda: loss_of(raw), spec.dataset.batch_size, copies)
+    figures = estimate(module, optimizer, device, env.rank, micro_step, spec.dataset.batch_size, copies)
+    figures.unmeasured = unmeasured
     everyone = parallel.gather_objects(figures)
     if env.is_main:
         for one in everyone:
@@ -176,12 +190,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, device_type: str | N
 def measure_activations(module: nn.Module, micro_step: Callable[[], torch.Tensor], device: torch.device) -> int | None:
     """Memory the forward pass of one micro-step keeps for its backward pass; runs the backward too (under
     ddp/fsdp every rank must join its collectives), then leaves no trace (gradients, statistics, RNG)."""
-    before = held_bytes(device)
-    if before is None:
+    if held_bytes(device) is None:
         return None
     buffers = [(b, b.clone()) for b in module.buffers()]
     grads = [p.grad for p in module.parameters()]
     rng = rng_state()
+    # The math libraries allocate their workspaces at a process's first product of a shape and keep them (MKL's
+    # buffers on the CPU: 8 MiB at a first 64x64 matmul; cuBLAS's workspace on CUDA) so measured cold, a run's
+    # activations held them too: 16.7 MiB for the default run first in a process, 0.1 MiB for it after another
+    # (issue 35). One forward pass without autograd first allocates them; then the measured pass counts only
+    # what autograd keeps, whatever ran before in the process.
+    with torch.no_grad():
+        micro_step()
+    set_rng_state(rng)
+    before = held_bytes(device)
     loss = micro_step()
     kept = held_bytes(device) - before
     loss.backward()
@@ -212,7 +234,20 @@ def available_bytes(device: torch.device) -> int | None:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
-    return kib * 1024 + (held_bytes(device) or 0)
+    return min(kib * 1024, _data_limit_left()) + (held_bytes(device) or 0)
+
+
+def _data_limit_left() -> float:
+    """What this process may still allocate under its data limit (RLIMIT_DATA: `ulimit -d`, prlimit), or inf."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft == resource.RLIM_INFINITY:
+        return math.inf
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) for line in f if line.startswith("VmData:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return math.inf
+    return max(soft - used, 0)
 
 
 class _MallInfo2(ctypes.Structure):
