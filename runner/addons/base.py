@@ -20,7 +20,7 @@ engine calls each hook in one place, for every add-on in its list's order (`AddO
     on_train_end(stop)        the step loop ended: its last step, a stop, a pause (stop.paused) or a prune
     on_run_end(final)         the run finished: tested (`final`: the test metrics), final checkpoint written
 
-A returned `Stop` ends training at this step (runner/engine/stopping.py): the loop decides from values,
+A returned `Stop` (below) ends training at this step: the loop decides from values,
 never from exceptions raised in a hook. Every rank calls every hook at the same points, so a hook may
 run collectives. An add-on sees the engine only through `EngineView`, never the Engine itself.
 
@@ -40,11 +40,28 @@ from runner.spec.fields import SpecError
 if TYPE_CHECKING:
     import torch
 
-    from runner.engine.stopping import Stop
-
     from runner.engine.parallel import DistEnv
     from runner.spec.run import RunSpec
     from runner.tracking.tracker import Tracker
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training ends at this step: early stopping (runner/addons/early_stopping.py; the run finishes as
+    usual), a pruner (`pruned`: the Optuna trial's add-on, runner/search/trial.py; the run ends without its
+    final evaluation and test), a pause or a signal. A stop is a value a hook returns, never an exception
+    raised inside a report, so no reporter can end a run behind the loop's back."""
+
+    reason: str
+    pruned: bool = False
+    paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
+    signal: int = 0       # SIGTERM/SIGHUP (runner/engine/preemption.py): this step's checkpoint, then the process exits
+
+
+def pause_due(stop_at_step: int | None, step: int, total_steps: int) -> Stop | None:
+    """trainer.stop_at_step reached before the run's last step (there it finishes): the run pauses here."""
+    due = stop_at_step is not None and stop_at_step <= step < total_steps
+    return Stop(f"paused at step {step} (trainer.stop_at_step)", paused=True) if due else None
 
 
 @dataclass

@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storage, storage_url  # the sweeper's protocol
-from runner.addons.base import AddOn, EngineView, Progress
-from runner.engine.stopping import Stop
+from runner.addons.base import AddOn, EngineView, Progress, Stop
 
 if TYPE_CHECKING:
     from runner.spec.run import RunSpec
