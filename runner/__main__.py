@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
-from runner.cli import registry
+from runner.spec import registry
 from runner.cli.preflight import CONFIG_NAME, Checked, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec.metric_names import with_task_declarations

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.cli.run_dir import check_writable, under_torchrun
 from runner.spec.fields import did_you_mean
 from runner.spec.peer_names import peer_hint, peer_option_hint

@@ -123,7 +123,7 @@ COMPONENT_GROUPS = ("model", "dataset", "task", "optimizer", "scheduler")
 
 def check_option(group: str, value: Any, key: str | None = None, searchpath: tuple[str, ...] = ()) -> None:
     """Refuse an option of a config group that has no <group>/<value>.yaml in conf/ or on the search path."""
-    from runner.cli import registry  # late: the registry lists conf/, which only this check needs
+    from runner.spec import registry  # late: the registry lists conf/, which only this check needs
 
     allowed = registry.options(group, searchpath)
     if value not in allowed:
