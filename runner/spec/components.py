@@ -148,6 +148,7 @@ def build_callbacks(spec: RunSpec) -> list[Any]:
         name = addon.name or callback.target
         seen[name] = seen.get(name, 0) + 1
         addon.name = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        addon.origin = f"{key} ({callback.target})"
         built.append(addon)
     return built
 

@@ -34,7 +34,7 @@ from runner.spec.precision import PrecisionSpec
 from runner.spec.scheduler import SchedulerSpec
 from runner.spec.task import TaskSpec
 from runner.spec.tracking import TrackingSpec
-from runner.spec.trainer import CallbackSpec, TrainerSpec, check_cross_validation, check_trainer
+from runner.spec.trainer import CallbackSpec, TrainerSpec, callbacks_refusal, check_cross_validation, check_trainer
 from runner.spec.trial import TrialSpec
 from runner.spec.tune import TuneSpec, check_tune
 
@@ -139,6 +139,8 @@ def _with_components(cfg: dict) -> dict:
         if group in cfg:
             cfg[group] = spec_class.parse(cfg[group])
     trainer = cfg.get("trainer")
+    if isinstance(trainer, dict) and not isinstance(trainer.get("callbacks", ()), (list, tuple)):
+        raise SpecError(callbacks_refusal(trainer["callbacks"]))
     if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, tuple)):
         cfg["trainer"] = {**trainer, "callbacks": [CallbackSpec.parse(c, f"trainer.callbacks[{i}]")
                                                    for i, c in enumerate(trainer["callbacks"])]}
