@@ -20,7 +20,7 @@ from runner.spec import components, resume
 
 from runner.engine import checkpoint, preemption
 
-from runner.cli import process_state, rendezvous, run_lock
+from runner.cli import lifetime, process_state, rendezvous, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
@@ -212,6 +212,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
                       "is_host": par.node_rank == 0, rendezvous.NODE_RANK_PARAM: par.node_rank,
                       rendezvous.RUN_DIR_PARAM: spec.run_dir},
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
+    os.environ[lifetime.LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (runner/cli/lifetime.py)
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
