@@ -93,21 +93,21 @@ def no_claim_left(url: str) -> None:
     assert optuna.get_all_study_names(url) == ["s"]
 
 
-def killed_makers_claim_is_taken_over_when_its_process_is_gone(where: Path, url: str) -> float:
+def killed_makers_claim_is_taken_over_when_its_process_is_gone(where: Path, url: str) -> None:
     held = holder(where, url, "parent")
     held.kill()
     held.wait()
-    got, seconds = race(where, url, "parent", silent_s=60, n=2)  # a stamp's silence would take 60 s: the pid says sooner
+    # the stamp's silence would take an hour, past the racers' own deadline: only the dead pid can hand the claim
+    # over, so the race ending at all shows it did (no clock read: a busy machine's speed decides nothing)
+    got, _ = race(where, url, "parent", silent_s=3600, n=2)
     one_maker(got, where, "parent", before=[held.pid])
     no_claim_left(url)
-    return seconds
 
 
 @pytest.mark.parametrize("storages", ["sqlite"], indirect=True)
 def test_a_killed_makers_claim_is_taken_over_as_soon_as_its_process_is_gone_and_one_racer_makes_the_value(
         tmp_path: Path, storages: str) -> None:
-    seconds = killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, storages)
-    assert seconds < 45, seconds  # three process starts on a busy machine; the old claim waited 120 s
+    killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, storages)
 
 
 @pytest.mark.slow
@@ -124,8 +124,7 @@ def test_racing_processes_make_the_value_once_whoever_holds_the_claim_and_howeve
     got, _ = race(tmp_path, url, "slow", silent_s=2)
     one_maker([*got, *outcomes([slow])], tmp_path, "slow")
     if storages == "postgresql":
-        seconds = killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, url)
-        assert seconds < 45, seconds
+        killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, url)
     # a frozen maker (SIGSTOP: its process lives, its stamp stands still) loses its claim after silent_s
     frozen = holder(tmp_path, url, "frozen")
     try:
