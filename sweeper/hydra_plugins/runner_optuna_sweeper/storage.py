@@ -63,7 +63,8 @@ def once_per_study(storage: "str | BaseStorage", study_name: str, attr: str, mak
     it makes the value, stores it, and deletes the claim; the others wait for the value. The maker stamps
     its claim every CLAIM_BEAT_S with its host and process: a waiter takes the claim over (creates claim
     n+1) once that process is gone (same host) or its stamp has not changed for `silent_s` seconds
-    (another host's maker, or a frozen one). Only Optuna's public API: create_study, load_study,
+    (another host's maker, or a stopped one: a live maker on this host keeps its claim however late its
+    beat, as under a heavy load, where a missed beat made a second parent run). Only Optuna's public API: create_study, load_study,
     Study.user_attrs / set_user_attr, get_all_study_names, delete_study. `usable` rejects a stored value
     that no longer works (a deleted run): it is made again, under a claim."""
     import optuna
@@ -140,13 +141,24 @@ def _claim_lost(storage: Any, name: str, seen: dict[str, tuple[Any, float]], sil
     except KeyError:
         return False  # deleted meanwhile: the value is stored, or the next look finds a newer claim
     owner = attrs.get("owner") or {}
-    if owner.get("host") == socket.gethostname() and _process_started(int(owner["pid"])) != owner["started"]:
-        return True  # the pid is gone (or names a newer process)
+    if owner.get("host") == socket.gethostname() and owner.get("pid") is not None:
+        if _process_started(int(owner["pid"])) != owner["started"]:
+            return True  # the pid is gone (or names a newer process)
+        if _process_state(int(owner["pid"])) not in (None, "T", "t"):
+            return False  # alive and not stopped: a late beat is a busy machine, not a lost maker
     stamp, now = (owner.get("pid"), attrs.get("beat")), time.monotonic()
     if name not in seen or seen[name][0] != stamp:
         seen[name] = (stamp, now)
         return False
     return now - seen[name][1] > silent_s
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """The process's state letter from /proc (R, S, D, T for stopped, ...); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _process_started(pid: int) -> Optional[str]:
