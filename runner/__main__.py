@@ -120,6 +120,10 @@ def cli() -> None:
         import importlib
 
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
+    if under_torchrun():  # a rank under the user's own torchrun: it ends with torchrun's agent (runner/cli/lifetime.py)
+        from runner.cli import lifetime
+
+        lifetime.end_with_parent()
     sys.argv[1:] = expand_accum(sys.argv[1:])
     checked = preflight(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:
