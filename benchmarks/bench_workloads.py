@@ -26,7 +26,7 @@ from runner.engine.engine import Engine
 from runner.engine.loader import make_loader, on_device
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import pick_device
-from runner.cli.registry import CONF_DIR
+from runner.spec.registry import CONF_DIR
 from runner.engine.rng import seed_everything
 from runner.spec.run import RunSpec
 from runner.tasks import IGNORE

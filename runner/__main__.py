@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
-from runner.cli import registry
+from runner.spec import registry
 from runner.cli.preflight import CONFIG_NAME, Checked, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
 from runner.spec.metric_names import with_task_declarations
@@ -121,6 +121,10 @@ def cli() -> None:
         import importlib
 
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
+    if under_torchrun():  # a rank under the user's own torchrun: it ends with torchrun's agent (runner/cli/lifetime.py)
+        from runner.cli import lifetime
+
+        lifetime.end_with_parent()
     sys.argv[1:] = expand_accum(sys.argv[1:])
     checked = preflight(sys.argv[1:])
     if under_torchrun() and "-m" not in sys.argv and "--multirun" not in sys.argv:

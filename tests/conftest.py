@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.cli.registry import CONF_DIR
+from runner.spec.registry import CONF_DIR
 from runner.spec.metric_names import with_task_declarations
 from runner.spec.run import RunSpec
 from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)

@@ -20,7 +20,7 @@ def compose(overrides: list[str], run_dir: Path):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from runner.cli.registry import CONF_DIR
+    from runner.spec.registry import CONF_DIR
     from runner.spec.run import RunSpec
 
     overrides = [*overrides, "tracking=none"]

@@ -20,7 +20,7 @@ engine calls each hook in one place, for every add-on in its list's order (`AddO
     on_train_end(stop)        the step loop ended: its last step, a stop, a pause (stop.paused) or a prune
     on_run_end(final)         the run finished: tested (`final`: the test metrics), final checkpoint written
 
-A returned `Stop` ends training at this step (runner/engine/stopping.py): the loop decides from values,
+A returned `Stop` (below) ends training at this step: the loop decides from values,
 never from exceptions raised in a hook. Every rank calls every hook at the same points, so a hook may
 run collectives. An add-on sees the engine only through `EngineView`, never the Engine itself.
 
@@ -40,11 +40,28 @@ from runner.spec.fields import SpecError
 if TYPE_CHECKING:
     import torch
 
-    from runner.engine.stopping import Stop
-
     from runner.engine.parallel import DistEnv
     from runner.spec.run import RunSpec
     from runner.tracking.tracker import Tracker
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training ends at this step: early stopping (runner/addons/early_stopping.py; the run finishes as
+    usual), a pruner (`pruned`: the Optuna trial's add-on, runner/search/trial.py; the run ends without its
+    final evaluation and test), a pause or a signal. A stop is a value a hook returns, never an exception
+    raised inside a report, so no reporter can end a run behind the loop's back."""
+
+    reason: str
+    pruned: bool = False
+    paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
+    signal: int = 0       # SIGTERM/SIGHUP (runner/engine/preemption.py): this step's checkpoint, then the process exits
+
+
+def pause_due(stop_at_step: int | None, step: int, total_steps: int) -> Stop | None:
+    """trainer.stop_at_step reached before the run's last step (there it finishes): the run pauses here."""
+    due = stop_at_step is not None and stop_at_step <= step < total_steps
+    return Stop(f"paused at step {step} (trainer.stop_at_step)", paused=True) if due else None
 
 
 @dataclass
@@ -90,6 +107,8 @@ class AddOn:
     # hooks this add-on overrides but that do nothing in this run (its settings leave them off): not called,
     # so a step pays only for what is switched on
     idle: frozenset[str] = frozenset()
+    # a user's add-on: where it was named ("trainer.callbacks[0] (my_pkg.MyCallback)"), which its errors name
+    origin: str = ""
 
     def setup(self, view: EngineView) -> None:
         pass
@@ -138,6 +157,8 @@ class AddOns:
         self.all = list(addons)
         for addon in self.all:
             addon.setup(view)
+            if addon.origin:  # a user's state that no checkpoint can hold: said now, before anything is trained
+                check_storable(addon, addon.state_dict())
         # only the add-ons that override a hook, and use it in this run, are called for it: a step pays for
         # what is switched on
         self._with = {hook: [a for a in self.all if getattr(type(a), hook) is not getattr(AddOn, hook)
@@ -154,11 +175,13 @@ class AddOns:
         for hook in self._step_end:
             this = hook(step, loss_sum, samples)
             if this is not None:
+                this = checked_stop(hook.__self__, "on_step_end", this)
                 stop = this if stop is None else first_stop([stop, this])
         return stop
 
     def after_evaluation(self, metrics: dict[str, float]) -> Stop | None:
-        return first_stop([a.after_evaluation(metrics) for a in self._with["after_evaluation"]])
+        return first_stop([checked_stop(a, "after_evaluation", a.after_evaluation(metrics))
+                           for a in self._with["after_evaluation"]])
 
     def on_epoch_end(self, epochs_done: int) -> None:
         for addon in self._with["on_epoch_end"]:
@@ -167,6 +190,9 @@ class AddOns:
     def state_dict(self) -> dict[str, Any]:
         """One entry per add-on that has state (every rank calls it: an add-on may gather)."""
         states = {a.name: a.state_dict() for a in self.all}
+        for addon in self.all:
+            if addon.origin:
+                check_storable(addon, states[addon.name])
         return {name: state for name, state in states.items() if state is not None}
 
     def load_state_dict(self, states: dict[str, Any]) -> None:
@@ -193,3 +219,47 @@ def first_stop(stops: Iterable[Stop | None]) -> Stop | None:
     if not stops:
         return None
     return next((s for s in stops if s.signal), None) or next((s for s in stops if s.pruned), None) or stops[0]
+
+
+def checked_stop(addon: AddOn, hook: str, value: Any) -> Stop | None:
+    """What a hook returned, if it is what a hook may return (a Stop or None); else one line naming the add-on."""
+    if value is None or isinstance(value, Stop):
+        return value
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise SpecError(f"{_who(addon)}: {hook} returned {shown} ({type(value).__name__}); a hook returns "
+                    "runner.addons.base.Stop(reason) to end training at this step, or None to go on")
+
+
+# what a checkpoint loads back (torch.load with weights_only=True): plain values, tensors, and containers of them
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def check_storable(addon: AddOn, state: Any) -> None:
+    """One line naming a user's add-on whose state_dict() holds something a checkpoint cannot store (a lock, a
+    lambda, an object of its own class), rather than a pickling traceback at its first checkpoint."""
+    import torch
+
+    def first_bad(value: Any, where: str) -> tuple[str, Any] | None:
+        if isinstance(value, _PLAIN + (torch.Tensor, torch.dtype, torch.device, torch.Size)):
+            return None
+        if isinstance(value, dict):
+            for k, v in value.items():
+                found = (where, k) if not isinstance(k, _PLAIN) else first_bad(v, f"{where}[{k!r}]")
+                if found:
+                    return found
+            return None
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return next((found for i, v in enumerate(value) if (found := first_bad(v, f"{where}[{i}]"))), None)
+        return where, value
+
+    found = first_bad(state, "state_dict()")
+    if found is not None:
+        where, value = found
+        raise SpecError(f"{_who(addon)}: {where} is {type(value).__module__}.{type(value).__qualname__}, which a "
+                        "checkpoint cannot store; return numbers, strings, tensors and lists or dicts of them "
+                        "(leave out locks, functions and other objects, or rebuild them in load_state_dict)")
+
+
+def _who(addon: AddOn) -> str:
+    return addon.origin or f"add-on {addon.name!r} ({type(addon).__module__}.{type(addon).__qualname__})"
+

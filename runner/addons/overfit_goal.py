@@ -8,8 +8,7 @@ from typing import Callable
 
 import torch
 
-from runner.addons.base import AddOn, EngineView, Progress
-from runner.engine.stopping import Stop
+from runner.addons.base import AddOn, EngineView, Progress, Stop
 from runner.spec.run import RunSpec
 
 

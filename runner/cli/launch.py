@@ -20,7 +20,7 @@ from runner.spec import components, resume
 
 from runner.engine import checkpoint, preemption
 
-from runner.cli import process_state, rendezvous, run_lock
+from runner.cli import lifetime, process_state, rendezvous, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
@@ -90,7 +90,8 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
     # same command on every node) and rank 0, on node 0, reads the checkpoint for every rank
     if spec.trainer.resume and (run_lock.decides(spec.parallelism) or (Path(spec.trainer.resume) / "spec.yaml").exists()
                                 or Path(spec.trainer.resume).is_file()):
-        spec = resume.plan(spec)
+        # the callbacks typed now with their defaults filled in, as the saved spec holds them: like with like
+        spec = resume.plan(components.resolved_callbacks(spec))
     # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
     # is then the fully resolved record
     spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
@@ -212,6 +213,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
                       "is_host": par.node_rank == 0, rendezvous.NODE_RANK_PARAM: par.node_rank,
                       rendezvous.RUN_DIR_PARAM: spec.run_dir},
         max_restarts=par.max_restarts, monitor_interval=0.2, start_method="spawn")
+    os.environ[lifetime.LAUNCHER_PID_ENV] = str(os.getpid())  # the workers end with this process (runner/cli/lifetime.py)
     if pick_device(spec.trainer.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: workers sharing the CPU must not each start a thread per core
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))

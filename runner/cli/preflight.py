@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.cli.run_dir import check_writable, under_torchrun
 from runner.spec.fields import did_you_mean
 from runner.spec.peer_names import peer_hint, peer_option_hint
@@ -308,6 +308,11 @@ def _composition_error(error: Exception, config_name: str, overrides: list[str])
         choices = choices[:next((i for i, ln in enumerate(choices) if ln.startswith("Config search path")), len(choices))]
         hint = peer_option_hint(group, option) or did_you_mean(option, choices)
         return f"{group}: unknown option {option!r}; {hint}choose one of {', '.join(choices)}"
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key == "trainer.callbacks":  # a mapping for the list
+        from runner.spec.trainer import callbacks_refusal
+
+        typed = [line.split("=", 1)[1] for line in overrides if _key_of(line) == "trainer.callbacks" and "=" in line]
+        return callbacks_refusal(typed[-1] if typed else "a mapping")
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return f"{cause.full_key}: {_first_line(cause)}"
     keys = [_key_of(line) for line in overrides]

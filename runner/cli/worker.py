@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from runner.engine import checkpoint, preemption
 from runner.engine.engine import pick_device
+from runner.cli import lifetime
 from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
 from runner.cli.rendezvous import PEER_GONE_EXIT
 from runner.engine.monitor import Diverged
@@ -26,6 +27,8 @@ from runner.search.trial import is_pruned
 
 
 def main(spec_path: str) -> None:
+    # the agent that started this worker runs in runner's launcher (or is torchrun): this worker ends with it
+    lifetime.end_with_parent(lifetime.launcher_pid() or os.getppid())
     spec = RunSpec.from_yaml(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
     # as a Hydra job logs: the console (stdout) and, on rank 0, the run log the launcher also appends to

@@ -30,14 +30,17 @@ from runner.spec import components, metric_names
 from runner import tasks
 from runner.engine import compiling, debugging, flops
 from runner.addons import mlflow_model
-from runner.addons.base import AddOn, AddOns, EngineView, Progress, first_stop
+from runner.addons.base import AddOn, AddOns, EngineView, Progress, Stop, first_stop, pause_due
+from runner.addons.early_stopping import Stopping
+from runner.addons.non_finite_watch import NonFiniteWatch
+from runner.addons.stop_vote import StopVote
 from runner.addons.overfit_goal import OverfitGoal
 from runner.addons.unfreezing import GradualUnfreezing
 from runner.tasks import batches
 from runner.tasks.classification import Classification
 from runner.addons.best_weights import BestWeights
 from runner.engine.loader import BatchedTensors, make_loader, on_device, optimizer_steps
-from runner.engine.monitor import Monitor, NonFiniteWatch, learning_rates
+from runner.engine.monitor import Monitor, learning_rates
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
 from runner.engine.parallel import context, tensor as tensor_parallel
@@ -46,7 +49,6 @@ from runner.engine.schedule import build_scheduler
 from runner.spec.resume import starts_over, typed_keys
 from runner.engine.rng import seed_everything
 from runner.spec.run import RunSpec, SpecError
-from runner.engine.stopping import Stop, Stopping, pause_due
 from runner.tracking.tracker import NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -202,7 +204,7 @@ class Engine:
             self.stopping,                                                 # trainer.early_stopping
             self.logged_model,                                             # tracking.log_model
             self.profiler,                                                 # trainer.profile
-            preemption.StopVote(self.env.distributed),                     # SIGTERM/SIGHUP: all ranks stop at one step
+            StopVote(self.env.distributed),                                # SIGTERM/SIGHUP: all ranks stop at one step
         ]
 
     def _unfreezing(self, spec: RunSpec) -> list[AddOn]:

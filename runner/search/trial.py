@@ -9,7 +9,8 @@ max_steps: the sweeper sets Hyperband's max_resource to trainer.max_epochs, and 
 trials whose batch size, hence steps per epoch, differ), else its optimizer step (Hyperband's
 max_resource then comes from the first finished trial, in steps). A resumed or restarted run reports
 new epochs or steps, never ones Optuna has seen. The study's pruner is asked, by
-the trial's engine add-on (`TrialReporter`, registered by runner/cli/launch.py's build_engine); a
+the trial's engine add-on (`TrialReporter`, registered by runner/cli/launch.py's build_engine), after
+every evaluation but the one at the run's last step (a trial that has done all its work completes); a
 rejected trial stops the loop, which ends it as a FINISHED MLflow run tagged `pruned`, and the launch
 raises `optuna.TrialPruned` for the sweeper to tell as PRUNED.
 
@@ -29,8 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storage, storage_url  # the sweeper's protocol
-from runner.addons.base import AddOn, EngineView, Progress
-from runner.engine.stopping import Stop
+from runner.addons.base import AddOn, EngineView, Progress, Stop
 
 if TYPE_CHECKING:
     from runner.spec.run import RunSpec
@@ -65,11 +65,12 @@ class TrialReporter(AddOn):
         self.per_epoch = per_epoch  # report at epochs done, not at the optimizer step (module docstring)
         self.last: tuple[int, dict[str, float]] = (0, {})
         self.progress = Progress()
+        self.total_steps: int | None = None  # the run's length, known once the engine is built
         self.tracker: Any = None
         self.recorded_run: str | None = None
 
     def setup(self, view: EngineView) -> None:
-        self.progress, self.tracker = view.progress, view.tracker
+        self.progress, self.tracker, self.total_steps = view.progress, view.tracker, view.total_steps
 
     def on_epoch_start(self, epoch: int) -> None:
         self.record_run(getattr(self.tracker, "run_id", None))  # the run is open once training starts
@@ -105,7 +106,10 @@ class TrialReporter(AddOn):
             if not math.isfinite(value):  # a diverged run: FAIL now rather than train on NaN
                 raise FloatingPointError(f"the run diverged: {name} is {value} at step {step}")
         verdict = None
-        if self.trial is not None and self.metric in metrics and not self.multi_objective and self.trial.should_prune():
+        # a trial that has done all its work completes: pruning saves no compute then, and would lose its value
+        done = self.total_steps is not None and self.progress.step >= self.total_steps
+        if (self.trial is not None and self.metric in metrics and not self.multi_objective and not done
+                and self.trial.should_prune()):
             where = f"epoch {step} (step {self.progress.step})" if self.per_epoch else f"step {step}"
             verdict = f"trial {self.trial.number} pruned at {where}: {self.metric} {metrics[self.metric]:.4f}"
         if self.distributed:

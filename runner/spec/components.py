@@ -139,9 +139,7 @@ def resolved_callbacks(spec: RunSpec) -> RunSpec:
 def build_callbacks(spec: RunSpec) -> list[Any]:
     """The user's add-ons of trainer.callbacks, built; each is named by its class's `name`, else by its
     `_target_` (its checkpoint entry; a second of one target gets #2)."""
-    from runner.addons.base import AddOn
-
-    built: list[AddOn] = []
+    built: list[Any] = []
     seen: dict[str, int] = {}
     for i, callback in enumerate(spec.trainer.callbacks):
         key = f"trainer.callbacks[{i}]"
@@ -150,15 +148,18 @@ def build_callbacks(spec: RunSpec) -> list[Any]:
         name = addon.name or callback.target
         seen[name] = seen.get(name, 0) + 1
         addon.name = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        addon.origin = f"{key} ({callback.target})"
         built.append(addon)
     return built
 
 
-def _check_addon(key: str, target: str) -> None:
-    from runner.addons.base import AddOn
+ADDON_CLASS = "runner.addons.base.AddOn"
 
+
+def _check_addon(key: str, target: str) -> None:
     fn = load_target(key, target)
-    if not (inspect.isclass(fn) and issubclass(fn, AddOn)):
+    # the protocol's class by its name: the spec imports nothing of the add-ons (it is data they read)
+    if not (inspect.isclass(fn) and any(f"{c.__module__}.{c.__qualname__}" == ADDON_CLASS for c in fn.__mro__)):
         raise SpecError(f"{key}._target_: {target} is not an engine add-on; give a class that subclasses "
                         "runner.addons.base.AddOn (its hooks: runner/addons/base.py)")
 

@@ -49,11 +49,22 @@ def check_mode(spec) -> None:
         raise SpecError("eval.splits: [] evaluates nothing; allowed: a list of val and test, e.g. [val, test] or [test]")
     if len(set(spec.eval.splits)) != len(spec.eval.splits):
         raise SpecError(f"eval.splits: {list(spec.eval.splits)} names a split twice; allowed: each of val and test once")
-    average = spec.weights.average
-    if spec.mode == "train" and spec.tracking.log_model != "none" and average in ("ema", "swa"):
+    if spec.mode == "train":
+        check_training_weights(spec)
+
+
+def check_training_weights(spec) -> None:
+    """weights.* on a training run: `which` picks among a trained run's weights, so it means nothing here;
+    `average` names the averaged weights that leave the run, so the run must keep them."""
+    which, average = spec.weights.which, spec.weights.average
+    if which != "tested":
+        raise SpecError(f"weights.which: {which} picks a trained run's weights for mode=eval|predict|export, not a "
+                        f"training run's; drop it (trainer.test_on=best tests the best validation's weights)")
+    if average in ("ema", "swa"):
         on = spec.trainer.ema.decay is not None if average == "ema" else spec.trainer.swa.start_epoch is not None
         if not on:
             key = "trainer.ema.decay" if average == "ema" else "trainer.swa.start_epoch"
-            raise SpecError(f"weights.average: {average}: tracking.log_model={spec.tracking.log_model} logs the "
-                            f"{average.upper()} weights, but the run keeps none ({key} is null); set {key} or "
-                            "choose weights.average=none")
+            logs = (f"tracking.log_model={spec.tracking.log_model} logs" if spec.tracking.log_model != "none"
+                    else "it names")
+            raise SpecError(f"weights.average: {average}: {logs} the {average.upper()} weights, but the run keeps "
+                            f"none ({key} is null); set {key} or choose weights.average=none")

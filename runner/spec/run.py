@@ -35,7 +35,7 @@ from runner.spec.precision import PrecisionSpec
 from runner.spec.scheduler import SchedulerSpec
 from runner.spec.task import TaskSpec
 from runner.spec.tracking import TrackingSpec
-from runner.spec.trainer import CallbackSpec, TrainerSpec, check_cross_validation, check_trainer
+from runner.spec.trainer import CallbackSpec, TrainerSpec, callbacks_refusal, check_cross_validation, check_trainer
 from runner.spec.trial import TrialSpec
 from runner.spec.tune import TuneSpec, check_tune
 
@@ -125,7 +125,7 @@ COMPONENT_GROUPS = ("model", "dataset", "task", "optimizer", "scheduler")
 
 def check_option(group: str, value: Any, key: str | None = None, searchpath: tuple[str, ...] = ()) -> None:
     """Refuse an option of a config group that has no <group>/<value>.yaml in conf/ or on the search path."""
-    from runner.cli import registry  # late: the registry lists conf/, which only this check needs
+    from runner.spec import registry  # late: the registry lists conf/, which only this check needs
 
     allowed = registry.options(group, searchpath)
     if value not in allowed:
@@ -141,6 +141,8 @@ def _with_components(cfg: dict) -> dict:
         if group in cfg:
             cfg[group] = spec_class.parse(cfg[group])
     trainer = cfg.get("trainer")
+    if isinstance(trainer, dict) and not isinstance(trainer.get("callbacks", ()), (list, tuple)):
+        raise SpecError(callbacks_refusal(trainer["callbacks"]))
     if isinstance(trainer, dict) and isinstance(trainer.get("callbacks"), (list, tuple)):
         cfg["trainer"] = {**trainer, "callbacks": [CallbackSpec.parse(c, f"trainer.callbacks[{i}]")
                                                    for i, c in enumerate(trainer["callbacks"])]}

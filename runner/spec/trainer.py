@@ -56,6 +56,16 @@ class CrossValidationSpec:
     parent_run: Optional[str] = opt(None, "the MLflow run of the K-fold run a fold's run logs under (runner sets it)")
 
 
+CALLBACKS_TAKE = ("a list of add-ons, each {_target_: my_pkg.MyCallback, ...its arguments} (a subclass of "
+                  "runner.addons.base.AddOn), e.g. trainer.callbacks=[{_target_: my_pkg.MyCallback}]")
+
+
+def callbacks_refusal(value: Any) -> str:
+    """One line for a trainer.callbacks that is no list (a mapping, a number): what the key takes."""
+    shown = value if isinstance(value, str) else repr(value)  # as typed
+    return f"trainer.callbacks: {shown} is not a list; give {CALLBACKS_TAKE}"
+
+
 @dataclass(frozen=True)
 class CallbackSpec(Component):
     """A user's own engine add-on (Lightning users call these callbacks): a class named by `_target_`,

@@ -455,7 +455,7 @@ def _probe_server(uri: str) -> None:
 def _probe_database(uri: str) -> None:
     """The driver SQLAlchemy (MLflow's database layer, as Optuna's) needs for uri is installed, and the
     database answers: one line each, the password masked (the sweeper's check, shared)."""
-    from hydra_plugins.runner_optuna_sweeper.storage import database_problem
+    from hydra_plugins.runner_optuna_sweeper.database import database_problem
 
     problem = database_problem(uri)
     if problem is not None:
@@ -463,7 +463,7 @@ def _probe_database(uri: str) -> None:
 
 
 def _masked(uri: str) -> str:
-    from hydra_plugins.runner_optuna_sweeper.storage import masked_url
+    from hydra_plugins.runner_optuna_sweeper.database import masked_url
 
     return masked_url(uri)
 

@@ -11,7 +11,9 @@ that dies loses nothing: it is said in one line, training goes on, and what the 
 from the journal by `trainer.resume` or the next runner command on the store.
 
 The child ignores the terminal's signals (Ctrl-C reaches the whole process group: the training process
-ends the run KILLED through it) and exits when the training process closes the pipe or dies.
+ends the run KILLED through it) and exits when the training process closes the pipe or dies. It outlives
+the training process only to end, KILLED, the runs that process opened and left RUNNING when it died without
+saying goodbye (SIGKILL, an OOM kill, its launcher gone: runner/cli/lifetime.py).
 """
 from __future__ import annotations
 
@@ -137,6 +139,13 @@ class StoreProcess:
             return
         self.closed = True
         _live.discard(self)
+        if self._lock.acquire(timeout=1.0):  # a call in flight that hangs: no goodbye, the child ends after it
+            try:
+                self._send_conn.send((_GOODBYE, ()))
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
         self._send_conn.close()  # not under the lock: a call in flight may hang; the child ends after it
         try:
             self.proc.wait(timeout=timeout)
@@ -181,6 +190,7 @@ def _close_at_exit() -> None:
 
 
 _VERBS = {"run", "logged_steps", "reattach", "create_run", "set_terminated", "log_metrics", "make_call"}
+_GOODBYE = "goodbye"  # the training process closes the pipe on purpose: what it left RUNNING stays so
 
 
 class _Forwarded(logging.Handler):
@@ -213,13 +223,21 @@ def serve(requests_fd: int, answers_fd: int) -> None:
     from runner.spec.run import SpecError
 
     store = Store()
+    running: set[str] = set()  # runs the training process opened and has not ended
     while True:
         try:
             verb, args = requests.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the training process died
+            _end_killed(store, running)
+            return
+        if verb == _GOODBYE:
             return
         try:
             answer: tuple = ("ok", getattr(store, verb)(*args))
+            if verb in ("create_run", "reattach"):
+                running.add(answer[1] if verb == "create_run" else args[0])
+            elif verb == "set_terminated":
+                running.discard(args[0])
         except BaseException as e:  # noqa: BLE001  (every error goes back to the caller)
             text = str(e).strip() or type(e).__name__
             answer = ("error", (text, type(e).__name__, getattr(e, "error_code", None), refused(e),
@@ -229,6 +247,17 @@ def serve(requests_fd: int, answers_fd: int) -> None:
             answers.send((*answer, records))
         except OSError:
             return
+
+
+def _end_killed(store: Any, running: set[str]) -> None:
+    """The training process died without saying goodbye: its runs still RUNNING end KILLED (nobody else is left
+    to end them; a later run on the store would, as an orphan)."""
+    for run_id in running:
+        try:
+            if (store.run(run_id) or {}).get("status") == "RUNNING":
+                store.set_terminated(run_id, "KILLED")
+        except Exception:  # noqa: BLE001  (the store is out: the next runner command on it ends the orphan)
+            pass
 
 
 if __name__ == "__main__":

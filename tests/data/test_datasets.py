@@ -86,7 +86,7 @@ def build_datasets(name: str = "digits", **kwargs):
     import yaml
 
     from runner.spec import components
-    from runner.cli.registry import CONF_DIR
+    from runner.spec.registry import CONF_DIR
 
     target = yaml.safe_load((CONF_DIR / "dataset" / f"{name}.yaml").read_text())["_target_"]
     return components.load_target("dataset", target)(**kwargs)

@@ -33,13 +33,26 @@ def make():
     time.sleep(make_s)
     return f"made by {os.getpid()}"
 
+if os.environ.get("CLAIM_BEAT_S"):  # a maker that misses its beats, as a process starved of CPU does
+    import hydra_plugins.runner_optuna_sweeper.storage as storage
+    storage.CLAIM_BEAT_S = float(os.environ["CLAIM_BEAT_S"])
+if os.environ.get("MAKE_UNTIL"):  # the value is made once this file exists (the test says when)
+    make_until = Path(os.environ["MAKE_UNTIL"])
+    def make():
+        with open(where / f"{attr}.makers", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        while not make_until.exists():
+            time.sleep(0.05)
+        return f"made by {os.getpid()}"
+import optuna  # imported before the mark: a racer that marked is about to read the claim
+(where / f"{attr}.started-{os.getpid()}").touch()
 value, made = once_per_study(open_storage(url), "s", attr, make, silent_s=silent_s)
 print(json.dumps({"value": value, "made": made, "pid": os.getpid()}))
 '''
 
 
-def claimant(where: Path, url: str, attr: str, silent_s: float, make_s: float) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "sweeper")])}
+def claimant(where: Path, url: str, attr: str, silent_s: float, make_s: float, **env_extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "sweeper")]), **env_extra}
     return subprocess.Popen([sys.executable, str(where / "claimant.py"), url, attr, str(where), str(silent_s),
                              str(make_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -93,21 +106,21 @@ def no_claim_left(url: str) -> None:
     assert optuna.get_all_study_names(url) == ["s"]
 
 
-def killed_makers_claim_is_taken_over_when_its_process_is_gone(where: Path, url: str) -> float:
+def killed_makers_claim_is_taken_over_when_its_process_is_gone(where: Path, url: str) -> None:
     held = holder(where, url, "parent")
     held.kill()
     held.wait()
-    got, seconds = race(where, url, "parent", silent_s=60, n=2)  # a stamp's silence would take 60 s: the pid says sooner
+    # the stamp's silence would take an hour, past the racers' own deadline: only the dead pid can hand the claim
+    # over, so the race ending at all shows it did (no clock read: a busy machine's speed decides nothing)
+    got, _ = race(where, url, "parent", silent_s=3600, n=2)
     one_maker(got, where, "parent", before=[held.pid])
     no_claim_left(url)
-    return seconds
 
 
 @pytest.mark.parametrize("storages", ["sqlite"], indirect=True)
 def test_a_killed_makers_claim_is_taken_over_as_soon_as_its_process_is_gone_and_one_racer_makes_the_value(
         tmp_path: Path, storages: str) -> None:
-    seconds = killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, storages)
-    assert seconds < 45, seconds  # three process starts on a busy machine; the old claim waited 120 s
+    killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, storages)
 
 
 @pytest.mark.slow
@@ -124,8 +137,7 @@ def test_racing_processes_make_the_value_once_whoever_holds_the_claim_and_howeve
     got, _ = race(tmp_path, url, "slow", silent_s=2)
     one_maker([*got, *outcomes([slow])], tmp_path, "slow")
     if storages == "postgresql":
-        seconds = killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, url)
-        assert seconds < 45, seconds
+        killed_makers_claim_is_taken_over_when_its_process_is_gone(tmp_path, url)
     # a frozen maker (SIGSTOP: its process lives, its stamp stands still) loses its claim after silent_s
     frozen = holder(tmp_path, url, "frozen")
     try:
@@ -138,3 +150,23 @@ def test_racing_processes_make_the_value_once_whoever_holds_the_claim_and_howeve
         frozen.kill()
         frozen.wait()
     no_claim_left(url)
+
+
+@pytest.mark.parametrize("storages", ["sqlite"], indirect=True)
+def test_a_live_maker_on_this_host_that_misses_its_beats_keeps_its_claim(tmp_path: Path, storages: str) -> None:
+    """Issue 35 item 12: under a heavy load a live sweep process missed its beat and a second one made a second
+    parent run for the study. A maker that beats once and never again, alive on this host, keeps its claim
+    while racers that count 0.2 s of silence as lost wait; the value is made once, by it."""
+    release = tmp_path / "release"
+    holder_proc = claimant(tmp_path, storages, "late", 600, 0, CLAIM_BEAT_S="3600", MAKE_UNTIL=str(release))
+    assert wait_until(lambda: makers(tmp_path, "late") == [holder_proc.pid] or holder_proc.poll() is not None, 120)
+    racers = [claimant(tmp_path, storages, "late", 0.2, 0) for _ in range(2)]
+    # the racers have started and had many times their 0.2 s of silence to judge the claim lost (a lower bound:
+    # a slower machine only waits longer), or one already made the value a second time
+    assert wait_until(lambda: len(list(tmp_path.glob("late.started-*"))) == 3 or makers(tmp_path, "late")[1:], 120)
+    wait_until(lambda: makers(tmp_path, "late")[1:], 5)
+    release.touch()
+    got = outcomes([holder_proc, *racers])
+    one_maker(got, tmp_path, "late")
+    no_claim_left(storages)
+

@@ -19,7 +19,7 @@ from hydra.utils import get_method
 
 from runner.models.hf import hf_model
 from runner.spec.run import SpecError
-from runner.cli.registry import CONF_DIR
+from runner.spec.registry import CONF_DIR
 
 pytest.importorskip("transformers")
 

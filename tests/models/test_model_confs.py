@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from runner.spec import components
-from runner.cli.registry import CONF_DIR
+from runner.spec.registry import CONF_DIR
 from runner.spec.run import SpecError
 from tests.conftest import compose_spec
 

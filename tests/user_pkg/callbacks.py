@@ -61,3 +61,30 @@ class ComposesAConfig(AddOn):
 
         cfg = compose("config", overrides=self.overrides)
         (Path(view.spec.run_dir) / "composed.txt").write_text(str(cfg.optimizer._target_))
+
+
+class HoldsALock(AddOn):
+    """Keeps a lock (or, with `what=lambda`, a function) in its state_dict: no checkpoint can store either."""
+
+    name = "holds_a_lock"
+
+    def __init__(self, what: str = "lock") -> None:
+        import threading
+
+        self.guard = threading.Lock() if what == "lock" else (lambda x: x)
+        self.steps = 0
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "guard": self.guard}
+
+
+class ReturnsAString(AddOn):
+    """Its on_step_end returns a string (meaning "stop") where a hook returns a Stop or None."""
+
+    name = "returns_a_string"
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> Any:
+        return "stop" if step == 2 else None

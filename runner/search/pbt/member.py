@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 from runner.engine import checkpoint, preemption
 
-from runner.cli import process_state
+from runner.cli import lifetime, process_state
 from runner.spec.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
@@ -88,15 +87,8 @@ def _tag(key: str, value: Any):
 def watch_sweep(sweep_pid: int, every_s: float = 0.5) -> threading.Thread:
     """A thread that sends this process SIGTERM once the sweep that started it is gone (killed, even by
     SIGKILL): the member then stops as a signalled run does, its checkpoint written and its run KILLED,
-    rather than training on with nobody to read its result."""
-    def watch() -> None:
-        while os.getppid() == sweep_pid:
-            time.sleep(every_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    thread = threading.Thread(target=watch, name="pbt-sweep-watch", daemon=True)
-    thread.start()
-    return thread
+    rather than training on with nobody to read its result; killed if it has not stopped after a grace period."""
+    return lifetime.end_with_parent(sweep_pid, every_s=every_s)
 
 
 def main(argv: list[str]) -> int:

@@ -140,7 +140,8 @@ class OptunaSweeperImpl(Sweeper):
             "search_space": {k: describe(d) for k, d in self.space.items()}, "fixed": dict(self.fixed)})
         status = "FAILED"
         try:
-            self._run()
+            with _slots.signals_interrupt():
+                self._run()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"

@@ -197,6 +197,36 @@ def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}: the sweep is gone")
 
 
+class SweepStopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the sweep: it stops as on Ctrl-C (its trials stopped, the study's books and parent
+    run ended KILLED), and the process exits with 128 + the signal's number (`exit_code`)."""
+
+    def __init__(self, signum: int):
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """While the study runs, SIGTERM and SIGHUP interrupt it as Ctrl-C does; without this, the sweep process
+    died on the spot (trials in slot processes were left to notice, the parent run RUNNING). A trial run in
+    this process installs its own handlers while it runs (runner's checkpoint at a step boundary). Signal
+    handlers belong to the main thread: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SweepStopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def die_with_parent(sig: int, parent_pid: int, sweep_pid: int | None = None) -> None:
     """End this process when its parent (or the sweep) dies, even by SIGKILL.
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import socket
 import time
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .database import database_problem, masked_url  # noqa: F401 - masked_url: this module's callers name it here
 from .hook import SweepConfigError
 
 if TYPE_CHECKING:
@@ -16,13 +16,6 @@ if TYPE_CHECKING:
 
 PRUNER_ATTR = "runner.pruner"  # study user attr: the pruner's config (a _target_ dict), for jobs to build it
 _RDB_SCHEMES = ("sqlite", "postgresql", "mysql", "oracle", "mssql", "cockroachdb")
-_DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433, "cockroachdb": 26257, "oracle": 1521}
-_CONNECT_TIMEOUT_S = 5
-# the pip package that provides a missing driver module; psycopg (3) is what SQLAlchemy 2.1 maps a plain
-# postgresql:// to, and what runner's extra runner[postgres] installs
-_DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]' (runner's extra: pip install 'runner[postgres]')",
-                    "psycopg2": "psycopg2-binary", "pymysql": "pymysql", "MySQLdb": "mysqlclient",
-                    "asyncpg": "asyncpg", "pg8000": "pg8000", "pyodbc": "pyodbc", "oracledb": "oracledb"}
 
 
 def storage_url(storage: str | Path) -> str:
@@ -70,7 +63,8 @@ def once_per_study(storage: "str | BaseStorage", study_name: str, attr: str, mak
     it makes the value, stores it, and deletes the claim; the others wait for the value. The maker stamps
     its claim every CLAIM_BEAT_S with its host and process: a waiter takes the claim over (creates claim
     n+1) once that process is gone (same host) or its stamp has not changed for `silent_s` seconds
-    (another host's maker, or a frozen one). Only Optuna's public API: create_study, load_study,
+    (another host's maker, or a stopped one: a live maker on this host keeps its claim however late its
+    beat, as under a heavy load, where a missed beat made a second parent run). Only Optuna's public API: create_study, load_study,
     Study.user_attrs / set_user_attr, get_all_study_names, delete_study. `usable` rejects a stored value
     that no longer works (a deleted run): it is made again, under a claim."""
     import optuna
@@ -147,13 +141,24 @@ def _claim_lost(storage: Any, name: str, seen: dict[str, tuple[Any, float]], sil
     except KeyError:
         return False  # deleted meanwhile: the value is stored, or the next look finds a newer claim
     owner = attrs.get("owner") or {}
-    if owner.get("host") == socket.gethostname() and _process_started(int(owner["pid"])) != owner["started"]:
-        return True  # the pid is gone (or names a newer process)
+    if owner.get("host") == socket.gethostname() and owner.get("pid") is not None:
+        if _process_started(int(owner["pid"])) != owner["started"]:
+            return True  # the pid is gone (or names a newer process)
+        if _process_state(int(owner["pid"])) not in (None, "T", "t"):
+            return False  # alive and not stopped: a late beat is a busy machine, not a lost maker
     stamp, now = (owner.get("pid"), attrs.get("beat")), time.monotonic()
     if name not in seen or seen[name][0] != stamp:
         seen[name] = (stamp, now)
         return False
     return now - seen[name][1] > silent_s
+
+
+def _process_state(pid: int) -> Optional[str]:
+    """The process's state letter from /proc (R, S, D, T for stopped, ...); None where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _process_started(pid: int) -> Optional[str]:
@@ -174,67 +179,6 @@ def _process_started(pid: int) -> Optional[str]:
     except OSError:
         return None
     return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def masked_url(url: str) -> str:
-    """The URL with its password (if any) shown as ***, for messages and logs."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = urllib.parse.quote(urllib.parse.unquote(parts.username or ""), safe="")
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def database_problem(url: str) -> Optional[str]:
-    """Why a SQLAlchemy database URL (an Optuna RDB storage, an MLflow store) cannot be used, as one
-    line starting with the masked URL and ending with the fix; None when a connection opens. Checks the
-    driver SQLAlchemy maps the URL to (postgresql:// is psycopg 3 under SQLAlchemy 2.1; the
-    postgresql+psycopg2:// form needs psycopg2), then that a server answers and accepts the login."""
-    import sqlalchemy
-    from sqlalchemy.engine import make_url
-
-    shown = masked_url(url)
-    try:
-        parsed = make_url(url)
-        dialect = parsed.get_dialect()
-    except sqlalchemy.exc.NoSuchModuleError:
-        return f"{shown}: SQLAlchemy has no driver {url.split('://', 1)[0]!r}; name the database as postgresql://, mysql://, ..."
-    except (sqlalchemy.exc.ArgumentError, ValueError) as e:
-        return f"{shown} is not a valid database URL ({_first_line(e)})"
-    try:
-        dialect.import_dbapi()
-    except ImportError as e:
-        module = (getattr(e, "name", None) or str(e).rsplit(" ", 1)[-1]).strip("'\"").split(".")[0]
-        package = _DRIVER_PACKAGES.get(module, module)
-        other = (" (or drop '+" + dialect.driver + "' to use psycopg 3: pip install 'runner[postgres]')"
-                 if parsed.get_backend_name() == "postgresql" and dialect.driver != "psycopg" else "")
-        return (f"{shown}: its driver {module!r} ({parsed.drivername}) is not installed; pip install {package}{other}")
-    host, port = parsed.host, parsed.port or _DB_PORTS.get(parsed.get_backend_name())
-    if host and port:
-        try:
-            socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
-        except OSError as e:
-            return (f"{shown}: no database server answers at {host}:{port} ({_first_line(e)}); start it, or check "
-                    "the host and port")
-    connect_args = {"connect_timeout": _CONNECT_TIMEOUT_S} if parsed.get_backend_name() in ("postgresql", "mysql") else {}
-    try:
-        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=connect_args)
-        try:
-            with engine.connect():
-                pass
-        finally:
-            engine.dispose()
-    except Exception as e:  # noqa: BLE001 - whatever the driver raises is the reason, in its first line
-        cause = getattr(e, "orig", None) or e
-        return (f"{shown}: cannot connect ({_first_line(cause)}); check that the database "
-                f"{parsed.database!r} exists and the user and password are right")
-    return None
-
-
-def _first_line(error: object) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def open_storage(url: str) -> "BaseStorage":

@@ -42,7 +42,7 @@ def test_each_step_end_hook_runs_in_order_with_the_steps_values_and_the_stop_tha
     called in the list's order with the step, this rank's loss sum and count, also after one of them stopped; of
     several stops a signal's wins, then a pruner's, then the first; an add-on that leaves it idle is not called."""
     from runner.addons.base import AddOn, AddOns
-    from runner.engine.stopping import Stop
+    from runner.addons.base import Stop
 
     calls = []
 

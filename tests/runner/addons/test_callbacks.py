@@ -13,7 +13,7 @@ from runner.cli import launch
 from runner.engine import checkpoint
 from runner.spec import components
 from runner.spec.run import SpecError
-from tests.conftest import compose_spec
+from tests.conftest import compose_spec, run_cli
 
 COUNTER = "{_target_: tests.user_pkg.callbacks.StepCounter, scale: 10}"
 RUN = ["trainer.max_steps=6", "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false", "dataset.batch_size=32",
@@ -65,3 +65,60 @@ def test_a_callback_refusing_its_value_is_one_line_naming_the_key(tmp_path: Path
                         tmp_path / "run")
     with pytest.raises(SpecError, match=r"^trainer\.callbacks\[0\]\.scale: 0 is not allowed; give a whole number >= 1$"):
         components.build_callbacks(components.resolved_spec(spec))
+
+
+FAST = ["trainer.max_steps=4", "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false", "dataset.batch_size=32",
+        "trainer.progress_bar=off", "trainer.memory_estimate=false"]
+
+
+@pytest.mark.parametrize("what, held", [("lock", "_thread.lock"), ("lambda", "builtins.function")])
+def test_a_callback_whose_state_no_checkpoint_can_store_is_one_line_before_training(tmp_path: Path, store: str,
+                                                                                    what: str, held: str) -> None:
+    """Issue 35 item 9: a lock or a lambda in a callback's state_dict was a 50-line pickling traceback at the
+    first checkpoint, and no checkpoint; now one line naming the callback and the entry, before the first step."""
+    out = run_cli([*FAST, f"trainer.callbacks=[{{_target_: tests.user_pkg.callbacks.HoldsALock, what: {what}}}]",
+                   f"tracking.uri={store}", "hydra.run.dir=run"], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: trainer.callbacks[0] (tests.user_pkg.callbacks.HoldsALock): state_dict()['guard'] is {held}, which a "
+        "checkpoint cannot store; return numbers, strings, tensors and lists or dicts of them (leave out locks, "
+        "functions and other objects, or rebuild them in load_state_dict)")
+    assert "Traceback" not in out.stderr and not checkpoint.has_checkpoint(tmp_path / "run")
+    client = MlflowClient(store)
+    assert [r.info.status for r in client.search_runs([e.experiment_id for e in client.search_experiments()])] in (
+        [], ["FAILED"])  # never left RUNNING
+
+
+def test_a_hook_returning_what_no_hook_returns_is_one_line_naming_the_callback(tmp_path: Path) -> None:
+    """Issue 35 item 9: on_step_end returning a string was a 31-line AttributeError."""
+    out = run_cli([*FAST, "trainer.callbacks=[{_target_: tests.user_pkg.callbacks.ReturnsAString}]", "tracking=none",
+                   "hydra.run.dir=run"], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: trainer.callbacks[0] (tests.user_pkg.callbacks.ReturnsAString): on_step_end returned 'stop' (str); a "
+        "hook returns runner.addons.base.Stop(reason) to end training at this step, or None to go on")
+    assert "Traceback" not in out.stderr
+
+
+def test_a_paused_run_resumes_with_its_own_command_and_a_callback_of_default_arguments(tmp_path: Path) -> None:
+    """Issue 35 item 9: the saved spec holds the callback's defaults (scale: 1), the command typed them not: the
+    resume compared the two and refused its own command."""
+    command = [*FAST, "trainer.callbacks=[{_target_: tests.user_pkg.callbacks.StepCounter}]", "tracking=none",
+               "hydra.run.dir=run"]
+    first = run_cli([*command, "trainer.stop_at_step=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli([*command, "trainer.resume=run"], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert checkpoint.load(tmp_path / "run")["addons"]["step_counter"] == {"steps": 4, "samples": 128, "evaluations": 2}
+
+
+@pytest.mark.parametrize("value", ["{_target_: tests.user_pkg.callbacks.StepCounter}", "3"])
+def test_trainer_callbacks_that_is_no_list_says_what_the_key_takes(tmp_path: Path, value: str) -> None:
+    """Issue 35 item 9: a mapping or a number got OmegaConf's words ("Cannot merge DictConfig with ListConfig")."""
+    out = run_cli([f"trainer.callbacks={value}", "tracking=none", "hydra.run.dir=run"], tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: trainer.callbacks: {value} is not a list; give a list of add-ons, each {{_target_: my_pkg.MyCallback, "
+        "...its arguments} (a subclass of runner.addons.base.AddOn), e.g. trainer.callbacks=[{_target_: "
+        "my_pkg.MyCallback}]"]
+    assert not (tmp_path / "run").exists()

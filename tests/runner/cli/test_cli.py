@@ -11,7 +11,7 @@ import yaml
 
 from runner.spec import components
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.cli.preflight import preflight
 from runner.spec.resume import typed_keys
 from runner.spec.run import SpecError

@@ -205,7 +205,8 @@ def test_a_diverging_run_stops_failed_and_never_checkpoints_broken_weights(tmp_p
 
 
 def test_fp16_stops_only_after_the_configured_run_of_non_finite_steps(tmp_path: Path) -> None:
-    from runner.engine.monitor import Diverged, NonFiniteWatch
+    from runner.addons.non_finite_watch import NonFiniteWatch
+    from runner.engine.monitor import Diverged
 
     spec = compose_spec(["precision=fp16", "trainer.max_non_finite_steps=3"], tmp_path / "run")
     watch = NonFiniteWatch(spec, torch.device("cpu"))
@@ -220,7 +221,8 @@ def test_fp16_stops_only_after_the_configured_run_of_non_finite_steps(tmp_path: 
 
 @pytest.mark.parametrize("precision, hint", [("fp32", False), ("bf16", False), ("fp16", True)])
 def test_the_divergence_hint_suggests_bf16_only_to_an_fp16_run(tmp_path: Path, precision: str, hint: bool) -> None:
-    from runner.engine.monitor import Diverged, NonFiniteWatch
+    from runner.addons.non_finite_watch import NonFiniteWatch
+    from runner.engine.monitor import Diverged
 
     spec = compose_spec([f"precision={precision}", "trainer.max_non_finite_steps=1"], tmp_path / "run")
     watch = NonFiniteWatch(spec, torch.device("cpu"))

@@ -11,7 +11,7 @@ import torch
 import yaml
 from torch import nn
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.spec.components import load_target
 from runner.engine.optim import build_optimizer, kernel_kwargs, kernels
 from runner.spec.optimizer import OptimizerSpec

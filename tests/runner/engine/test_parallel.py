@@ -193,14 +193,13 @@ def test_two_nodes_on_one_machine_train_like_one_process(tmp_path: Path, single_
 
 @pytest.mark.slow  # CI budget: waits for a timeout
 def test_an_unreachable_rendezvous_fails_with_a_timeout_that_says_what_it_waited_for(tmp_path: Path) -> None:
-    started = time.time()
     proc = run_cli(["parallelism=ddp", "parallelism.nnodes=2", "parallelism.node_rank=1",
                     f"parallelism.rdzv_endpoint=127.0.0.1:{free_port()}", "parallelism.rdzv_timeout=5", "tracking=none"],
                    cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert "error: parallelism.rdzv_endpoint: no rendezvous at 127.0.0.1:" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.time() - started < 90
+    assert "within 5 s" in proc.stderr  # it gave up at the timeout it was given (run_cli's own bounds "never")
 
 
 def test_fsdp_refuses_a_model_without_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""runner/engine/preemption.py: the stop vote that makes every rank stop at the same step."""
+"""runner/addons/stop_vote.py with runner/engine/preemption.py: the stop vote that makes every rank stop at the same step."""
 from __future__ import annotations
 
 import json
@@ -16,6 +16,7 @@ STEPS, SIGNAL_AT = 400, 30
 
 
 def _rank(rank: int, port: int, out: str) -> None:
+    from runner.addons.stop_vote import StopVote
     from runner.engine import preemption
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -28,7 +29,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         return real_all_reduce(*args, **kwargs)
 
     dist.all_reduce = counted
-    vote, stop = preemption.StopVote(distributed=True, every_s=0.05), None
+    vote, stop = StopVote(distributed=True, every_s=0.05), None
     with preemption.handled(), preemption.at_step_boundaries():
         for step in range(1, STEPS + 1):
             time.sleep(0.001 * (1 + rank))  # ranks run at different speeds between boundaries

@@ -10,7 +10,7 @@ import torch
 import yaml
 from pytest import approx
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.spec.components import load_target
 from runner.engine.monitor import learning_rates
 from runner.engine.schedule import NO_WARMUP, Schedule, build_scheduler

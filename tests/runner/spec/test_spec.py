@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cli import registry
+from runner.spec import registry
 from runner.spec.metric_names import evaluation_metrics, produced_metrics, with_task_declarations
 from runner.spec.optimizer import OptimizerSpec
 from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option

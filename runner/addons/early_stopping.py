@@ -1,32 +1,9 @@
-"""Why a run stops before its last step: early stopping, pruning (the Optuna trial's add-on,
-runner/search/trial.py), a pause, a signal; early stopping and pruning are decided after an evaluation.
-
-The step loop asks after each evaluation and gets a `Stop` back (or None): a stop is a value, never
-an exception raised inside a report, so no reporter can end a run behind the loop's back.
-"""
+"""Early stopping (trainer.early_stopping): the run stops once its monitored metric has not improved for
+`patience` evaluations in a row, decided after each evaluation (an add-on: runner/addons/base.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from runner.addons.base import AddOn
+from runner.addons.base import AddOn, Stop
 from runner.spec.trainer import EarlyStoppingSpec
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Training ends at this step. `pruned`: an Optuna pruner rejected the trial (the run ends
-    without its final evaluation and test); else early stopping (the run finishes as usual)."""
-
-    reason: str
-    pruned: bool = False
-    paused: bool = False  # trainer.stop_at_step: checkpointed to go on later, neither tested nor finished
-    signal: int = 0       # SIGTERM/SIGHUP (runner/engine/preemption.py): this step's checkpoint, then the process exits
-
-
-def pause_due(stop_at_step: int | None, step: int, total_steps: int) -> Stop | None:
-    """trainer.stop_at_step reached before the run's last step (there it finishes): the run pauses here."""
-    due = stop_at_step is not None and stop_at_step <= step < total_steps
-    return Stop(f"paused at step {step} (trainer.stop_at_step)", paused=True) if due else None
 
 
 class EarlyStopping:
