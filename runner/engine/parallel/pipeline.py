@@ -201,7 +201,7 @@ class Pipeline:
                                     f"copied {name} out of the model, so the tensor plan cannot reach the stage; "
                                     "share the model's modules in each stage (as pipeline_stage of gpt and vit does)")
         tp_mesh = env.mesh["tp"]
-        split_input = spec.sequence_parallel and tensor_parallel.plan_source(self.module, spec) == "model"
+        split_input = spec.sequence_parallel and tensor_parallel.plan_source(self.module, spec, env.dims.tp) == "model"
         for stage in self.stages:
             if not stage.is_last:
                 stage.submod.register_forward_hook(_whole_output)
@@ -279,6 +279,7 @@ class Pipeline:
         self._step["real"] = [0 if empty else max(0, min(self.rows, rows - i * self.rows))
                               for i in range(self.microbatches)]
         if isinstance(inputs, dict):
+            self._first_stage_takes_kwargs()
             parts = {k: pad(v) for k, v in inputs.items()}
             kwarg_mbs = [{k: (v[i] if isinstance(v, tuple) else v) for k, v in parts.items()}
                          for i in range(self.microbatches)]
@@ -287,6 +288,17 @@ class Pipeline:
             arg_mbs, kwarg_mbs = [(t,) for t in pad(inputs)], [{}] * self.microbatches
         targets = [torch.tensor(i) for i in range(self.microbatches)]
         return arg_mbs, kwarg_mbs, targets
+
+    def _first_stage_takes_kwargs(self) -> None:
+        """A dict batch reaches the first stage as keyword arguments. torch's schedules hand a micro-batch's
+        kwargs to every stage, so a later stage, whose input is the previous stage's output, would get the
+        batch's keys too (gpt: `forward(hidden, input_ids=...)`): they are dropped there, once per stage."""
+        if getattr(self, "_kwargs_dropped", False):
+            return
+        for stage in self.stages:
+            if not stage.is_first:
+                stage.submod.register_forward_pre_hook(_without_kwargs, with_kwargs=True)
+        self._kwargs_dropped = True
 
     def _reinit_on_new_shapes(self, arg_mbs: list, kwarg_mbs: list) -> None:
         """The schedule infers its activation shapes once: a batch of other shapes (another sequence
@@ -536,6 +548,10 @@ def _like_parameter(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+def _without_kwargs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {}
 
 
 def _whole_output(module: nn.Module, args: Any, output: Any) -> Any:
