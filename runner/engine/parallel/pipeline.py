@@ -261,23 +261,25 @@ class Pipeline:
         if real == 0:  # rows past the batch's end only: they count nothing, but the backward still runs
             loss = output.sum() * 0.0
         else:
-            start = i * self.rows
+            start = i * self._step["rows"]
             loss = self.loss_sum(output[:real], self._step["labels"][start:start + real])
         self._step["sums"][i] = loss.detach()
         return loss * self._step["scale"]
 
     def _split(self, inputs: Any, labels: torch.Tensor, rows: int, empty: bool) -> tuple[list, list, list]:
-        """Micro-batches of `self.rows` rows each, padded past the batch's end by repeating its last row."""
-        total = self.rows * self.microbatches
+        """Micro-batches of `self.rows` rows each (or, following the batch, of its own rows split evenly),
+        padded past the batch's end by repeating its last row."""
+        size = -(-rows // self.microbatches) if getattr(self, "_follow_batch", False) else self.rows
+        total = size * self.microbatches
         index = torch.arange(total, device=labels.device).clamp_(max=rows - 1)
 
         def pad(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t
-            return t.index_select(0, index.to(t.device)).split(self.rows)
+            return t.index_select(0, index.to(t.device)).split(size)
 
-        self._step["real"] = [0 if empty else max(0, min(self.rows, rows - i * self.rows))
-                              for i in range(self.microbatches)]
+        self._step["rows"] = size
+        self._step["real"] = [0 if empty else max(0, min(size, rows - i * size)) for i in range(self.microbatches)]
         if isinstance(inputs, dict):
             self._first_stage_takes_kwargs()
             parts = {k: pad(v) for k, v in inputs.items()}
@@ -348,6 +350,30 @@ class Pipeline:
     def train_mode(self, training: bool) -> None:
         for m in self.stage_modules:
             m.train(training)
+
+    def micro_batches_follow(self, on: bool) -> None:
+        """Cut each batch's own rows into the micro-batches (`on`), rather than the configured batch's rows: a
+        ragged batch then runs smaller micro-batches (the schedule infers their shapes again) instead of padded
+        ones, and a batch-size finder's candidate runs at its own size."""
+        self._follow_batch = on
+
+    def holds_batchnorm(self) -> bool:
+        """Whether any stage of the whole model holds a BatchNorm (a collective over the pp group: each rank
+        holds only its own stages, and every rank must decide alike)."""
+        own = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for s in self.stage_modules for m in s.modules())
+        every = [None] * self.pp
+        dist.all_gather_object(every, own, group=self.group)
+        return any(every)
+
+    def check_batchnorm(self) -> None:
+        """A BatchNorm normalises each micro-batch by that micro-batch's own statistics (and counts each in
+        num_batches_tracked): with more than one micro-batch per batch the run is not one process's. With one,
+        micro_batches_follow keeps padded rows out of its statistics."""
+        if self.microbatches > 1:
+            raise SpecError(f"parallelism.pp_microbatches: {self.microbatches} with a model holding a BatchNorm: each "
+                            "micro-batch would be normalised by its own statistics, unlike one process; use "
+                            "parallelism.pp_microbatches=1 with pp_schedule=gpipe, or a norm that does not mix samples "
+                            "(LayerNorm, GroupNorm)")
 
     # --- the optimizer step -------------------------------------------------------------------------
 
