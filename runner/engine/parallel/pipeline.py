@@ -15,8 +15,10 @@ dp degree / units of the whole step), so micro-batches of unequal counts change 
 does not scale gradients (scale_grads=False). A parameter the whole model shares between stages (gpt's
 lm head tied to the token embedding) has a copy in each stage holding it: its gradient is summed over
 those stages before the optimizer step (as Megatron does), so the copies stay equal, and the gradient
-norm counts it once. Padded rows and micro-batches assume samples do not mix inside a forward (no
-BatchNorm), as pipelining any batch into micro-batches does.
+norm counts it once. Padded rows and micro-batches assume samples do not mix inside a forward, as
+pipelining any batch into micro-batches does: a model with a BatchNorm runs with one micro-batch only, each
+batch cut at its own rows (micro_batches_follow), so no padded row enters its statistics. A dict batch
+(token ids, a mask) reaches the first stage as keyword arguments, and only the first.
 
 With dp_replicate > 1 (pp x ddp) each stage's gradients are averaged over its replicas here, not by a DDP
 wrapper (the schedule calls the stages themselves). With dp_shard > 1 (pp x fsdp) each stage is fully_shard-ed on
