@@ -162,9 +162,9 @@ def phase_table(spec: RunSpec, skip: int = 20, clock: Callable[[], int] = time.p
         setattr(obj, name, timed)
 
     for obj, name, label in ((engine, "train_step", "train_step"), (engine, "_count", "count"),
-                             (engine, "_prepare", "prepare"), (engine, "_micro_step_flops", "flops"),
-                             (engine, "_loss_sum", "forward+loss"), (engine.precision, "backward", "backward"),
-                             (engine, "_clip_gradients", "clip"), (engine.precision, "step", "optimizer"),
+                             (engine, "_prepare", "prepare"), (engine.steps, "_micro_step_flops", "flops"),
+                             (engine.steps, "_loss_sum", "forward+loss"), (engine.precision, "backward", "backward"),
+                             (engine.steps, "_clip_gradients", "clip"), (engine.precision, "step", "optimizer"),
                              (engine.schedule, "step", "schedule"), (engine.optimizer, "zero_grad", "zero_grad"),
                              (engine.monitor, "step_starts", "step_starts"), (engine.monitor, "on_step", "monitor"),
                              (engine.addons, "on_step_end", "addons")):

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg_fn, update_bn
 
-from runner.engine.parallel import local_tensor_of
+from runner.engine.parallel import all_reduce_sum, local_tensor_of
 from runner.addons.base import AddOn, EngineView, Progress
 from runner.spec.trainer import SwaSpec
 from runner.spec.run import RunSpec, SpecError
@@ -133,7 +133,7 @@ class Averages(AddOn):
     def finish(self) -> None:
         """BatchNorm statistics recomputed for the SWA weights over the training data (the end of training,
         and the best SWA weights the test uses)."""
-        if self.swa is None or not self.swa.count or not _has_batchnorm(self.view.module):
+        if self.swa is None or not self.swa.count or not self.view.holds_batchnorm:
             return
         buffers = {name for name, _ in self.view.module.named_buffers()} & set(self.swa.values)
         with self._swapped_in(self.swa, keep=buffers):
@@ -297,16 +297,17 @@ def _shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return placed_like(full.to(like.device), like).to_local()
 
 
-def _has_batchnorm(module: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+def _batchnorms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
 class _Forward(torch.nn.Module):
-    """update_bn's model: one prepared batch through the engine's module as the engine calls it."""
+    """update_bn's model: one prepared batch through the model's parts as the engine runs them (under pp
+    through every stage: this rank's part of the model alone cannot take the batch)."""
 
     def __init__(self, view: EngineView):
         super().__init__()
-        self.view, self.module = view, view.module
+        self.view, self.parts = view, torch.nn.ModuleList(view.parts or [view.module])
 
     def forward(self, batch: Any) -> Any:
         return self.view.forward(batch)
@@ -314,20 +315,29 @@ class _Forward(torch.nn.Module):
 
 def _recompute_batchnorm(view: EngineView) -> None:
     """torch's update_bn over one pass of the training split (the module itself, not its DDP wrapper,
-    whose forward would broadcast rank 0's statistics); under ddp/fsdp the ranks' statistics are then
-    averaged. The RNG (dropout) is left as it was, so a resumed run computes the same statistics."""
+    whose forward would broadcast rank 0's statistics); the ranks' statistics are then averaged over the
+    data-parallel replicas. The RNG (dropout) is left as it was, so a resumed run computes the same statistics.
+    Under pp every rank runs the pass, its stages holding a BatchNorm or not: the stages forward together."""
 
     def prepared() -> Iterator[list]:
         for batch in view.train_batches():
             yield [batch]  # a list: update_bn would take a (named) tuple's first item as the whole input
 
+    model = _Forward(view)
     devices = [view.device] if view.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        update_bn(prepared(), _Forward(view))
-    if torch.distributed.is_initialized():
-        stats = [b for m in view.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                 for b in (m.running_mean, m.running_var) if b is not None]
-        for b in stats:
-            torch.distributed.all_reduce(b)
-            b.div_(torch.distributed.get_world_size())
+        if _batchnorms(model):
+            update_bn(prepared(), model)
+        else:  # update_bn would return at once: the pass as it runs it, for the stages that hold one
+            was_training = model.training
+            model.train()
+            for (batch,) in prepared():
+                model(batch)
+            model.train(was_training)
+    if view.env.dp_degree > 1:
+        for m in _batchnorms(model):
+            for b in (m.running_mean, m.running_var):
+                if b is not None:
+                    (total,) = all_reduce_sum([b])
+                    b.copy_(total / view.env.dp_degree)
     log.info("SWA: BatchNorm statistics recomputed for the averaged weights over the training data")

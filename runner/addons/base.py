@@ -98,6 +98,10 @@ class EngineView:
     forward: Callable[[Any], Any]                    # the bare module on a prepared batch, under the run's autocast
     # time spent inside this context is not training time (throughput leaves it out): the profiler's own work
     untimed: Callable[[], ContextManager[None]] = contextlib.nullcontext
+    # the model's modules this rank runs: the bare module, or under pp this rank's stages (`module` is then this
+    # rank's part of the model under the whole model's names; `forward` runs the batch through every stage)
+    parts: "Sequence[torch.nn.Module]" = ()
+    holds_batchnorm: bool = False                    # the whole model has a BatchNorm (every rank answers alike)
 
 
 class AddOn:

@@ -20,7 +20,7 @@ import torch
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, memory_estimate, parallel, preemption
+from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, parallel, preemption, steps
 from runner.engine.parallel import pipeline
 
 from runner.addons import averaging, profiling
@@ -167,7 +167,7 @@ class Engine:
         self.monitor = Monitor(spec, self.tracker, self.total_steps, self.steps_per_epoch,
                                parallel.all_reduce_sum if self.env.distributed else None, self.env.is_main)
         self.monitor.flop_rate = flop_rate
-        self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
+        self.steps = steps.build(self, self.pipeline)  # how the model runs: the plain path's, or the pipeline's
         self.view = self._view()
         own, foreign = self._addons(spec, data), [*components.build_callbacks(spec), *addons]
         self.addons = AddOns([*own, *foreign], self.view)
@@ -176,9 +176,7 @@ class Engine:
         # every step's, with no walk over the parameters and no lookup per step (~10 us of a tiny step)
         self.fixed_flops = isinstance(self.train_loader.dataset, BatchedTensors) and not self.pass_labels and not foreign \
             and not any(isinstance(a, GradualUnfreezing) for a in own)
-        self.flops_per_sample: float | None = None  # fixed_flops: FlopCount's own, once it counted the training shape
         self.finished, self.final, self.test_from = False, {}, ""
-        self._eval_names: list[str] | None = None  # under pp: the metric sums' names, for the stages without the head
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
         if resume_state is not None:
@@ -225,7 +223,8 @@ class Engine:
             evaluate=lambda split: {**self.evaluate(split), **self.averages.evaluate(split)},
             evaluate_model=lambda split: self.evaluate(split),
             best_step=lambda metric: self.monitor.best_step.get(metric),
-            train_batches=self._train_batches, forward=self._bare_forward, untimed=lambda: self.monitor.window.paused())
+            train_batches=self._train_batches, forward=self.steps.forward, untimed=lambda: self.monitor.window.paused(),
+            parts=tuple(self.steps.parts()), holds_batchnorm=self.steps.holds_batchnorm())
 
     def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
         """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
@@ -253,10 +252,8 @@ class Engine:
             if self.finished:
                 log.info("the run already finished at step %d: nothing left to do", self.progress.step)
             else:
-                if self.spec.trainer.memory_estimate:  # tp's sharded loss; under pp no micro-step runs outside the schedule
-                    with tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                        memory_estimate.report(self.spec, self.module, self.optimizer, self.device, self.env, self.tracker,
-                                               self.train_loader, self._micro_loss if self.pipeline is None else None)
+                if self.spec.trainer.memory_estimate:
+                    self.steps.report_memory()
                 with debugging.anomaly_detection(self.spec, lambda: self.progress.step):
                     stop = self._train()
                 self.addons.on_train_end(stop)  # the overfit goal's line, the profile, SWA's BatchNorm statistics
@@ -268,8 +265,9 @@ class Engine:
                 self.monitor.close()
             else:
                 self.monitor.finish(self.final, self.progress.step, pruned=stop.pruned)
-            if self.pipeline is not None and self.pipeline.bubble() is not None:  # rank 0's: the first stage's
-                self.tracker.set_tags({"pp_bubble": f"{self.pipeline.bubble():.4f}"})
+            bubble = self.steps.bubble()
+            if bubble is not None:  # rank 0's: the first stage's
+                self.tracker.set_tags({"pp_bubble": f"{bubble:.4f}"})
             preemption.run_finished()  # a preemption from here on leaves the run FINISHED (exit 0, no requeue)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
@@ -286,7 +284,7 @@ class Engine:
         return RunResult(self.monitor.objective(), self.monitor.best, self.monitor.best_step, self.final,
                          self.progress.step, seconds, self.monitor.samples_seen / seconds, rates.get("throughput/tflops"),
                          rates.get("throughput/mfu"), self.monitor.compile_clock.seconds, self.test_from,
-                         stop.reason if stop.pruned else "", self.pipeline.bubble() if self.pipeline else None)
+                         stop.reason if stop.pruned else "", self.steps.bubble())
 
     @preemption.at_step_boundaries()  # a signal stops the run at the next step boundary (the loop votes)
     def _train(self) -> Stop:
@@ -295,8 +293,8 @@ class Engine:
         stop = pause_due(trainer.stop_at_step, p.step, self.total_steps)
         global_micro_batch = self.spec.dataset.batch_size * self.env.dp_degree
         train_size = self.split_sizes["train"]
-        monitor, addons, profiler = self.monitor, self.addons, self.profiler
-        self.model.train()
+        monitor, addons, profiler, model_steps = self.monitor, self.addons, self.profiler, self.steps
+        model_steps.train_mode(True)
         monitor.window.start()
         while stop is None and p.step < self.total_steps and (trainer.max_steps or p.epoch < trainer.max_epochs):
             self.train_loader.batch_sampler.set_epoch(p.epoch, start=p.samples_in_epoch)
@@ -310,7 +308,7 @@ class Engine:
                 p.samples_in_epoch = min(p.samples_in_epoch + len(micro_batches) * global_micro_batch, train_size)
                 # a profiled step is timed apart, like one that compiled: neither is throughput
                 monitor.on_step(p.step, loss_sum, samples, grad_norm, lrs, self.precision.skipped_steps,
-                                self.last_step_flops, timed=not profiler.profiling)
+                                model_steps.last_step_flops, timed=not profiler.profiling)
                 # the EMA, the non-finite watch, the overfit goal, the stop vote (SIGTERM/SIGHUP), a user's callbacks
                 stop = addons.on_step_end(p.step, loss_sum, samples)
                 evaluate = trainer.eval_every_n_steps and p.step % trainer.eval_every_n_steps == 0
@@ -351,7 +349,7 @@ class Engine:
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """One optimizer step: this rank's loss sum, units and the grad norm (log steps, or clipping); its
-        FLOPs (this rank's) are left in last_step_flops."""
+        FLOPs (this rank's) are left in steps.last_step_flops."""
         step_batches = [batches.split_batch(b) for b in micro_batches]
         # samples, or tokens that are not padding; a stand-in for an empty share counts 0
         counts = [0 if b.empty else self._count(b.labels) for b in step_batches]
@@ -359,51 +357,7 @@ class Engine:
         # data-parallel replicas, so each one's sum is scaled by dp degree / (units on all replicas),
         # whatever each holds.
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
-        if self.pipeline is not None:
-            return self._pipeline_step(step_batches, counts)
-        losses, phase, step_flops = [], self.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
-        total = sum(counts)
-        if self.distributed:
-            with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-                total = parallel.global_count(total, self.device)  # a device tensor: no host sync here
-        scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
-        last = len(step_batches) - 1
-        for i, (batch, count) in enumerate(zip(step_batches, counts)):
-            with parallel.sync_gradients(self.model, sync=i == last) if last else _NO_CONTEXT:
-                with phase.to_device:
-                    batch = self._prepare(batch, train=True)
-                if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
-                    step_flops += self._micro_step_flops(batch)
-                # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
-                with context.for_step(self.cp_mesh, batch) if self.cp_mesh is not None else _NO_CONTEXT as share:
-                    share = share or batch
-                    with phase.forward, self._loss_context():
-                        loss = self._loss_sum(share, count)
-                    with phase.backward, self._loss_context():
-                        self.precision.backward(loss, scale)
-            losses.append(loss.detach())
-        loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        if self.cp_mesh is not None:
-            context.sum_gradients(self.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
-            loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
-        with phase.optimizer:
-            # the norm is computed where it clips, or is logged
-            grad_norm = self._clip_gradients() if self.clips or self.monitor.is_log_step(self.progress.step + 1) else None
-            if self.precision.step(self.optimizer):
-                self.schedule.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.last_step_flops = step_flops
-        return loss_sum, sum(counts), grad_norm
-
-    def _micro_step_flops(self, batch: tasks.Batch) -> float:
-        """FLOPs of a training micro-step on a prepared batch (0 where the model cannot be counted); under fixed_flops
-        the per-sample count FlopCount.of keeps for the batch's shape, times its samples, as `of` computes it."""
-        if self.flops_per_sample is not None:
-            return self.flops_per_sample * batch.inputs.shape[0]
-        flops = self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-        if self.fixed_flops and len(self.flop_count.per_sample) == 1:  # the one shape's, with these parameters training
-            self.flops_per_sample = next(iter(self.flop_count.per_sample.values()))
-        return flops
+        return self.steps.train_step(step_batches, counts)
 
     def _pipeline(self, spec: RunSpec) -> "pipeline.Pipeline":
         pipeline.check_composition(spec, self.env.dims)
@@ -414,51 +368,12 @@ class Engine:
         return pipeline.Pipeline(self.module, spec.parallelism, self.env, self.device, spec.dataset.batch_size,
                                  spec.model.target, loss_sum)
 
-    def _pipeline_step(self, step_batches: list, counts: list[int]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        """train_step under pp: the schedule runs each accumulation micro-batch (its own micro-batches
-        inside), the loss scaled by the units of the whole step; the loss sum reaches every stage."""
-        total = parallel.global_count(sum(counts), self.device)
-        scale = self.env.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
-        losses, step_flops = [], 0.0
-        for batch in step_batches:
-            batch = self._prepare(batch, train=True)
-            if not batch.empty:
-                step_flops += self.flop_count.of(batch, self.monitor.window.paused) or 0.0
-            # the last stage's loss and the schedule's backward of it: on vocabulary-sharded logits under loss_parallel
-            with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
-                losses.append(self.pipeline.train(batch.inputs, batch.labels, _rows(batch), batch.empty, scale))
-        loss_sum = self.pipeline.sum_over_stages([torch.stack(losses).sum()])[0].float()
-        self.pipeline.sync_tied_gradients()
-        self.pipeline.average_over_replicas()
-        trainer, grad_norm = self.spec.trainer, None
-        if self.clips or self.monitor.is_log_step(self.progress.step + 1):  # the norm where it clips, or is logged
-            grad_norm = self.pipeline.clip_gradients(trainer.clip_grad_norm, trainer.clip_grad_value)
-        if self.precision.step(self.optimizer):
-            self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_step_flops = step_flops
-        return loss_sum, sum(counts), grad_norm
-
     def _train_batches(self) -> Iterator[tasks.Batch]:
         """One pass over the training split in this epoch's order, prepared as a step prepares its batches
         (no augmentation by batch transforms): SWA's BatchNorm statistics."""
         self.train_loader.batch_sampler.set_epoch(self.progress.epoch)
         for raw in self.train_loader:
             yield self.precision.prepare_batch(batches.to_device(batches.split_batch(raw), self.device))
-
-    def _bare_forward(self, batch: tasks.Batch):
-        """The bare module (not its DDP wrapper, whose forward would broadcast rank 0's buffers) on a batch."""
-        with self.precision.autocast():
-            return batches.call_model(self.module, batch, self.pass_labels)
-
-    def _micro_loss(self, raw) -> torch.Tensor:
-        """The memory estimate's micro-step, eager even under trainer.compile: a compilation here would fall
-        outside the steps the compile clock times (and eager activations bound the compiled ones from above)."""
-        batch = self._prepare(batches.split_batch(raw), train=True)
-        count = 0 if batch.empty else self.task.count(batch.labels)
-        with self.precision.autocast():
-            output = batches.call_model(getattr(self.model, "_orig_mod", self.model), batch, self.pass_labels)
-        return batches.loss_sum(output, batch, count, self.task, self.spec.model.target)
 
     def _prepare(self, batch: tasks.Batch, train: bool) -> tasks.Batch:
         # on the CPU every batch is where it trains already; elsewhere a tensor's .to() there would return it as it is
@@ -471,37 +386,6 @@ class Engine:
             batch = tasks.Batch(inputs, labels)
         return batch
 
-    def _model_for(self, batch: tasks.Batch) -> torch.nn.Module:
-        """The model to run `batch`: under trainer.compile a ragged batch runs it uncompiled."""
-        return compiling.for_batch(self.model, batch.inputs, self.spec) if self.compiled else self.model
-
-    def _forward(self, batch: tasks.Batch):
-        with self.precision.autocast():
-            return batches.call_model(self._model_for(batch), batch, self.pass_labels)
-
-    def _loss_sum(self, batch: tasks.Batch, count: int) -> torch.Tensor:
-        """A stand-in for an empty share is forwarded like any batch and its loss multiplied by 0: under
-        DDP every parameter still gets its (zero) gradient for the step's all-reduce, under FSDP the
-        forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
-        forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
-        model = self._model_for(batch)
-        with self.precision.autocast():
-            output = batches.call_model(model, batch, self.pass_labels)
-        # the compiled loss goes with the compiled model: a ragged batch's would recompile it
-        task = self.compiled_task if self.compiled_task is not None and model is self.model else self.task
-        return batches.loss_sum(output, batch, count, task, self.spec.model.target)
-
-    def _clip_gradients(self) -> torch.Tensor:
-        """Clips as the run says; returns the gradients' norm (before clipping)."""
-        trainer = self.spec.trainer
-        self.precision.unscale(self.optimizer)
-        params = [p for p in self.params if p.grad is not None]
-        if trainer.clip_grad_value is not None:
-            parallel.clip_grad_value(params, trainer.clip_grad_value)
-        if trainer.clip_grad_norm is not None:  # on sharded (DTensor) grads the norm is reduced across ranks
-            return parallel.clip_grad_norm(params, trainer.clip_grad_norm)
-        return parallel.grad_norm([p.grad for p in params])
-
     # --- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -510,36 +394,20 @@ class Engine:
         batches (a stand-in where its share of the last one is empty), so FSDP's collectives stay in step."""
         if not self.split_sizes[split]:
             return {}  # an empty split reports nothing
-        self.model.eval()
+        self.steps.train_mode(False)
         totals: dict[str, torch.Tensor] = {}
         count = 0
         for raw in self.eval_loaders[split]:
             batch = self._prepare(batches.split_batch(raw), train=False)
             n = 0 if batch.empty else self.task.count(batch.labels)
-            if self.pipeline is not None:  # the metric sums of the last stage (0 elsewhere) reach every stage
-                sums = self._pipeline_eval_sums(batch, n)
-            else:
-                sums = batches.eval_sums(self._forward(batch), batch, n, self.task, self.spec.model.target)
-            for name, value in sums.items():
+            for name, value in self.steps.eval_sums(batch, n).items():
                 totals[name] = totals.get(name, 0) + value.double()
             count += n
         names = sorted(totals)  # every rank ran a batch (a stand-in at least): the same names in one order
-        if self.pipeline is not None:
-            totals = dict(zip(names, self.pipeline.sum_over_stages([totals[n] for n in names])))
+        totals = self.steps.finish_eval(totals)  # under pp: the last stage's sums reach every stage
         values = parallel.all_reduce_sum([totals[n] for n in names] + [torch.tensor(float(count), device=self.device)])
         *sums, n = [v.item() for v in values]
         return tasks.metric_values(self.task, dict(zip(names, sums)), n, split)
-
-    def _pipeline_eval_sums(self, batch: tasks.Batch, count: int) -> dict[str, torch.Tensor]:
-        """The task's evaluation sums of one batch through the pipeline: the last stage's, zeros of the same
-        names elsewhere."""
-        # the schedule computes the last stage's loss in evaluation too: on vocabulary-sharded logits under loss_parallel
-        with self.precision.autocast(), tensor_parallel.loss_context(self.spec.parallelism, self.env):
-            output = self.pipeline.forward(batch.inputs, batch.labels, _rows(batch))
-        sums = None if output is None else batches.eval_sums(output, batch, count, self.task, self.spec.model.target)
-        if self._eval_names is None:  # once: the last stage tells the others
-            self._eval_names = self.pipeline.agree(sorted(sums) if sums is not None else None)
-        return sums if sums is not None else {name: torch.zeros((), device=self.device) for name in self._eval_names}
 
     def _evaluate_and_watch(self) -> Stop | None:
         """Validates once per step, whatever asks; returns why training stops here (pruned, early stopping)."""
@@ -549,7 +417,7 @@ class Engine:
         p.last_eval_step = p.step
         self.watch.check(parallel.all_reduce_max)  # no evaluation of weights that already diverged
         metrics = self.view.evaluate("val")  # the model's and its averaged weights'
-        self.model.train()
+        self.steps.train_mode(True)
         if metrics:
             self.schedule.on_eval(metrics)
         self.monitor.on_eval(metrics, p.step, p.epoch)
@@ -662,13 +530,6 @@ def _on_device(batch: tasks.Batch, device: torch.device) -> bool:
     inputs, labels = batch.inputs, batch.labels
     return (isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor) and inputs.device == device
             and labels.device == device)
-
-
-def _rows(batch: tasks.Batch) -> int:
-    """The batch's number of samples (its first tensor's first dimension)."""
-    inputs = batch.inputs
-    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor)) if isinstance(inputs, dict) else inputs
-    return first.shape[0]
 
 
 def _inside(path: Path, directory: Path) -> bool:

@@ -5,7 +5,8 @@ The micro-batch doubles from 2 while it fits (on a GPU until out of memory or tu
 CPU, where running out of memory is not an error one can recover from, until throughput stops rising),
 then a binary search between the last fit and the first failure. Each candidate runs one untimed and
 tune.steps_per_candidate timed optimizer steps (more, up to 10x, while they take under 0.2 s) of the
-engine's own train_step; a candidate's rate is its median step's. Out of memory is caught,
+engine's own train_step; a candidate's rate is its median step's. Under pp the pipeline cuts each candidate's
+batch into its micro-batches (not the configured batch's rows), so a candidate runs at its own size. Out of memory is caught,
 the candidate's tensors dropped (gradients, partial optimizer state) and the cache emptied before the
 next. Under ddp/fsdp the probe steps hold back the gradient all-reduce (as accumulation's micro-steps
 do), so one rank running out does not leave the others waiting in a collective; every rank then takes
@@ -140,7 +141,8 @@ def find_batch_size(engine, tune: TuneSpec, until_oom: bool | None = None) -> Ba
     dp_degree, sampler = engine.env.dp_degree, engine.train_loader.batch_sampler
     cap = min(tune.max_batch_size, engine.split_sizes["train"] // dp_degree)
     with probing(engine) as saved:
-        engine.model.train()
+        engine.steps.train_mode(True)
+        engine.steps.micro_batches_follow(True)  # under pp: each candidate's pipeline micro-batches cut from its rows
 
         def probe(batch: int) -> float | None:
             sampler.batch_size = batch
@@ -150,7 +152,10 @@ def find_batch_size(engine, tune: TuneSpec, until_oom: bool | None = None) -> Ba
             log.info("batch_size: %d -> %s", batch, "out of memory" if rate is None else f"{rate:,.0f} samples/s")
             return rate
 
-        return search(probe, cap, tune.knee_tolerance, until_oom)
+        try:
+            return search(probe, cap, tune.knee_tolerance, until_oom)
+        finally:
+            engine.steps.micro_batches_follow(False)
 
 
 @contextlib.contextmanager

@@ -15,8 +15,10 @@ dp degree / units of the whole step), so micro-batches of unequal counts change 
 does not scale gradients (scale_grads=False). A parameter the whole model shares between stages (gpt's
 lm head tied to the token embedding) has a copy in each stage holding it: its gradient is summed over
 those stages before the optimizer step (as Megatron does), so the copies stay equal, and the gradient
-norm counts it once. Padded rows and micro-batches assume samples do not mix inside a forward (no
-BatchNorm), as pipelining any batch into micro-batches does.
+norm counts it once. Padded rows and micro-batches assume samples do not mix inside a forward, as
+pipelining any batch into micro-batches does: a model with a BatchNorm runs with one micro-batch only, each
+batch cut at its own rows (micro_batches_follow), so no padded row enters its statistics. A dict batch
+(token ids, a mask) reaches the first stage as keyword arguments, and only the first.
 
 With dp_replicate > 1 (pp x ddp) each stage's gradients are averaged over its replicas here, not by a DDP
 wrapper (the schedule calls the stages themselves). With dp_shard > 1 (pp x fsdp) each stage is fully_shard-ed on
@@ -173,7 +175,7 @@ class Pipeline:
                                     f"copied {name} out of the model, so the tensor plan cannot reach the stage; "
                                     "share the model's modules in each stage (as pipeline_stage of gpt and vit does)")
         tp_mesh = env.mesh["tp"]
-        split_input = spec.sequence_parallel and tensor_parallel.plan_source(self.module, spec) == "model"
+        split_input = spec.sequence_parallel and tensor_parallel.plan_source(self.module, spec, env.dims.tp) == "model"
         for stage in self.stages:
             if not stage.is_last:
                 stage.submod.register_forward_hook(_whole_output)
@@ -233,24 +235,27 @@ class Pipeline:
         if real == 0:  # rows past the batch's end only: they count nothing, but the backward still runs
             loss = output.sum() * 0.0
         else:
-            start = i * self.rows
+            start = i * self._step["rows"]
             loss = self.loss_sum(output[:real], self._step["labels"][start:start + real])
         self._step["sums"][i] = loss.detach()
         return loss * self._step["scale"]
 
     def _split(self, inputs: Any, labels: torch.Tensor, rows: int, empty: bool) -> tuple[list, list, list]:
-        """Micro-batches of `self.rows` rows each, padded past the batch's end by repeating its last row."""
-        total = self.rows * self.microbatches
+        """Micro-batches of `self.rows` rows each (or, following the batch, of its own rows split evenly),
+        padded past the batch's end by repeating its last row."""
+        size = -(-rows // self.microbatches) if getattr(self, "_follow_batch", False) else self.rows
+        total = size * self.microbatches
         index = torch.arange(total, device=labels.device).clamp_(max=rows - 1)
 
         def pad(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 return t
-            return t.index_select(0, index.to(t.device)).split(self.rows)
+            return t.index_select(0, index.to(t.device)).split(size)
 
-        self._step["real"] = [0 if empty else max(0, min(self.rows, rows - i * self.rows))
-                              for i in range(self.microbatches)]
+        self._step["rows"] = size
+        self._step["real"] = [0 if empty else max(0, min(size, rows - i * size)) for i in range(self.microbatches)]
         if isinstance(inputs, dict):
+            self._first_stage_takes_kwargs()
             parts = {k: pad(v) for k, v in inputs.items()}
             kwarg_mbs = [{k: (v[i] if isinstance(v, tuple) else v) for k, v in parts.items()}
                          for i in range(self.microbatches)]
@@ -259,6 +264,17 @@ class Pipeline:
             arg_mbs, kwarg_mbs = [(t,) for t in pad(inputs)], [{}] * self.microbatches
         targets = [torch.tensor(i) for i in range(self.microbatches)]
         return arg_mbs, kwarg_mbs, targets
+
+    def _first_stage_takes_kwargs(self) -> None:
+        """A dict batch reaches the first stage as keyword arguments. torch's schedules hand a micro-batch's
+        kwargs to every stage, so a later stage, whose input is the previous stage's output, would get the
+        batch's keys too (gpt: `forward(hidden, input_ids=...)`): they are dropped there, once per stage."""
+        if getattr(self, "_kwargs_dropped", False):
+            return
+        for stage in self.stages:
+            if not stage.is_first:
+                stage.submod.register_forward_pre_hook(_without_kwargs, with_kwargs=True)
+        self._kwargs_dropped = True
 
     def _reinit_on_new_shapes(self, arg_mbs: list, kwarg_mbs: list) -> None:
         """The schedule infers its activation shapes once: a batch of other shapes (another sequence
@@ -308,6 +324,30 @@ class Pipeline:
     def train_mode(self, training: bool) -> None:
         for m in self.stage_modules:
             m.train(training)
+
+    def micro_batches_follow(self, on: bool) -> None:
+        """Cut each batch's own rows into the micro-batches (`on`), rather than the configured batch's rows: a
+        ragged batch then runs smaller micro-batches (the schedule infers their shapes again) instead of padded
+        ones, and a batch-size finder's candidate runs at its own size."""
+        self._follow_batch = on
+
+    def holds_batchnorm(self) -> bool:
+        """Whether any stage of the whole model holds a BatchNorm (a collective over the pp group: each rank
+        holds only its own stages, and every rank must decide alike)."""
+        own = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for s in self.stage_modules for m in s.modules())
+        every = [None] * self.pp
+        dist.all_gather_object(every, own, group=self.group)
+        return any(every)
+
+    def check_batchnorm(self) -> None:
+        """A BatchNorm normalises each micro-batch by that micro-batch's own statistics (and counts each in
+        num_batches_tracked): with more than one micro-batch per batch the run is not one process's. With one,
+        micro_batches_follow keeps padded rows out of its statistics."""
+        if self.microbatches > 1:
+            raise SpecError(f"parallelism.pp_microbatches: {self.microbatches} with a model holding a BatchNorm: each "
+                            "micro-batch would be normalised by its own statistics, unlike one process; use "
+                            "parallelism.pp_microbatches=1 with pp_schedule=gpipe, or a norm that does not mix samples "
+                            "(LayerNorm, GroupNorm)")
 
     # --- the optimizer step -------------------------------------------------------------------------
 
@@ -508,6 +548,10 @@ def _like_parameter(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+def _without_kwargs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {}
 
 
 def _whole_output(module: nn.Module, args: Any, output: Any) -> Any:

@@ -188,7 +188,7 @@ def test_a_run_of_its_own_add_ons_counts_once_and_logs_the_hand_count_on_every_s
     assert sorted(per_sample) == list(range(1, engine.steps_per_epoch + 1))
     assert list(per_sample.values()) == pytest.approx([mlp_step_by_hand(1, [64, 16, 10])] * engine.steps_per_epoch,
                                                       rel=1e-9)
-    assert engine.flops_per_sample == mlp_step_by_hand(1, [64, 16, 10])
+    assert engine.steps.flops_per_sample == mlp_step_by_hand(1, [64, 16, 10])
 
 
 def test_a_callback_freezing_a_layer_mid_run_logs_the_frozen_count_from_the_next_step_on(tmp_path: Path,
