@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from runner.spec.fields import SpecError
-from runner.spec.parallelism import ParallelismSpec, nominal_world, resolve_degrees
+from runner.spec.parallelism import ParallelismSpec, nominal_world, pp_microbatches, resolve_degrees
 
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 DIMENSION_NAMES = {"dp_replicate": "dp_replicate (ddp)", "dp_shard": "dp_shard (fsdp)", "tp": "tp", "pp": "pp",
@@ -121,7 +121,10 @@ TABLE: dict[str, dict[str, Cell]] = {
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options",
                            "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
         "tp": _no("a BatchNorm model under tp is not tested; use ddp or fsdp"),
-        "pp": _no("micro-batches change BatchNorm's statistics; use ddp or fsdp, or a model without BatchNorm"),
+        # one micro-batch: a ragged batch runs at its own rows, so no padded row enters the statistics
+        "pp": _built("tests/runner/engine/test_pipeline_seams.py::test_a_batchnorm_model_counts_no_padded_row_under_the_pipeline",
+                     "with parallelism.pp_microbatches=1 (gpipe) only: several micro-batches are each normalised by "
+                     "their own statistics, unlike one process, and are refused in one line"),
         "cp": _no("a sequence split across ranks changes BatchNorm's statistics; use ddp or fsdp"),
     },
     "sync_batchnorm": {
@@ -165,7 +168,7 @@ TABLE: dict[str, dict[str, Cell]] = {
                   "and export the checkpoint's model after the run (mode=export)"),
         "cp": _built(CP_PARTS, CP_NOTE),
     },
-    "memory_estimate": {**_cells(), "pp": _built(f"{CELLS}[pp]", "skipped under pp, with a line saying so")},
+    "memory_estimate": {**_cells(), "pp": _built(f"{CELLS}[pp]", "each rank's own stages, without activations (no micro-step runs outside the schedule)")},
     "profiler": _cells(),
     "callbacks": _cells(),
     "fp16": {
@@ -256,8 +259,13 @@ def check_model(spec: Any, model: Any) -> None:
 
     layer = next((n for n, m in model.named_modules() if isinstance(m, _BatchNorm)), None)
     if layer is not None:
-        line = refusal("batchnorm", f"model: {spec.model.target}'s BatchNorm layer '{layer}'", spec.parallelism,
-                       degrees(spec.parallelism))
+        par = spec.parallelism
+        shown = f"model: {spec.model.target}'s BatchNorm layer '{layer}'"
+        line = refusal("batchnorm", shown, par, degrees(par))
+        if line is None and par.pp > 1 and pp_microbatches(par) > 1:  # the pp cell's condition
+            line = (f"{shown} with parallelism.pp_microbatches={pp_microbatches(par)}: each micro-batch would be "
+                    "normalised by its own statistics, unlike one process; use parallelism.pp_microbatches=1 with "
+                    "pp_schedule=gpipe, or a norm that does not mix samples (LayerNorm, GroupNorm)")
         if line is not None:
             raise SpecError(line)
 
