@@ -55,8 +55,8 @@ def usable(uri: str) -> bool:
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=_BUSY_S)
         try:
-            return {row[0] for row in db.execute("SELECT version_num FROM alembic_version")} <= SCHEMAS and \
-                bool(SCHEMAS)
+            versions = {row[0] for row in db.execute("SELECT version_num FROM alembic_version")}
+            return bool(versions) and versions <= SCHEMAS  # none: a file MLflow never migrated
         finally:
             db.close()
     except sqlite3.Error:

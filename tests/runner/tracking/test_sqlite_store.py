@@ -44,6 +44,9 @@ def test_a_store_of_another_schema_a_missing_file_or_a_new_experiment_is_left_to
     db.commit()
     assert not sqlite_store.usable(store)
     assert sqlite_store.opened(store, "runner", str(tmp_path / "artifacts")) is None
+    db.execute("DELETE FROM alembic_version")  # a file MLflow never migrated
+    db.commit()
+    assert not sqlite_store.usable(store)
 
 
 def test_the_same_calls_read_back_the_same_through_mlflow_whichever_wrote_them(store: str, tmp_path: Path) -> None:
