@@ -1,6 +1,13 @@
 """What tracking costs a run (runner/tracking/writer.py): numbers, never asserted.
 
     python -m benchmarks.bench_tracking [--calls 2000] [--runs 3] [--before <checkout>]
+    python -m benchmarks.bench_tracking --run-cost [--pairs 3] [--before <checkout>]
+
+`--run-cost` prints only what tracking adds to a whole run: the CPU seconds (user+sys) of
+`python -m runner trainer.max_epochs=1` with MLflow on an existing sqlite store minus the same run with
+`tracking=none`, every process of the run counted (the launcher, its tracking process, git: the rusage of
+the children this process waited for, each of which waited for its own); pairs interleaved, the median of
+the pairs' differences beside the target (1.0 s). `--before` interleaves another checkout's pairs too.
 
 1. A log call (a training step's metrics, 7 values) on a sqlite store: MLflow's synchronous
    MlflowClient.log_batch against runner's tracker, whose background writer stores it; and the
@@ -171,17 +178,63 @@ def bench_first_step(runs: int, template: Path, tmp: Path, before: Path | None) 
             print(f"     {name:<44} wall {wall:6.2f} s  cpu {cpu:6.2f} s   (each: {each})", flush=True)
 
 
+RUN_COST_TARGET_S = 1.0  # CPU seconds tracking may add to a run (issue 36)
+
+
+def run_cpu(tree: Path, cwd: Path, extra: list[str]) -> float:
+    """CPU seconds (user+sys) of a 1-epoch default run from `tree`, every process of it counted."""
+    import resource
+
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'sweeper'}", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # a user's runs find their bytecode cached
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-m", "runner", "trainer.max_epochs=1", "trainer.progress_bar=off", *extra],
+                         cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree}: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def bench_run_cost(pairs: int, tmp: Path, before: Path | None) -> None:
+    trees = [("this checkout", REPO)] + ([(f"before: {before}", before)] if before is not None else [])
+    print(f"CPU that tracking adds to `python -m runner trainer.max_epochs=1` (MLflow on an existing sqlite store "
+          f"minus tracking=none, every process counted): median of {pairs} interleaved pairs")
+    cwds = {}
+    for name, tree in trees:
+        cwds[name] = tmp / f"cost-{len(cwds)}"
+        cwds[name].mkdir()
+        run_cpu(tree, cwds[name], [])  # untimed: creates and migrates the store, as a user's first run does
+    cost: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in trees}
+    for _ in range(pairs):
+        for name, tree in trees:
+            cost[name].append((run_cpu(tree, cwds[name], []), run_cpu(tree, cwds[name], ["tracking=none"])))
+    for name, _ in trees:
+        added = statistics.median(m - n for m, n in cost[name])
+        verdict = "ok" if added <= RUN_COST_TARGET_S else "over"
+        each = " ".join(f"{m:.2f}/{n:.2f}" for m, n in cost[name])
+        print(f"   {name:<44} +{added:5.2f} s  target <= {RUN_COST_TARGET_S:.1f}: {verdict}   "
+              f"(MLflow/none CPU s per pair: {each})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--before", type=Path, default=None, help="another checkout of runner to time the first step of")
     parser.add_argument("--skip-first-step", action="store_true")
+    parser.add_argument("--run-cost", action="store_true", help="only the CPU tracking adds to a whole 1-epoch run")
+    parser.add_argument("--pairs", type=int, default=3, help="--run-cost: interleaved pairs (median printed)")
     args = parser.parse_args()
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
+        if args.run_cost:
+            bench_run_cost(args.pairs, tmp, args.before)
+            load = os.getloadavg()
+            print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+            return
         template = migrated_store(tmp)
         bench_log_calls(args.calls, template, tmp)
         if not args.skip_first_step:

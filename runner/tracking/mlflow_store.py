@@ -177,7 +177,7 @@ def end_orphaned_runs(client: Any) -> list[str]:
             page = client.search_runs(experiments, query, ViewType.ALL, max_results=1000, page_token=token)
             for run in page:
                 tags = run.data.tags
-                if tags.get(PID_TAG, "").isdigit() and _gone(int(tags[PID_TAG]), tags.get(STARTED_TAG) or None):
+                if tags.get(PID_TAG, "").isdigit() and process_gone(int(tags[PID_TAG]), tags.get(STARTED_TAG) or None):
                     status, added, made, path = complete_from_journal(client, run)
                     if status is None:
                         client.set_tag(run.info.run_id, "runner.outcome", "killed")
@@ -243,7 +243,7 @@ def _started(pid: int) -> str | None:
         return None
 
 
-def _gone(pid: int, started: str | None) -> bool:
+def process_gone(pid: int, started: str | None) -> bool:
     """Whether process pid (started at `started`) has ended: no such pid, a zombie, or a pid reused."""
     try:
         os.kill(pid, 0)

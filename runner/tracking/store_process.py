@@ -163,8 +163,17 @@ def start_early(uri: str, experiment: str, artifact_root: str) -> None:
     """Start the tracking process and its opening of the store now (preflight does, before importing torch);
     the run's tracker takes it (`started`) where it tracks to the same store."""
     global _early
+    from runner.tracking import sqlite_store
+
+    if sqlite_store.usable(uri):  # the run writes this store itself, without MLflow (runner/tracking/sqlite_store.py)
+        return
     _early = StoreProcess()
     _early.open(uri, experiment, artifact_root)
+
+
+def pending() -> bool:
+    """Whether a tracking process was started early and no tracker has taken it yet."""
+    return _early is not None
 
 
 def started(uri: str, experiment: str, artifact_root: str) -> StoreProcess:

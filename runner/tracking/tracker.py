@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from runner.spec import metric_names
 
-from runner.tracking import calls, journal, store_process
+from runner.tracking import calls, journal, sqlite_store, store_process
 from runner.tracking.store import Store
 from runner.tracking.journal import Journal
 from runner.tracking.writer import StoreWriter, first_line, refused
@@ -103,6 +103,11 @@ class _Opening:
     def __init__(self, uri: str, experiment: str, artifact_root: str, how: str):
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self._outcome: tuple[Any, str] | BaseException | None = None
+        # an existing sqlite store is written without MLflow (runner/tracking/sqlite_store.py): opened now, in ms
+        direct = None if how == "process" and store_process.pending() else sqlite_store.opened(uri, experiment,
+                                                                                              artifact_root)
+        if direct is not None:
+            self._outcome, how = (direct, direct.experiment_id), "opened"
         self._process = store_process.started(uri, experiment, artifact_root) if how == "process" else None
         self._thread = threading.Thread(target=self._open, name=OPENING_THREAD) if how == "thread" else None
         if self._thread is not None:
@@ -383,6 +388,8 @@ class MlflowTracker:
         if isinstance(self.store, store_process.StoreProcess):  # waited for: its CPU is the run's
             if ended:  # else the writer's thread still tries the store: it is closed as this process exits
                 self.store.close()
+        elif isinstance(self.store, sqlite_store.SqliteStore) and ended:
+            self.store.close()
         if not ended:
             waiting, first, whats = writer.left()
             values = f"{waiting} metric values (from step {first}), " if waiting else ""
@@ -397,6 +404,8 @@ class MlflowTracker:
     def _ended_store(self) -> Any:
         """The store's calls for a caller adding to the run after its end: in this process by then."""
         if isinstance(self.store, store_process.StoreProcess) and self.store.usable:
+            return self.store
+        if isinstance(self.store, sqlite_store.SqliteStore) and not self.store.closed:
             return self.store
         return self._store_here()
 
