@@ -145,6 +145,15 @@ class Averages(AddOn):
             return None
         return {a.kind: {"count": a.count} for a in (self.ema, self.swa) if a is not None}
 
+    def whole_state(self) -> dict | None:
+        """Counts and values as whole CPU tensors (a collective under fsdp): for a run that writes no checkpoint."""
+        from runner.engine.parallel.state import gathered
+
+        return None if self.ema is None and self.swa is None else {
+            a.kind: {"count": a.count, "values": {name: gathered(_like(v, self._tensors[name])).cpu()
+                                                  for name, v in a.values.items()}}
+            for a in (self.ema, self.swa) if a is not None}
+
     def load_state_dict(self, state: dict | None) -> None:
         """A checkpoint's averages, whose values its load filled in already; None (a checkpoint without them, or a
         tool that trained and put the starting weights back, such as an lr finder) starts both over from the

@@ -568,7 +568,7 @@ class Engine:
             return None
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
         tensors, groups = parallel.sharded_state(self.module, self.optimizer)
-        tensors.update(self.averages.sharded_state())
+        tensors = parallel.saved_names({**tensors, **self.averages.sharded_state()}, self.module)
         groups = parallel.gather_objects(groups)  # parameter names and settings: a pipeline rank holds some of each group
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
         log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses

@@ -253,6 +253,22 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return flat, list(optim_state.get("param_groups", []))
 
 
+def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """A rank's flat state under the names one process saves it by: the optimizer's state and the averages of a
+    tied parameter under its first name (a pipeline rank holding only the lm head keys them by its own), so that
+    a checkpoint's layout is the same at every mesh. The model's entries keep every name, as its state dict has."""
+    canonical = {n: names[0] for names in tied_names(module) for n in names[1:]}
+    if not canonical:
+        return flat
+    out = {}
+    for key, value in flat.items():
+        if not key.startswith(MODEL):
+            prefix, name, field = _split_key(key)
+            key = prefix + canonical.get(name, name) + field
+        out[key] = value
+    return out
+
+
 def tied_names(module: nn.Module) -> list[list[str]]:
     """The names of each parameter the whole model holds under several names (a pipeline rank's: the whole
     model's, which it knows from before the cut)."""
