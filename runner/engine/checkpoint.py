@@ -487,13 +487,16 @@ class Checkpointer:
         tmp = self._prepare(target, record)
         from torch.distributed import checkpoint as dcp
 
+        import torch.distributed as dist
+
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        alone = not dist.is_initialized()  # one process: said, so DCP does not warn that it assumes so
         try:
             if self.async_save:
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group())
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group(), no_dist=alone)
                 self._pending = lambda: (future.result(), _commit(tmp, target, step, kind, keep, spec))[1]
                 return target
-            dcp.save(tensors, storage_writer=writer)
+            dcp.save(tensors, storage_writer=writer, no_dist=alone)
         except OSError as e:
             raise _write_error(e, tmp) from e
         return _commit(tmp, target, step, kind, keep, spec)

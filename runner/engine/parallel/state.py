@@ -258,15 +258,29 @@ def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     tied parameter under its first name (a pipeline rank holding only the lm head keys them by its own), so that
     a checkpoint's layout is the same at every mesh. The model's entries keep every name, as its state dict has."""
     canonical = {n: names[0] for names in tied_names(module) for n in names[1:]}
-    if not canonical:
-        return flat
     out = {}
     for key, value in flat.items():
+        if _is_strided(value):  # see _is_strided: whole over its tensor-parallel group (a collective of that group)
+            value = gathered(value)
         if not key.startswith(MODEL):
             prefix, name, field = _split_key(key)
             key = prefix + canonical.get(name, name) + field
         out[key] = value
     return out
+
+
+def _is_strided(t: Any) -> bool:
+    """A DTensor placed _StridedShard (the fused qkv of runner/engine/parallel/tensor.py: each tensor-parallel rank
+    holds its rows of q, of k and of v). DCP describes a rank's piece of a tensor by one offset and one size, and
+    for these it computes the offset of the first row only, as if the piece were contiguous: saved so, two ranks'
+    pieces overlap and a load at another mesh reads wrong rows. Such a tensor is saved whole instead (gathered
+    over its group; every rank of the group writes the same value, which DCP keeps once) and loaded whole, each
+    rank laying out its part (placed_like). Only these few tensors (one per attention block) are ever whole."""
+    if not hasattr(t, "placements"):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)
 
 
 def tied_names(module: nn.Module) -> list[list[str]]:
@@ -324,20 +338,28 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, sou
         lacking.add(prefix)
     wanted: dict[str, Any] = {}  # the checkpoint's key -> the tensor of this rank it fills (the first asking)
     for key, source_key in source_of.items():
-        wanted.setdefault(source_key, state[key])
+        value = state[key]
+        if _is_strided(value) and not isinstance(source, dict):  # read whole (see _is_strided), laid out below
+            value = torch.empty(value.shape, dtype=value.dtype)
+        wanted.setdefault(source_key, value)
     if isinstance(source, dict):
         for source_key, like in wanted.items():
             wanted[source_key] = _placed_into(source[source_key], like)
     else:
         from torch.distributed import checkpoint as dcp
 
-        dcp.load(wanted, checkpoint_id=str(source))  # tensors in place; other values replaced in `wanted`
+        import torch.distributed as dist
+
+        # tensors in place; other values replaced in `wanted`
+        dcp.load(wanted, checkpoint_id=str(source), no_dist=not dist.is_initialized())
     params = dict(module.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for key, source_key in source_of.items():
             value, loaded = state[key], wanted[source_key]
             if isinstance(value, torch.Tensor):
-                if loaded is not value:  # a second name of a tied parameter held apart here
+                if _is_strided(value) and not _is_strided(loaded):  # read whole: this rank's part of it
+                    local_tensor_of(value).copy_(local_tensor_of(placed_like(loaded, value)))
+                elif loaded is not value:  # a second name of a tied parameter held apart here
                     local_tensor_of(value).copy_(local_tensor_of(loaded))
             elif key.startswith(OPTIM) and optimizer is not None:  # a count kept as a number
                 name, _, field = key[len(OPTIM):].rpartition("/")
