@@ -1,4 +1,5 @@
-"""Full (unsharded) state dicts of a wrapped model and its optimizer, and the local values of DTensors."""
+"""The state of a wrapped model and its optimizer: this rank's shards for checkpoints (sharded_state, load_sharded), full
+state dicts where one process needs the whole model, the local values of DTensors, and gradient norms over a mesh."""
 from __future__ import annotations
 
 import torch
@@ -6,12 +7,8 @@ from torch import nn
 
 
 def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank.
-
-    Checkpoints hold full state dicts rather than torch.distributed.checkpoint shards: at the sizes
-    this runner trains the gather is cheap, and one file loads into single, ddp, fsdp or hsdp alike, so
-    a run can resume on a different number of devices.
-    """
+    """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank (a collective; what the
+    memory tests compare against one process: checkpoints hold this rank's shards instead, sharded_state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -45,37 +42,6 @@ def full_model_state(module: nn.Module) -> dict:
             if name in state:
                 state[name] = value
     return state
-
-
-def load_model_state(module: nn.Module, model_state: dict) -> None:
-    """The whole model's full state into `module`, wrapped or one rank's pipeline stages."""
-    pipeline = getattr(module, "_runner_pipeline", None)
-    if pipeline is not None:
-        pipeline.load_model_state(model_state)
-        return
-    load_full_model_state(module, model_state)
-
-
-def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    options = StateDictOptions(full_state_dict=True)
-    if _nested_placements(module):
-        model_state, optim_state = placed_state(module, model_state), _placed_optim_state(module, optim_state)
-        options = StateDictOptions(full_state_dict=False)
-    if optim_state.get("state"):
-        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
-        return
-    # An optimizer that keeps no per-parameter state (SGD without momentum): torch's loader takes the device
-    # from a state tensor, finds none and refuses ("Expected device to be set"). The groups' settings (lr,
-    # weight decay, ...) are all there is to load; runner builds the groups in one order every time.
-    set_model_state_dict(module, model_state, options=options)
-    saved = optim_state["param_groups"]
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run's "
-                         f"{len(optimizer.param_groups)}")
-    for group, state in zip(optimizer.param_groups, saved):
-        group.update({k: v for k, v in state.items() if k != "params"})
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -132,16 +98,6 @@ def clip_grad_value(params: list[torch.Tensor], clip_value: float) -> None:
     """torch's clip_grad_value_ for gradients that may mix DTensors and plain tensors: each rank clamps its part."""
     for p in params:
         local_tensor_of(p.grad).clamp_(-clip_value, clip_value)
-
-
-def load_full_model_state(module: nn.Module, model_state: dict) -> None:
-    """Full (unsharded) model weights into a wrapped model, any mesh (best weights, averages)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if _nested_placements(module):
-        set_model_state_dict(module, placed_state(module, model_state), options=StateDictOptions(full_state_dict=False))
-    else:
-        set_model_state_dict(module, model_state, options=StateDictOptions(full_state_dict=True))
 
 
 def _is_nested(t: torch.Tensor) -> bool:
@@ -210,21 +166,6 @@ def _nested_placements_of(placements) -> bool:
     return isinstance(placements[-1], _StridedShard)
 
 
-def placed_state(module: nn.Module, model_state: dict) -> dict:
-    """A full model state dict with each parameter's entry laid out as the parameter (see placed_like)."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    return {k: placed_like(v, params[k]) if k in params else v for k, v in model_state.items()}
-
-
-def _placed_optim_state(module: nn.Module, optim_state: dict) -> dict:
-    params = dict(module.named_parameters(remove_duplicate=False))
-    state = {}
-    for name, entry in optim_state.get("state", {}).items():
-        like = params.get(name)
-        state[name] = {k: placed_like(v, like) if like is not None and isinstance(v, torch.Tensor)
-                       and v.shape == like.shape else v for k, v in entry.items()}
-    return {**optim_state, "state": state}
-
 
 # --- sharded state: what a checkpoint holds of each rank (torch.distributed.checkpoint) --------------------------
 #
@@ -272,8 +213,9 @@ def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:
 def _is_strided(t: Any) -> bool:
     """A DTensor placed _StridedShard (the fused qkv of runner/engine/parallel/tensor.py: each tensor-parallel rank
     holds its rows of q, of k and of v). DCP describes a rank's piece of a tensor by one offset and one size, and
-    for these it computes the offset of the first row only, as if the piece were contiguous: saved so, two ranks'
-    pieces overlap and a load at another mesh reads wrong rows. Such a tensor is saved whole instead (gathered
+    for these it takes the offset of the first row only, as if the piece were contiguous: torch 2.14's dcp.save
+    refuses them ("Failed to validate global plan: key:w has overlapping chunks", measured with tp=2 on gloo).
+    Such a tensor is saved whole instead (gathered
     over its group; every rank of the group writes the same value, which DCP keeps once) and loaded whole, each
     rank laying out its part (placed_like). Only these few tensors (one per attention block) are ever whole."""
     if not hasattr(t, "placements"):
