@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
@@ -43,6 +44,9 @@ from runner.engine.rng import rng_state, set_rng_state  # noqa: F401  (part of t
 from runner.spec.run import SpecError
 
 log = logging.getLogger(__name__)
+# DCP warns at every save and load in one process that it assumes one process: runner says so itself (no_dist)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 LAST = "last.pt"
 TRAINING, WEIGHTS = "training", "weights"  # what a file holds: a run's whole state, or its weights alone
