@@ -124,7 +124,7 @@ class BestWeights(AddOn):
         tensors, _ = parallel.sharded_state(view.module)
         tensors = parallel.saved_names({**tensors, **self.averages.sharded_state()}, view.module)
         record = {"spec": view.spec.to_yaml(), "progress": {"step": step}, "mlflow_run_id": view.tracker.run_id or "",
-                  "addons": {"averages": self.averages.state_dict()}} if view.env.is_main else None
+                  "averages": self.averages.state_dict()} if view.env.is_main else None
         checkpoint.Checkpointer().save(run_weights.best_file(self.directory, step), step, tensors, record,
                                        kind=checkpoint.WEIGHTS)
 

@@ -719,12 +719,15 @@ def expand(flat: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model}
     if "optimizer_groups" in record:
         out["optimizer"] = {"state": optim_state, "param_groups": record["optimizer_groups"]}
-    averages = (record.get("addons") or {}).get("averages")
-    if averages:
-        averages = {kind: {**entry, "values": {k[len(f"{AVERAGES}{kind}/"):]: v for k, v in flat.items()
-                                               if k.startswith(f"{AVERAGES}{kind}/")}}
-                    for kind, entry in averages.items()}
-        out["addons"] = {**record["addons"], "averages": averages}
+    def with_values(averages: dict) -> dict:
+        return {kind: {**entry, "values": {k[len(f"{AVERAGES}{kind}/"):]: v for k, v in flat.items()
+                                          if k.startswith(f"{AVERAGES}{kind}/")}}
+                for kind, entry in averages.items() if entry is not None}
+
+    if (record.get("addons") or {}).get("averages"):  # a step checkpoint: one entry per add-on
+        out["addons"] = {**record["addons"], "averages": with_values(record["addons"]["averages"])}
+    if record.get("averages"):  # a best checkpoint keeps its averages at the top, as the one-file best files did
+        out["averages"] = with_values(record["averages"])
     return out
 
 
