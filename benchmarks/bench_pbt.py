@@ -49,7 +49,7 @@ def sweep(name: str, ready: int, explore: str, steps: int, seed: int, workdir: P
 def _final_acc(run_dir: Path) -> float:
     from runner.engine import checkpoint
 
-    history = checkpoint.load(run_dir)["monitor"].get("history", {})
+    history = checkpoint.read(run_dir)[1]["monitor"].get("history", {})  # the record alone: no tensor is read
     values = history.get("val/acc") or [(0, float("nan"))]
     return values[-1][1]
 

@@ -19,7 +19,8 @@ beside the raw weights.
 - Parallel: under ddp every rank averages its full (identical) weights; under fsdp every rank averages
   its own shards (averaging is elementwise, so the shards of the average are the averages of the
   shards); under pp every rank its own stages' weights, evaluated through the pipeline. Checkpoints hold
-  full tensors of the whole model, like the model's.
+  each rank's shards of the averages beside the model's (`sharded_state`, laid out as the weights they
+  average), so they reshard on load like the model.
 
 torch.optim.swa_utils.AveragedModel is not used as a whole: it deep-copies the module, which for an
 FSDP-sharded or compiled model would need its own wrap to be evaluated, and it keeps the average in
@@ -38,6 +39,7 @@ import torch
 from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg_fn, update_bn
 
 from runner.engine.parallel import all_reduce_sum, local_tensor_of
+from runner.engine.parallel.state import AVERAGES
 from runner.addons.base import AddOn, EngineView, Progress
 from runner.spec.trainer import SwaSpec
 from runner.spec.run import RunSpec, SpecError
@@ -71,17 +73,10 @@ class Average:
             value.copy_(local_tensor_of(tensors[name]))
         self.count = 0
 
-    def state_dict(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """Full tensors on the CPU (a collective under fsdp: every rank calls it)."""
-        return {"count": self.count, "values": {name: _full(value, tensors[name]).cpu() for name, value in self.values.items()}}
-
-    def load_state_dict(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(self.values) - set(state["values"]))
-        if missing:
-            raise SpecError(f"trainer.resume: the checkpoint's {self.kind.upper()} weights lack {missing[0]}")
-        for name, value in self.values.items():
-            value.copy_(_shard(state["values"][name], tensors[name]))
-        self.count = int(state["count"])
+    def sharded_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's values laid out as the weights they average (a DTensor over this rank's shard where the
+        weight is one: no copy, so a checkpoint's load fills them in place), keyed averages/<kind>/<name>."""
+        return {f"{AVERAGES}{self.kind}/{name}": _like(value, tensors[name]) for name, value in self.values.items()}
 
 
 class Averages(AddOn):
@@ -139,32 +134,37 @@ class Averages(AddOn):
         with self._swapped_in(self.swa, keep=buffers):
             _recompute_batchnorm(self.view)
 
+    def sharded_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of both averages, for a checkpoint's tensors (runner/engine/parallel/state.py loads
+        them in place at any mesh, before load_state_dict)."""
+        return {k: v for a in (self.ema, self.swa) if a is not None for k, v in a.sharded_state(self._tensors).items()}
+
     def state_dict(self) -> dict | None:
-        """For the checkpoint: full tensors (a collective under fsdp: every rank calls it)."""
+        """For the checkpoint's record: how many weights each average took in (their values are sharded_state)."""
         if self.ema is None and self.swa is None:
             return None
-        state = {a.kind: a.state_dict(self._tensors) for a in (self.ema, self.swa) if a is not None}
-        pipeline = getattr(self.view.module, "_runner_pipeline", None)
-        if pipeline is not None:  # pp: each rank averages its own stages' weights; the checkpoint holds the whole model's
-            for average in state.values():
-                average["values"] = pipeline.merged_state(average["values"])
-        return state
+        return {a.kind: {"count": a.count} for a in (self.ema, self.swa) if a is not None}
+
+    def whole_state(self) -> dict | None:
+        """Counts and values as whole CPU tensors (a collective under fsdp): for a run that writes no checkpoint."""
+        from runner.engine.parallel.state import gathered
+
+        return None if self.ema is None and self.swa is None else {
+            a.kind: {"count": a.count, "values": {name: gathered(_like(v, self._tensors[name])).cpu()
+                                                  for name, v in a.values.items()}}
+            for a in (self.ema, self.swa) if a is not None}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's averages; None (a checkpoint without them, or a tool that trained and put the
-        starting weights back, such as an lr finder) starts both over from the module's weights."""
-        tensors = self._tensors
-        pipeline = getattr(self.view.module, "_runner_pipeline", None)
+        """A checkpoint's averages, whose values its load filled in already; None (a checkpoint without them, or a
+        tool that trained and put the starting weights back, such as an lr finder) starts both over from the
+        module's weights."""
         for average in (self.ema, self.swa):
             if average is None:
                 continue
             if state and state.get(average.kind) is not None:
-                saved = state[average.kind]
-                if pipeline is not None:  # this rank's stages may hold a shared parameter under another of its names
-                    saved = {**saved, "values": pipeline.with_tied_names(saved["values"])}
-                average.load_state_dict(saved, tensors)
+                average.count = int(state[average.kind]["count"])
             else:  # a checkpoint saved without this average: it starts from the loaded weights
-                average.reset_to(tensors)
+                average.reset_to(self._tensors)
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -278,23 +278,14 @@ def _average_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.is_floating_point() and t.element_size() < 4 else t.dtype
 
 
-def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if not hasattr(like, "to_local"):
+def _like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part of an average) as a DTensor laid out as the weight `like`, sharing its storage."""
+    if not hasattr(like, "device_mesh"):
         return local
     from torch.distributed.tensor import DTensor
 
-    from runner.engine.parallel.state import gathered  # fsdp over a strided tensor-parallel split included
-
-    return gathered(DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()))
-
-
-def _shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a full tensor laid out as `like` (every rank holds the full tensor)."""
-    if not hasattr(like, "to_local"):
-        return full
-    from runner.engine.parallel.state import placed_like  # fsdp over a strided tensor-parallel split included
-
-    return placed_like(full.to(like.device), like).to_local()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def _batchnorms(module: torch.nn.Module) -> list[torch.nn.Module]:

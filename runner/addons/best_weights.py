@@ -2,8 +2,9 @@
 objective.metric, not from the last ones.
 
 At each validation that improves objective.metric, the model's weights and the averaged ones (EMA/SWA:
-the objective may be val/ema/acc) are written to <run_dir>/checkpoints/best-step-<N>.pt as full tensors (a
-collective under fsdp: every rank calls it): a runner checkpoint of the run's weights alone, written and
+the objective may be val/ema/acc) are written to <run_dir>/checkpoints/best-step-<N>.pt, each rank its own
+shards (a sharded checkpoint folder; every rank calls it, none gathers the whole model): a runner checkpoint
+of the run's weights alone, written and
 read through runner/engine/run_weights.py, the one place that says which weights of a run are meant. Step checkpoints' rotation
 (keep_checkpoints) never removes it. At the end the best weights are loaded for the test and the last
 ones put back, so the final checkpoint still continues the run exactly. SWA's BatchNorm statistics are
@@ -48,17 +49,23 @@ class BestWeights(AddOn):
         step = self.view.progress.step
         if not self.on or self.view.best_step(self.metric) != step:
             return
-        state = {"step": step, "model": parallel.full_model_state(self.view.module),
-                 "averages": self.averages.state_dict()}  # both collectives under fsdp
+        self._save(step)
         if self.view.env.is_main:
-            run_weights.save_best(self.directory, step, state["model"], state["averages"], self.view.spec.to_yaml(),
-                                  self.view.tracker.run_id or "")
             self._prune(keep={self.committed, step})
         parallel.barrier()
 
+    def state_dict(self) -> None:
+        """A step checkpoint is being saved: the best step it knows is the one a resume from it would test on
+        (noted here, at the save; pruned by after_checkpoint once the checkpoint is committed, which for an
+        asynchronous save is later). Nothing of this add-on goes into the checkpoint."""
+        self._saving = self.view.best_step(self.metric)
+        return None
+
     def after_checkpoint(self, path: Path) -> None:
-        """A step checkpoint was written (main rank): its best step is the one a resume would test on."""
-        self.committed = self.view.best_step(self.metric)
+        """A step checkpoint was committed (main rank): its best step is the one a resume would test on."""
+        self.committed = getattr(self, "_saving", None)
+        if self.committed is None:
+            self.committed = self.view.best_step(self.metric)
         if self.on:
             self._prune(keep={self.committed})
 
@@ -83,23 +90,24 @@ class BestWeights(AddOn):
             view.say(f"trainer.test_on=best: {self.metric} was never evaluated (no validation of it); "
                      "testing the last weights")
             return _test(view)
-        state = parallel.broadcast_object(self._read(best) if view.env.is_main else None)
+        # rank 0 verifies the folder and reads its record; every rank then reads its own shards of it
+        state = parallel.broadcast_object(self._read_record(best) if view.env.is_main else None)
         if state is None:
             view.say(f"trainer.test_on=best: the weights of step {best} are not in {self.directory} "
                      "(removed, or written before runner kept them); testing the last weights")
             return _test(view)
         saved = _snapshot(view.module, self.averages)
         try:
-            parallel.load_model_state(view.module, state["model"])
-            self.averages.load_state_dict(state["averages"])
+            path = run_weights.best_file(self.directory, best)
+            source = parallel.flat_full_state(state) if "model" in state else path  # a one-file best: whole tensors
+            parallel.load_sharded(view.module, None, source, extra=self.averages.sharded_state(),
+                                  optional=(parallel.AVERAGES,))
+            self.averages.load_state_dict(checkpoint.addon_states(state).get("averages"))
             self.averages.finish()  # SWA's BatchNorm statistics for these SWA weights
             metrics = _test(view)
             if self.averages.swa is not None and self.averages.swa.count:
-                # the file then holds the SWA weights as tested: what eval, export and log_model take of it
-                averages = self.averages.state_dict()  # a collective under fsdp
-                if view.env.is_main:
-                    run_weights.save_best(self.directory, best, state["model"], averages, view.spec.to_yaml(),
-                                          view.tracker.run_id or "")
+                # the folder then holds the SWA weights as tested: what eval, export and log_model take of it
+                self._save(best)
         finally:
             _restore(view.module, saved)
         self.source = f"best@step {best}"
@@ -110,10 +118,27 @@ class BestWeights(AddOn):
         unreadable."""
         return self._read(step)
 
+    def _save(self, step: int) -> None:
+        """The module's weights and the averages as the best of `step`: every rank writes its own shards."""
+        view = self.view
+        tensors, _ = parallel.sharded_state(view.module)
+        tensors = parallel.saved_names({**tensors, **self.averages.sharded_state()}, view.module)
+        record = {"spec": view.spec.to_yaml(), "progress": {"step": step}, "mlflow_run_id": view.tracker.run_id or "",
+                  "averages": self.averages.state_dict()} if view.env.is_main else None
+        checkpoint.Checkpointer().save(run_weights.best_file(self.directory, step), step, tensors, record,
+                                       kind=checkpoint.WEIGHTS)
+
     def _read(self, step: int) -> dict | None:
+        return self._reading(step, checkpoint.load)
+
+    def _read_record(self, step: int) -> dict | None:
+        """The best folder's record (verified), or a one-file best's whole state."""
+        return self._reading(step, lambda path: checkpoint.read(path)[1])
+
+    def _reading(self, step: int, read: Any) -> dict | None:
         path = run_weights.best_file(self.directory, step)
         try:
-            return checkpoint.load(path)
+            return read(path)
         except Exception as e:  # missing or unreadable: the caller says so and tests the last weights
             log.warning("cannot read %s (%s)", path, (str(e).strip() or type(e).__name__).splitlines()[0])
             return None
@@ -122,7 +147,7 @@ class BestWeights(AddOn):
         for path in self.directory.glob("best-step-*.pt"):
             match = run_weights.BEST_FILE.fullmatch(path.name)
             if match and int(match.group(1)) not in keep:
-                path.unlink(missing_ok=True)
+                run_weights.remove(path)
 
 
 def _test(view: EngineView) -> dict[str, float]:

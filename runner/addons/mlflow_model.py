@@ -10,8 +10,9 @@ pickled is the user's own class: no DDP/FSDP/compile wrapper, no activation-chec
 it back needs that class importable (runner installed for the built-in runner.models; a user's own
 package on the path), as for any pickled torch module; its `_target_` is in the model's tags.
 
-Every rank calls `log` (the last weights are gathered as full tensors, a collective under fsdp); rank 0
-alone logs. pip requirements are given (torch and the model libraries loaded, pinned to the running
+Every rank calls `log`; rank 0 alone reads the weights, whole, from the run's checkpoint that holds them
+(the final one, or the kept best) and logs. With trainer.save_checkpoints=false no checkpoint holds them: the
+module's are gathered as whole tensors (a collective under fsdp). pip requirements are given (torch and the model libraries loaded, pinned to the running
 versions): MLflow would otherwise spend seconds inferring them by loading the model in a subprocess.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from runner.addons.base import AddOn, EngineView
 from runner.spec import components
 
-from runner.engine import parallel, run_weights
+from runner.engine import checkpoint, parallel, run_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,12 @@ class ModelLogger(AddOn):
         tested = self.best_weights.source if self.which == "best" else f"last@step {view.progress.step}"
         which, _, step = tested.partition("@step ")
         step, average = int(step), run_weights.chosen_average(self.spec)
-        if step == view.progress.step:  # the module holds these weights: full tensors (fsdp: every rank gathers)
-            state = {"model": parallel.full_model_state(view.module), "averages": self.best_weights.averages.state_dict()}
-        else:  # a kept best file, read on the main rank only
+        if step == view.progress.step and not self.spec.trainer.save_checkpoints:
+            # no checkpoint holds these weights: the module's, as whole tensors (fsdp: every rank gathers)
+            state = {"model": parallel.full_model_state(view.module), "averages": self.best_weights.averages.whole_state()}
+        elif step == view.progress.step:  # the final checkpoint (just written) holds them: read on the main rank only
+            state = _read(Path(self.spec.run_dir) / "checkpoints" / f"step-{step:08d}.pt") if view.env.is_main else None
+        else:  # a kept best checkpoint, read on the main rank only
             state = self.best_weights.saved_state(step) if view.env.is_main else None
         if not view.env.is_main or view.tracker.run_id is None:
             return
@@ -268,3 +272,12 @@ def _quiet(name: str, level: int):
         yield
     finally:
         logger.setLevel(before)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return checkpoint.load_weights(path)
+    except Exception as e:  # the caller says that no model is logged
+        log.warning("cannot read %s (%s)", path, (str(e).strip() or type(e).__name__).splitlines()[0])
+        return None
+

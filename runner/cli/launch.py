@@ -89,7 +89,7 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
     # another node without a shared disk does not hold the run it resumes: it runs the command's own spec (the
     # same command on every node) and rank 0, on node 0, reads the checkpoint for every rank
     if spec.trainer.resume and (run_lock.decides(spec.parallelism) or (Path(spec.trainer.resume) / "spec.yaml").exists()
-                                or Path(spec.trainer.resume).is_file()):
+                                or Path(spec.trainer.resume).is_file() or checkpoint.is_folder(spec.trainer.resume)):
         # the callbacks typed now with their defaults filled in, as the saved spec holds them: like with like
         spec = resume.plan(components.resolved_callbacks(spec))
     # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml

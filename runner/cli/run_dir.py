@@ -106,7 +106,7 @@ def latest_run(root: Path = RUNS) -> Path:
         while re.fullmatch(r"fold-\d+", run.name) and (run.parent / "spec.yaml").is_file():
             run = run.parent
         written = [*(spec_file.parent / "checkpoints").glob("*.pt"), spec_file]
-        when, path = max((p.stat().st_mtime, p) for p in written if p.is_file())
+        when, path = max((p.stat().st_mtime, p) for p in written if p.exists())  # a checkpoint is a folder
         if newest is None or when > newest[0]:
             newest = (when, run, path)
     if newest is None:

@@ -1,15 +1,26 @@
 """Checkpoints: everything a run needs to continue as if never stopped, written atomically, verified on load.
 
 A checkpoint holds model, optimizer, scheduler, precision (scaler) state, RNG states, step/epoch, the
-data position and the run's spec. On disk: a header, a small JSON meta record (step, spec), the
-torch.save payload. `runner checkpoint 1\n` `sha256 <64 hex> meta <10 digits> payload <16 digits>\n`.
-The SHA-256 covers meta and payload; it is computed while torch.save streams out and checked by streaming
-the file back before anything is unpickled (`weights_only=True`), so no side holds a second copy in
-memory. Files are written under a temporary name, fsynced and renamed: a crash leaves the previous
-checkpoint intact, and a torn or corrupt file is refused with a one-line SpecError.
+data position and the run's spec. Two layouts:
 
-`load(run_dir)` falls back to the directory's previous good checkpoint when the newest is corrupt
-(`load_latest_good` also says which file it used); `load(file)` never falls back.
+- Sharded (what runs write): a folder, `step-<8 digits>.pt/`, holding torch.distributed.checkpoint's files
+  (each rank writes its own shards of the model, the optimizer and the add-ons' tensors, `__<rank>_0.distcp`,
+  and rank 0 the `.metadata` that maps every tensor's pieces), `record.pt` (rank 0: the spec, progress,
+  schedule, monitor, RNG of every rank, ... as plain values, loadable with weights_only=True) and, written
+  last, `manifest.json` (step, kind, spec, and each file's size and SHA-256). The folder is written under
+  `.<name>.tmp-<pid>` and renamed once every rank has written its shards; a folder without a manifest or
+  whose files do not match it is torn and refused with a one-line SpecError. No rank gathers the whole
+  state; a checkpoint loads at any mesh (DCP reshards into the loading run's own sharded state dict).
+  The folders keep the names of the one-file layout (`step-N.pt`, `best-step-N.pt`, `last.pt`, here a
+  symbolic link to the newest), so every path that named a checkpoint names one still.
+- One file (written before checkpoints were sharded; still read): a header, a small JSON meta record
+  (step, spec), the torch.save payload. `runner checkpoint 1\n` `sha256 <64 hex> meta <10 digits> payload
+  <16 digits>\n`. The SHA-256 covers meta and payload and is checked before anything is unpickled.
+
+`load(run_dir)` falls back to the directory's previous good checkpoint when the newest is torn or corrupt
+(`load_latest_good` also says which one it used); `load(path)` never falls back. `load` of a sharded folder
+reads its tensors whole into this one process (a reader's: eval, export, tests); a training run reads
+`read_record` and loads its own shards through runner/engine/parallel/state.py.
 """
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
@@ -32,11 +44,14 @@ from runner.engine.rng import rng_state, set_rng_state  # noqa: F401  (part of t
 from runner.spec.run import SpecError
 
 log = logging.getLogger(__name__)
+# DCP warns at every save and load in one process that it assumes one process: runner says so itself (no_dist)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 LAST = "last.pt"
 TRAINING, WEIGHTS = "training", "weights"  # what a file holds: a run's whole state, or its weights alone
 _STEP_FILE = re.compile(r"step-(\d+)\.pt")
-_TMP_FILE = re.compile(r"\.(?:step-\d+|best-step-\d+|last)\.pt\.tmp-(\d+)")
+_TMP_FILE = re.compile(r"\.(?:step-\d+|best-step-\d+|last)\.pt\.tmp-(\d+)(?:-old)?")  # a file, or a folder being written
 _MAGIC = b"runner checkpoint 1\n"
 _HEADER = re.compile(rb"sha256 ([0-9a-f]{64}) meta (\d{10}) payload (\d{16})\n")
 _HEADER_LEN = len(_MAGIC) + len(b"sha256 %s meta %010d payload %016d\n" % (b"0" * 64, 0, 0))
@@ -76,7 +91,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
         path.unlink(missing_ok=True)  # last.pt still names the previous checkpoint, which stays the newest
         raise
     for old in _step_files(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        _remove(old)
     return path
 
 
@@ -117,6 +132,12 @@ def load(path_or_run_dir: str | Path) -> dict[str, Any]:
     return _use(path_or_run_dir, _read_state)[1]
 
 
+def read(path_or_run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+    """What a training run resumes from, verified (a directory: its newest good checkpoint): a sharded folder's
+    record (its tensors stay on disk: each rank loads its own shards), or a one-file checkpoint's whole state."""
+    return _use(path_or_run_dir, _read_record_or_state)
+
+
 def load_latest_good(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint of a run directory that passes its checksum, and its state.
 
@@ -145,6 +166,8 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 def resolve(path_or_run_dir: str | Path) -> Path:
     """A checkpoint file, or a run directory's newest checkpoint file (not verified: see load_latest_good)."""
     path = Path(path_or_run_dir)
+    if is_folder(path):
+        return path
     if path.is_dir():
         candidates = _candidates(path)
         if candidates:
@@ -162,7 +185,10 @@ def remove_orphans(directory: Path) -> list[Path]:
         match = _TMP_FILE.fullmatch(tmp.name)
         if match and not _alive(int(match.group(1))):
             with contextlib.suppress(OSError):  # a read-only directory: leave it
-                tmp.unlink()
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink()
                 removed.append(tmp)
     if removed:
         log.info("removed %d temporary file(s) of interrupted checkpoint saves in %s", len(removed), directory)
@@ -330,6 +356,8 @@ def _verified(path: Path) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        return _load_folder(path)
     with _verified(path) as (f, _):
         try:
             state = torch.load(f, map_location="cpu", weights_only=True)  # reads from f.tell() on
@@ -342,12 +370,17 @@ def _read_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def _read_record_or_state(path: Path) -> dict[str, Any]:
+    return read_record(path) if path.is_dir() else _read_state(path)
+
+
 def _read_spec(path: Path) -> str | None:
-    with _verified(path) as (_, meta):
-        return meta.get("spec")
+    return _read_meta(path).get("spec")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        return _verified_folder(path)
     with _verified(path) as (_, meta):
         return meta
 
@@ -378,7 +411,7 @@ def _candidates(run_dir: Path) -> list[Path]:
 def _use(path_or_run_dir: str | Path, read: Callable[[Path], T]) -> tuple[Path, T]:
     """A file is used or refused; a directory falls back to its previous good checkpoint."""
     path = Path(path_or_run_dir)
-    if path.is_dir():
+    if path.is_dir() and not is_folder(path):
         return _first_good(path, read)
     path = resolve(path)
     remove_orphans(path.parent)
@@ -415,3 +448,331 @@ def addon_states(state: dict) -> dict:
     old = {name: state.get(key) for name, key in _TOP_LEVEL_ADDON_KEYS.items()}
     old["early_stopping"] = old["early_stopping"] or state.get("monitor")
     return {name: value for name, value in old.items() if value is not None}
+
+
+# --- sharded checkpoints: one folder, each rank its own shards (torch.distributed.checkpoint) -------------------
+
+MANIFEST, RECORD, DCP_METADATA = "manifest.json", "record.pt", ".metadata"
+_FORMAT = "runner sharded checkpoint 1"
+MODEL, OPTIM, AVERAGES = "model/", "optim/", "averages/"  # the prefixes of the flat keys DCP stores
+
+
+def is_folder(path: str | Path) -> bool:
+    """Whether `path` is a sharded checkpoint folder, intact or torn (not a run directory holding checkpoints)."""
+    path = Path(path)
+    return path.is_dir() and (any((path / n).exists() for n in (MANIFEST, RECORD, DCP_METADATA))
+                              or any(path.glob("*.distcp")))
+
+
+class Checkpointer:
+    """Writes sharded checkpoints, synchronously or (trainer.async_checkpoint) in a background thread.
+
+    Every rank calls `save` (collective). An asynchronous save copies this rank's tensors to the CPU, returns,
+    and writes them while training goes on; it is committed (checksums, manifest, rename, last.pt, rotation)
+    when the next save starts or `wait` is called, so a kill before then leaves the previous checkpoint the
+    newest. Only one save is in flight at a time."""
+
+    def __init__(self, async_save: bool = False):
+        self.async_save = async_save
+        self._pending: Callable[[], Path] | None = None
+        self._group: Any = None  # a gloo group of its own: the writing thread's collectives never meet training's
+
+    def save(self, target: Path, step: int, tensors: dict[str, Any], record: dict[str, Any] | None, *,
+             kind: str = TRAINING, keep: int | None = None) -> Path:
+        """Write `tensors` (this rank's flat state: plain tensors or DTensors, keyed model/..., optim/...,
+        averages/...) and rank 0's `record` into the folder `target`; with `keep`, `target` is a step checkpoint:
+        last.pt points at it and all but the newest `keep` are removed. Returns `target` (asynchronously: the
+        folder it will be once committed)."""
+        self.wait()
+        _refuse_non_finite(tensors, step)
+        spec = record.get("spec") if record is not None else None
+        if spec is not None and not isinstance(spec, str):
+            raise TypeError(f"record['spec'] must be the YAML text of the run spec, not {type(spec).__name__}")
+        tmp = self._prepare(target, record)
+        from torch.distributed import checkpoint as dcp
+
+        import torch.distributed as dist
+
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        alone = not dist.is_initialized()  # one process: said, so DCP does not warn that it assumes so
+        try:
+            if self.async_save:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group(), no_dist=alone)
+                self._pending = lambda: (future.result(), _commit(tmp, target, step, kind, keep, spec))[1]
+                return target
+            dcp.save(tensors, storage_writer=writer, no_dist=alone)
+        except OSError as e:
+            raise _write_error(e, tmp) from e
+        return _commit(tmp, target, step, kind, keep, spec)
+
+    def wait(self) -> Path | None:
+        """Commit the save in flight, if any (every rank calls it); returns its folder."""
+        pending, self._pending = self._pending, None
+        return pending() if pending is not None else None
+
+    def _prepare(self, target: Path, record: dict[str, Any] | None) -> Path:
+        """The temporary folder every rank writes into (rank 0 names it after its pid, clears what a killed
+        save left, and writes the record there)."""
+        import torch.distributed as dist
+
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        pid = os.getpid()
+        if main:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                remove_orphans(target.parent)
+                tmp = target.with_name(f".{target.name}.tmp-{pid}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                _atomic_write(tmp / RECORD, lambda f: torch.save(record or {}, f))
+            except OSError as e:
+                pid = -1 if e.errno is None else -e.errno  # every rank raises, not only rank 0
+                error = _write_error(e, target)
+        if dist.is_initialized():
+            box = [pid]
+            dist.broadcast_object_list(box, src=0)
+            pid = box[0]
+        if pid < 0:
+            raise error if main else CheckpointWriteError(f"cannot write checkpoint {target} (rank 0 could not)")
+        return target.with_name(f".{target.name}.tmp-{pid}")
+
+    def _async_group(self) -> Any:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+
+def _refuse_non_finite(tensors: dict[str, Any], step: int) -> None:
+    """Refuse (on every rank alike) a state whose model or optimizer tensors hold NaN or inf: nothing is written."""
+    import torch.distributed as dist
+
+    local = {k: local_tensor(v) for k, v in tensors.items() if k.startswith((MODEL, OPTIM)) and isinstance(v, torch.Tensor)}
+    bad = _first_non_finite({"model": local})
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, bad)
+        bad = next((b for b in every if b is not None), None)
+    if bad is not None:
+        name = bad.removeprefix("model.")
+        raise NonFiniteCheckpoint(f"checkpoint of step {step} not written: {name} holds NaN or inf "
+                                  "(the previous checkpoint is kept)")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spec: str | None) -> Path:
+    """Every rank hashes its own files; rank 0 writes the manifest, renames the folder into place, links last.pt
+    and rotates. Ends with a barrier: every rank returns once the checkpoint is there."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA, tmp / RECORD] if rank == 0 else [])
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in own}
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, files)
+        files = {k: v for part in every for k, v in part.items()}
+    if rank == 0:
+        manifest = {"format": _FORMAT, "step": step, "spec": spec, "kind": kind,
+                    "ranks": dist.get_world_size() if dist.is_initialized() else 1, "files": files}
+        try:
+            _atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _replace_folder(tmp, target)
+            if keep is not None:
+                _atomic_symlink(target, target.parent / LAST)
+                for old in _step_files(target.parent)[:-keep]:
+                    _remove(old)
+        except OSError as e:
+            raise _write_error(e, target) from e
+    if dist.is_initialized():
+        dist.barrier()
+    return target
+
+
+def _replace_folder(tmp: Path, target: Path) -> None:
+    """tmp renamed to target; a folder already there (the same step saved again) is moved aside first."""
+    from runner.files import fsync_directory
+
+    old = None
+    if target.exists() or target.is_symlink():
+        old = target.with_name(f".{target.name}.tmp-{os.getpid()}-old")
+        _remove(old)
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_directory(target.parent)
+    if old is not None:
+        _remove(old)
+
+
+def _atomic_symlink(target: Path, link: Path) -> None:
+    """last.pt names the newest step checkpoint (a relative link: the run directory may move)."""
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(target.name, tmp)
+    os.replace(tmp, link)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    buffer = memoryview(bytearray(_CHUNK))
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            hasher.update(buffer[:n])
+    return hasher.hexdigest()
+
+
+def _verified_folder(path: Path) -> dict[str, Any]:
+    """The manifest of a sharded checkpoint once every file it lists matched its size and checksum."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise InvalidCheckpoint(path, "it has no manifest: the save was interrupted, the folder is torn") from None
+    except (OSError, ValueError) as e:
+        raise InvalidCheckpoint(path, f"its manifest cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or not isinstance(manifest.get("files"), dict):
+        raise InvalidCheckpoint(path, "its manifest is not a runner checkpoint's")
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise InvalidCheckpoint(path, f"{name} is missing: the folder is torn")
+        if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
+            raise InvalidCheckpoint(path, f"checksum mismatch of {name}: the folder is corrupt or truncated")
+    return manifest
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """The record of a sharded checkpoint folder (verified): everything but its tensors."""
+    path = Path(path)
+    _verified_folder(path)
+    return _load_record(path)
+
+
+def _load_record(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / RECORD, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise InvalidCheckpoint(path, "its record holds objects other than tensors and plain containers") from None
+
+
+def tensor_keys(path: str | Path) -> dict[str, Any]:
+    """The flat keys a sharded checkpoint holds, with DCP's metadata of each (its global size and dtype)."""
+    from torch.distributed import checkpoint as dcp
+
+    return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def read_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, Any]:
+    """Whole (unsharded) tensors of a sharded checkpoint in this one process, whatever mesh wrote them: DCP
+    loads into full-size tensors allocated here, with no process group (a reader's path; never collective)."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = tensor_keys(path)
+    wanted = metadata.keys() if keys is None else keys
+    state: dict[str, Any] = {}
+    for key in wanted:
+        meta = metadata[key]
+        state[key] = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+    if state:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return state
+
+
+def iter_model_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors of a sharded checkpoint one at a time, whole (export streams them into one file)."""
+    for key in tensor_keys(path):
+        if key.startswith(MODEL):
+            yield key[len(MODEL):], read_tensors(path, [key])[key]
+
+
+def _load_folder(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint as the one-file layout holds one: the record, the model's and optimizer's state and
+    the averages' values, whole tensors in this process."""
+    _verified_folder(path)
+    state = _load_record(path)
+    state.update(expand(read_tensors(path), state))
+    return state
+
+
+def expand(flat: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """Flat model/optim/averages keys as the one-file layout nests them: model, optimizer (state and the
+    record's param_groups) and the averages' values in the record's add-on entry."""
+    model = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}
+    optim_state: dict[str, dict] = {}
+    for k, v in flat.items():
+        if k.startswith(OPTIM):
+            name, _, field = k[len(OPTIM):].rpartition("/")
+            optim_state.setdefault(name, {})[field] = v
+    out: dict[str, Any] = {"model": model}
+    if "optimizer_groups" in record:
+        out["optimizer"] = {"state": optim_state, "param_groups": record["optimizer_groups"]}
+    def with_values(averages: dict) -> dict:
+        return {kind: {**entry, "values": {k[len(f"{AVERAGES}{kind}/"):]: v for k, v in flat.items()
+                                          if k.startswith(f"{AVERAGES}{kind}/")}}
+                for kind, entry in averages.items() if entry is not None}
+
+    if (record.get("addons") or {}).get("averages"):  # a step checkpoint: one entry per add-on
+        out["addons"] = {**record["addons"], "averages": with_values(record["addons"]["averages"])}
+    if record.get("averages"):  # a best checkpoint keeps its averages at the top, as the one-file best files did
+        out["averages"] = with_values(record["averages"])
+    return out
+
+
+def load_weights(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's record with the model's and the averages' whole tensors in this one process (not the
+    optimizer's): what eval, predict, export, log_model and model.weights read. A one-file checkpoint: its state."""
+    path = Path(path)
+    if not path.is_dir():
+        return load(path)
+    _verified_folder(path)
+    state = _load_record(path)
+    keys = [k for k in tensor_keys(path) if k.startswith((MODEL, AVERAGES))]
+    state.update(expand(read_tensors(path, keys), {k: v for k, v in state.items() if k != "optimizer_groups"}))
+    return state
+
+
+def copy(source: Path, directory: Path, changes: dict[str, Any], keep: int) -> Path:
+    """The checkpoint `source` (a verified sharded folder) as a step checkpoint of `directory`, its record's
+    `changes` applied (PBT's exploit: another member's state under this member's MLflow run). The shard files
+    are hard-linked where the file system allows (no copy of the state), copied otherwise; the record and the
+    manifest are new; committed like a save (temporary name, rename, last.pt, rotation)."""
+    manifest = _verified_folder(source)
+    record = {**_load_record(source), **changes}
+    target = directory / source.name
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_orphans(directory)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name in manifest["files"]:
+            if name == RECORD:
+                continue
+            try:
+                os.link(source / name, tmp / name)
+            except OSError:
+                shutil.copyfile(source / name, tmp / name)
+        _atomic_write(tmp / RECORD, lambda f: torch.save(record, f))
+        files = {**manifest["files"], RECORD: {"bytes": (tmp / RECORD).stat().st_size, "sha256": _sha256(tmp / RECORD)}}
+        _atomic_write(tmp / MANIFEST, json.dumps({**manifest, "files": files}, indent=1).encode())
+        _replace_folder(tmp, target)
+        _atomic_symlink(target, directory / LAST)
+        for old in _step_files(directory)[:-keep]:
+            _remove(old)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(e, target) from e
+    return target

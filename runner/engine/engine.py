@@ -179,6 +179,7 @@ class Engine:
         self.finished, self.final, self.test_from = False, {}, ""
         self.resume_run_id: str | None = None       # continuing this run directory: its own MLflow run
         self.resumed_from: dict[str, str] = {}      # started from another run's checkpoint: tags naming it
+        self.checkpointer: checkpoint.Checkpointer | None = None  # made at the first save (trainer.async_checkpoint)
         if resume_state is not None:
             self._load_state(resume_state)
 
@@ -268,6 +269,7 @@ class Engine:
             bubble = self.steps.bubble()
             if bubble is not None:  # rank 0's: the first stage's
                 self.tracker.set_tags({"pp_bubble": f"{bubble:.4f}"})
+            self._commit_checkpoint()  # trainer.async_checkpoint: a pruned run's last save
             preemption.run_finished()  # a preemption from here on leaves the run FINISHED (exit 0, no requeue)
             self.tracker.finish("FINISHED")
         except KeyboardInterrupt:
@@ -429,42 +431,62 @@ class Engine:
     # --- checkpoints: everything needed to continue as if never stopped ---------------------------
 
     def save_checkpoint(self) -> Path | None:
+        """Every rank writes its own shards of the model, optimizer and averages (no rank gathers the whole state);
+        rank 0 adds the record (spec, progress, schedule, monitor, every rank's RNG and log window). With
+        trainer.async_checkpoint the shards are written while training goes on (the final checkpoint is waited for)."""
         if not self.spec.trainer.save_checkpoints:  # debug=fast: nothing to resume from is wanted
             return None
         self.watch.check(parallel.all_reduce_max)  # a checkpoint never holds diverged weights
-        if self.pipeline is not None:  # every stage's part merged: the whole model's state at any mesh
-            model_state, optim_state = self.pipeline.full_state(self.optimizer)
-        else:
-            model_state, optim_state = parallel.full_state(self.module, self.optimizer)  # a collective: every rank
+        tensors, groups = parallel.sharded_state(self.module, self.optimizer)
+        tensors = parallel.saved_names({**tensors, **self.averages.sharded_state()}, self.module)
+        groups = parallel.gather_objects(groups)  # parameter names and settings: a pipeline rank holds some of each group
         rng = parallel.gather_objects(checkpoint.rng_state())  # each rank's own streams
         log_windows = parallel.gather_objects(self.monitor.window.state_dict())  # each rank's own losses
-        addons = self.addons.state_dict()  # every rank: the averages' full tensors are a collective under fsdp
-        if not self.env.is_main:
-            parallel.barrier()
-            return None
-        # metrics up to this step are in the run's journal before the checkpoint exists: a kill after it loses none
-        self.tracker.flush(wait=False)
-        state = {
-            "spec": self.spec.to_yaml(),
-            "model": model_state,
-            "optimizer": optim_state,
-            "schedule": self.schedule.state_dict(),
-            "precision": self.precision.state_dict(),
-            "rng": rng,
-            "progress": vars(self.progress).copy(),
-            "monitor": self.monitor.state_dict(),
-            "log_windows": log_windows,
-            "finished": self.finished,
-            "final": self.final,
-            "test_from": self.test_from,
-            "mlflow_run_id": self.tracker.run_id or "",
-            "addons": addons,  # one entry per add-on with state, by its name
-        }
-        path = checkpoint.save(Path(self.spec.run_dir) / "checkpoints", self.progress.step, state,
-                               self.spec.trainer.keep_checkpoints)
-        self.addons.after_checkpoint(path)
-        parallel.barrier()
+        addons = self.addons.state_dict()  # the averages' counts (their tensors are in `tensors`), ...
+        record = None
+        if self.env.is_main:
+            # metrics up to this step are in the run's journal before the checkpoint exists: a kill after it loses none
+            self.tracker.flush(wait=False)
+            record = {
+                "spec": self.spec.to_yaml(),
+                "optimizer_groups": parallel.merged_groups(groups, parallel.tied_names(self.module)),
+                "schedule": self.schedule.state_dict(),
+                "precision": self.precision.state_dict(),
+                "rng": rng,
+                "progress": vars(self.progress).copy(),
+                "monitor": self.monitor.state_dict(),
+                "log_windows": log_windows,
+                "finished": self.finished,
+                "final": self.final,
+                "test_from": self.test_from,
+                "mlflow_run_id": self.tracker.run_id or "",
+                "addons": addons,  # one entry per add-on with state, by its name
+            }
+        if self.checkpointer is None:
+            self.checkpointer = checkpoint.Checkpointer(self.spec.trainer.async_checkpoint)
+        self._commit_checkpoint()  # the save before this one, if it is still in flight
+        path = self.checkpointer.save(Path(self.spec.run_dir) / "checkpoints" / f"step-{self.progress.step:08d}.pt",
+                                      self.progress.step, tensors, record, keep=self.spec.trainer.keep_checkpoints)
+        if self.checkpointer.async_save and not (self.finished or self._stopping()):
+            return path  # committed when the next save starts, or the run ends
+        self.checkpointer.wait()
+        if self.env.is_main:
+            self.addons.after_checkpoint(path)
         return path
+
+    def _stopping(self) -> bool:
+        """Whether this save is the run's last before it stops (a pause, a preemption): waited for at once. Every
+        rank decides alike (a signal reaches one rank; StopVote stopped them all)."""
+        if self.spec.trainer.stop_at_step == self.progress.step:
+            return True
+        signalled = torch.tensor(float(preemption.signalled()))
+        return bool(parallel.all_reduce_max([signalled])[0] > 0)
+
+    def _commit_checkpoint(self) -> None:
+        """An asynchronous save still in flight is committed before the run ends (every rank calls it)."""
+        committed = self.checkpointer.wait() if self.checkpointer is not None else None
+        if committed is not None and self.env.is_main:
+            self.addons.after_checkpoint(committed)
 
     def pause(self) -> None:
         """trainer.stop_at_step: validated at this step (population-based training ranks members by it) and
@@ -474,19 +496,22 @@ class Engine:
         self.tracker.set_tags({"runner.outcome": "paused", "runner.paused_at_step": str(self.progress.step)})
 
     def _read_checkpoint(self, where: str) -> dict | None:
-        """Rank 0 reads the file (other nodes may not see its disk) and hands it to every rank (None: starting over)."""
+        """Rank 0 verifies the checkpoint and hands its record to every rank (None: starting over); each rank then
+        reads its own shards (_load_state). A one-file checkpoint (written before they were sharded) is read whole."""
         state = None
         if self.env.is_main and not starts_over(Path(where)):
-            path, state = checkpoint.load_latest_good(where) if Path(where).is_dir() else (Path(where), checkpoint.load(where))
+            path, state = checkpoint.read(where)
             state["path"] = str(path)
         return parallel.broadcast_object(state)
 
     def _load_state(self, state: dict) -> None:
+        # a sharded folder is read by DCP, each rank its own pieces at this run's mesh; a one-file checkpoint's
+        # whole tensors are laid out by each rank as its own
+        source = parallel.flat_full_state(state) if "model" in state else Path(state["path"])
+        groups = state["optimizer_groups"] if "optimizer_groups" in state else state["optimizer"]["param_groups"]
         try:
-            if self.pipeline is not None:  # this rank's stages' keys of the whole model's state
-                self.pipeline.load_full_state(self.optimizer, state["model"], state["optimizer"])
-            else:
-                parallel.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+            parallel.load_sharded(self.module, self.optimizer, source, groups, extra=self.averages.sharded_state(),
+                                  optional=(parallel.AVERAGES,))
         except (RuntimeError, ValueError, KeyError) as e:
             raise SpecError(f"trainer.resume: the checkpoint does not fit this run's model/optimizer ({str(e).splitlines()[0]})") from None
         tensor_parallel.fit_optimizer(self.optimizer)  # the checkpoint's groups carry the kernel flags of its own mesh

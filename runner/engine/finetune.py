@@ -225,6 +225,8 @@ def lr_multiplier_groups(named_params: list[tuple[str, nn.Parameter]], multiplie
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     p = Path(path).expanduser()
+    if checkpoint.is_folder(p):  # a sharded checkpoint
+        return _from_checkpoint(p, path)
     if p.is_dir():
         if (p / "model.safetensors").is_file():
             p = p / "model.safetensors"
@@ -246,8 +248,8 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _from_checkpoint(p: Path, path: str) -> dict[str, torch.Tensor]:
-    try:
-        state = checkpoint.load(p)
+    try:  # a run directory: its newest good checkpoint; a sharded one's model read whole here, not its optimizer
+        state = checkpoint.load_weights(checkpoint.verify(p) if p.is_dir() and not checkpoint.is_folder(p) else p)
     except SpecError as e:  # InvalidCheckpoint names trainer.resume; here the file came from model.weights
         raise SpecError(f"model.weights: {str(e).split(': ', 1)[-1]}") from None
     return _state_dict(state, path)

@@ -61,6 +61,11 @@ def _on_signal(signum: int, frame: object) -> None:
         raise Stopped(signum)
 
 
+def signalled() -> int:
+    """The stop signal this process got (0: none); the ranks agree on it only through StopVote."""
+    return _state["signal"]
+
+
 def run_finished() -> None:
     """The run ended FINISHED: a signal from here on stops nothing (no KILLED, no exit 143, no requeue)."""
     _state["finished"] = True

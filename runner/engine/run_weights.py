@@ -7,8 +7,8 @@ Everything that takes a trained run's weights asks here: the test on the best we
 (runner/results/), `tracking.log_model` (runner/addons/mlflow_model.py) and PBT's exploit, which copies a
 member's last training state (runner/search/pbt/population.py).
 
-A best file is an ordinary runner checkpoint (header, checksum: runner/engine/checkpoint.py) of kind
-WEIGHTS: the run's spec, the model's full weights, the averages' and the step. It evaluates, predicts and
+A best file is an ordinary runner checkpoint (a sharded folder with its manifest: runner/engine/checkpoint.py)
+of kind WEIGHTS: the run's spec, the model's weights, the averages' and the step. It evaluates, predicts and
 exports like any checkpoint and starts another run through `model.weights`; it cannot continue training
 (it holds no optimizer, schedule or data position).
 
@@ -21,6 +21,7 @@ The choice (`weights.which`, `weights.average` in conf/config.yaml):
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,14 @@ def best_file(directory: Path, step: int) -> Path:
     return Path(directory) / f"best-step-{step:08d}.pt"
 
 
-def save_best(directory: Path, step: int, model: dict, averages: dict | None, spec: str, run_id: str) -> Path:
-    """The best weights of `step` as a runner checkpoint of kind WEIGHTS (atomic; non-finite weights refused)."""
-    state = {"spec": spec, "model": model, "averages": averages, "progress": {"step": step},
-             "mlflow_run_id": run_id or ""}
-    return checkpoint.write(best_file(directory, step), step, state, kind=checkpoint.WEIGHTS)
+def remove(path: Path) -> None:
+    """A kept best checkpoint removed (a sharded folder, or a one-file checkpoint of an older run)."""
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def measured_average(metric: str) -> str:
@@ -85,6 +89,11 @@ class RunWeights:
         return checkpoint.addon_states(self.state).get("averages")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if "model" not in self.state:  # a sharded folder: read whole here, once
+            return dataclasses.replace(self, state=checkpoint.load_weights(self.path)).state_dict()
+        return self._chosen_state()
+
+    def _chosen_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict holding the chosen weights: the raw ones, with the average's tensors in place
         of those it averaged (cast to the model's dtypes). The average holds every parameter and persistent
         buffer once: a name it lacks is a tied parameter's second name (gpt's lm_head.weight), which takes
@@ -102,12 +111,47 @@ class RunWeights:
         return out
 
     def load_into(self, module: torch.nn.Module) -> None:
-        """The chosen weights into `module` (a bare model, the engine's module). One line where they do not fit."""
+        """The chosen weights into `module` (a bare model in one process), whatever mesh wrote them. One line where
+        they do not fit."""
         try:
-            module.load_state_dict(self.state_dict())
-        except (RuntimeError, KeyError) as e:
+            if "model" in self.state:
+                module.load_state_dict(self.state_dict())
+            else:
+                self._stream_into(module)
+        except (RuntimeError, KeyError, ValueError) as e:
             raise SpecError(f"trainer.resume: the weights of {self.path} do not fit this model "
                             f"({str(e).splitlines()[0]})") from None
+
+
+    @torch.no_grad()
+    def _stream_into(self, module: torch.nn.Module) -> None:
+        """A sharded folder's chosen weights into `module` one tensor at a time (DCP, this process alone): the
+        module's own tensors are the only whole copy. A name the average lacks (a tied parameter's second name)
+        takes its twin's average."""
+        own = module.state_dict()
+        saved = checkpoint.tensor_keys(self.path)
+        missing = [k for k in own if checkpoint.MODEL + k not in saved]
+        if missing:
+            raise KeyError(f"the checkpoint has no {missing[0]}")
+        twins = {n: names for names in _tied(module) for n in names}
+        prefix = f"{checkpoint.AVERAGES}{self.average}/"
+        for name, target in own.items():
+            key = checkpoint.MODEL + name
+            if self.average != "none":
+                averaged = next((prefix + n for n in [name, *twins.get(name, ())] if prefix + n in saved), None)
+                key = averaged or key
+            value = checkpoint.read_tensors(self.path, [key])[key]
+            if value.shape != target.shape:
+                raise ValueError(f"size mismatch for {name}: the checkpoint's {tuple(value.shape)}, this model's "
+                                 f"{tuple(target.shape)}")
+            target.copy_(value)
+
+
+def _tied(module: torch.nn.Module) -> list[list[str]]:
+    shared: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return [names for names in shared.values() if len(names) > 1]
 
 
 def read(target: str | Path, which: str = "tested", average: str = "auto") -> RunWeights:
@@ -118,14 +162,13 @@ def read(target: str | Path, which: str = "tested", average: str = "auto") -> Ru
     if average not in AVERAGES:
         raise SpecError(f"weights.average: {average!r}; choose one of {', '.join(AVERAGES)}")
     target = Path(target)
-    if target.is_dir():
+    if target.is_dir() and not checkpoint.is_folder(target):
         path, state, chosen = _from_run_dir(target, which)
     else:
         if which != "tested":
             raise SpecError(f"weights.which: {which} chooses among a run directory's files; trainer.resume names the "
                             f"file {target} itself: drop weights.which or give the run directory")
-        path = checkpoint.verify(target)
-        state = checkpoint.load(path)
+        path, state = checkpoint.read(target)  # verified; a sharded folder's record (its tensors are read as needed)
         chosen = "best" if BEST_FILE.fullmatch(path.name) else "last"
     spec = yaml.safe_load(state.get("spec") or "{}") or {}
     metric = (spec.get("objective") or {}).get("metric", "")
@@ -141,15 +184,14 @@ def read(target: str | Path, which: str = "tested", average: str = "auto") -> Ru
     return RunWeights(path, chosen, step, kind, state)
 
 
-def last_training_state(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
-    """A run directory's newest good training checkpoint (what a resume, or PBT's exploit, continues from)."""
-    return checkpoint.load_latest_good(run_dir)
-
-
 def _from_run_dir(run_dir: Path, which: str) -> tuple[Path, dict[str, Any], str]:
-    path, last = last_training_state(run_dir)
+    path, last = checkpoint.read(run_dir)  # the newest good one's record: which weights it names
     if which == "last":
         return path, last, "last"
+    return _chosen(run_dir, which, path, last)
+
+
+def _chosen(run_dir: Path, which: str, path: Path, last: dict[str, Any]) -> tuple[Path, dict[str, Any], str]:
     spec = yaml.safe_load(last.get("spec") or "{}") or {}
     tested, _, tested_step = (last.get("test_from") or "").partition("@step ")
     if which == "tested" and tested == "last":
@@ -160,7 +202,7 @@ def _from_run_dir(run_dir: Path, which: str) -> tuple[Path, dict[str, Any], str]
     else:  # which=best, or a run that has not tested yet
         step = (last.get("monitor") or {}).get("best_step", {}).get(metric)
         keeps_best = (spec.get("trainer") or {}).get("test_on", "best") == "best"
-        if which == "tested" and (step is None or not keeps_best or not best_file(path.parent, step).is_file()
+        if which == "tested" and (step is None or not keeps_best or not best_file(path.parent, step).exists()
                                   and step != int(last["progress"]["step"])):
             return path, last, "last"
     if step is None:
@@ -169,7 +211,7 @@ def _from_run_dir(run_dir: Path, which: str) -> tuple[Path, dict[str, Any], str]
     if int(last["progress"]["step"]) == step:  # the last weights are the best ones (and SWA's statistics final)
         return path, last, "best"
     file = best_file(path.parent, step)
-    if file.is_file():
-        return file, checkpoint.load(file), "best"
+    if file.exists():
+        return file, checkpoint.read(file)[1], "best"
     raise SpecError(f"weights.which: best: {run_dir} keeps no weights of its best step {step} (trainer.test_on=last "
                     f"or trainer.save_checkpoints=false); use weights.which=last")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from runner.engine import run_weights
+from runner.engine import checkpoint, run_weights
 from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
@@ -111,7 +112,7 @@ def _write_export(model: torch.nn.Module, inputs: dict[str, torch.Tensor], spec:
     """The export's files into `out`: the weights, example inputs, the torch.export program, model.yaml last."""
     import safetensors.torch
 
-    safetensors.torch.save_model(model, str(out / "model.safetensors"))
+    write_safetensors(model, out / "model.safetensors")
     safetensors.torch.save_file({k: v.contiguous() for k, v in inputs.items()}, str(out / "example_inputs.safetensors"))
     program = _export_program(model, inputs, out / "model.pt2", spec.model.target) if program else "not asked for"
     record = {
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     source = Path(args.source)
-    run_dir = source if source.is_dir() else source.parent.parent if source.parent.name == "checkpoints" else source.parent
+    run_dir = source if source.is_dir() and not checkpoint.is_folder(source) else source.parent.parent if source.parent.name == "checkpoints" else source.parent
     out = Path(args.out) if args.out else run_dir / "export"
     try:
         print(export_checkpoint(source, out, which=args.which, average=args.average))
@@ -211,3 +212,40 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                       torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(model: torch.nn.Module, path: Path) -> None:
+    """The model's state dict as one safetensors file, written tensor by tensor: safetensors' own save_model first
+    turns every tensor into bytes (the whole state twice in memory); here each tensor's bytes go to the file from
+    its own storage. A tied parameter is written once, its other names in the metadata, as save_model does (so
+    safetensors' load_model reads it back)."""
+    from safetensors.torch import _remove_duplicate_names
+
+    state = model.state_dict()
+    metadata: dict[str, str] = {}
+    for kept, removed in _remove_duplicate_names(state).items():
+        for name in removed:
+            metadata[name] = kept
+            del state[name]
+    # widest elements first, as safetensors orders them: every tensor's data starts aligned to its element size
+    state = dict(sorted(state.items(), key=lambda item: (-item[1].element_size(), item[0])))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in state.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for t in state.values():
+            local = t.detach().cpu().contiguous().reshape(-1)
+            if local.numel():
+                f.write(memoryview(local.view(torch.uint8).numpy()))

@@ -83,8 +83,12 @@ def load_engine(spec, weights: RunWeights, tracker=None, averages: bool = False)
 
     # the weights are loaded here: the engine must not resume the optimizer, schedule or data position
     engine = Engine(spec.replace(trainer=dataclasses.replace(spec.trainer, resume=None)), tracker)
-    if averages:
-        dataclasses.replace(weights, average="none").load_into(engine.module)
+    if averages:  # the raw weights and the averages' values in one read, whatever mesh wrote them
+        from runner.engine import parallel
+
+        source = parallel.flat_full_state(weights.state) if "model" in weights.state else weights.path
+        parallel.load_sharded(engine.module, None, source, extra=engine.averages.sharded_state(),
+                              optional=(parallel.AVERAGES,))
         engine.averages.load_state_dict(weights.averages)
     else:
         weights.load_into(engine.module)

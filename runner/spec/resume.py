@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # What an override given with a resume may change: how long, where it runs, where it logs.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trainer.progress_bar",
               "trainer.log_every_n_steps", "trainer.checkpoint_every_n_steps", "trainer.keep_checkpoints",
-              "trainer.resume", "trainer.slurm_requeue", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
+              "trainer.async_checkpoint", "trainer.resume", "trainer.slurm_requeue", "trainer.stop_at_step", "trainer.test_on", "trainer.compile", "trainer.peak_tflops", "trainer.deterministic", "dataset.num_workers",
               "dataset.root", "dataset.download", "trainer.profile", "parallelism.", "tracking.", "trial.",
               "weights.")  # which weights leave the run (tracking.log_model's average), not what is trained
 # These may change only together, keeping the global batch (a checkpoint is portable across strategies).
@@ -40,7 +40,7 @@ BATCH_KEYS = ("dataset.batch_size", "accumulation.steps")
 def plan(spec: RunSpec) -> RunSpec:
     """The spec a resume runs: the saved spec with the allowed typed overrides of `spec` applied."""
     target = Path(spec.trainer.resume)
-    in_place = target.is_dir()
+    in_place = target.is_dir() and not checkpoint.is_folder(target)  # a run directory, not one checkpoint's folder
     saved = _saved_spec(target)
     typed = typed_keys(spec.overrides)
     new_flat, saved_flat = spec.flat(), saved.flat()
@@ -114,7 +114,8 @@ def _refuse_weights_only(path: Path, kind: str) -> None:
 def starts_over(target: Path) -> bool:
     """A run directory whose run was stopped before its first checkpoint: its resume starts it over in
     place (its spec.yaml, its MLflow run), rather than leaving it unresumable."""
-    return target.is_dir() and not checkpoint.has_checkpoint(target) and (target / "spec.yaml").is_file()
+    return (target.is_dir() and not checkpoint.is_folder(target) and not checkpoint.has_checkpoint(target)
+            and (target / "spec.yaml").is_file())
 
 
 def _saved_spec(target: Path) -> RunSpec:

@@ -112,6 +112,9 @@ class TrainerSpec:
     log_every_n_steps: int = opt(10, "log training metrics every N optimizer steps", gt=0)
     checkpoint_every_n_steps: int = opt(0, "write a checkpoint every N optimizer steps (0: only at the end)", ge=0)
     keep_checkpoints: int = opt(2, "step checkpoints kept on disk (the newest)", gt=0)
+    async_checkpoint: bool = opt(False, "write each checkpoint's shards in a background thread while training goes on "
+                                 "(torch.distributed.checkpoint.async_save); it is committed (manifest, last.pt) when the next "
+                                 "one starts or the run ends, so a kill meanwhile leaves the previous checkpoint the newest")
     resume: Optional[str] = opt(None, "checkpoint file or run directory to resume from; latest: the newest run under outputs/runs")
     slurm_requeue: bool = opt(True, "inside a SLURM job (SLURM_JOB_ID set), a run stopped by SIGTERM/SIGHUP requeues its "
                                     "own job (scontrol requeue) after writing that step's checkpoint: the job comes back "

@@ -2,7 +2,8 @@
 itself at the N-th time it reaches POINT: a real kill at a chosen moment, for the fault tests.
 `step:TERM 25` sends SIGTERM instead (any signal name without its SIG prefix).
 
-POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file),
+POINT: step (inside an optimizer step), save (half-way through writing a checkpoint file), async_save (while
+trainer.async_checkpoint's thread writes a checkpoint's shards, once the run has committed one),
 final_eval (during the validation of the last step), finish_training (after the last step, before
 the final evaluation), after_final_checkpoint (the final checkpoint is written, the run not ended),
 run_finished (the run ended FINISHED, its summary not printed yet), fold_recorded (a k-fold run's fold is in its record, its results not yet logged to MLflow),
@@ -73,6 +74,22 @@ elif point == "save":
         return original_save(obj, f, *args, **kwargs)
 
     torch.save = half_written
+elif point == "async_save":
+    import threading
+    from pathlib import Path
+
+    import torch
+
+    original_save = torch.save
+    run_dir = next((Path(a.split("=", 1)[1]) for a in sys.argv if a.startswith("hydra.run.dir=")), Path("."))
+
+    def in_background(obj, f, *args, **kwargs):
+        # a shard written by trainer.async_checkpoint's thread, once the run has a committed checkpoint
+        if threading.current_thread() is not threading.main_thread() and (run_dir / "checkpoints" / "last.pt").exists():
+            reached()
+        return original_save(obj, f, *args, **kwargs)
+
+    torch.save = in_background
 else:
     raise SystemExit(f"unknown kill point {point!r}")
 runpy.run_module("runner", run_name="__main__")

@@ -4,8 +4,8 @@ torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B, looped BFS, the zer
 Stages come from the run's plan (`parallelism.pp_plan`: fn(model, stage_index, num_stages, **params) ->
 module) or the model's own `pipeline_stage(stage_index, num_stages)`. A stage keeps the whole model's
 parameter names (parts outside it are nn.Identity or None), so this rank's part of the model, `module`,
-has the whole model's names too: its state dict is the whole model's restricted to this rank, and one
-checkpoint layout loads at any mesh (full_state merges the ranks' parts on rank 0).
+has the whole model's names too: its state dict is the whole model's restricted to this rank, so a sharded
+checkpoint (runner/engine/parallel/state.py) is keyed alike at every mesh and loads at any.
 
 Exactness: every pp rank gets the same batch. Each batch is cut into `pp_microbatches` micro-batches of
 one size (ceil(per-rank batch / micro-batches) rows; the schedule's receive buffers have fixed shapes), the
@@ -132,7 +132,7 @@ class Pipeline:
         cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages).to(device) for i in self.indices]
         self.stage_modules = cut
         self.module = _rank_part(model, cut)
-        self.module._runner_pipeline = self  # full_model_state/load_model_state (state.py) merge every stage's part
+        self.module._runner_pipeline = self  # state.py: the tied names, and full_model_state merging every stage's part
         self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group)
                        for m, i in zip(cut, self.indices)]
         self.schedule_name = par.pp_schedule
@@ -432,34 +432,7 @@ class Pipeline:
                 local_tensor_of(p.grad).mul_(coef)
         return norm
 
-    # --- checkpoints: the whole model on rank 0 -------------------------------------------------------
-
-    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """The whole model's and optimizer's full state, merged from every stage (complete on rank 0,
-        which writes it; a collective: every rank calls it)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-        from torch.utils._pytree import tree_map
-
-        from runner.engine.parallel.collectives import gather_objects
-
-        # not cpu_offload: with it torch hands a full state to rank 0 only, and every stage's is needed here
-        own = get_state_dict(self.module, optimizer, options=StateDictOptions(full_state_dict=True))
-        parts = gather_objects(tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, own))
-        canonical = {n: names[0] for names in self.tied for n in names}
-        model = self._merged_model([part for part, _ in parts])
-        state: dict = {}
-        groups: list[dict] = []
-        for _, part in parts:  # every name of a shared parameter, as the whole model's state dict has them
-            for name, value in part["state"].items():
-                state.setdefault(canonical.get(name, name), value)
-            for g, group in enumerate(part["param_groups"]):
-                if g == len(groups):
-                    groups.append({**group, "params": []})
-                groups[g]["params"] += [canonical.get(n, n) for n in group["params"]]
-        order = {n: i for i, n in enumerate(self.param_order)}
-        for group in groups:
-            group["params"] = sorted(set(group["params"]), key=order.__getitem__)
-        return model, {"state": {n: state[n] for n in self.param_order if n in state}, "param_groups": groups}
+    # --- the whole model on rank 0 (tracking.log_model of a run that writes no checkpoint) -------------------
 
     def _merged_model(self, parts: list[dict]) -> dict:
         model: dict = {}
@@ -471,25 +444,6 @@ class Pipeline:
                 model.update({n: value for n in names})
         return {k: model[k] for k in self.full_keys if k in model}
 
-    def merged_state(self, own: dict) -> dict:
-        """The whole model's tensors merged from every rank's `own` (full CPU tensors under this rank's names:
-        the averages of EMA/SWA, which each rank keeps for its own stages); a collective."""
-        from runner.engine.parallel.collectives import gather_objects
-
-        merged = self._merged_model(gather_objects(own))
-        aliases = {n for names in self.tied for n in names[1:]}  # a shared parameter once, as one process keys it
-        return {k: v for k, v in merged.items() if k not in aliases}
-
-    def with_tied_names(self, values: dict) -> dict:
-        """`values` (keyed as merged_state keys them) under every name of a shared parameter: a rank holding
-        only the lm head finds the embedding's entry under its own name."""
-        values = dict(values)
-        for names in self.tied:
-            value = next((values[n] for n in names if n in values), None)
-            if value is not None:
-                values.update({n: value for n in names})
-        return values
-
     def full_model_state(self) -> dict:
         """The whole model's state as full CPU tensors, merged from every stage (a collective)."""
         from runner.engine.parallel.collectives import gather_objects
@@ -498,38 +452,6 @@ class Pipeline:
 
         own = {k: gathered(v.detach()).cpu() for k, v in self.module.state_dict().items()}
         return self._merged_model(gather_objects(own))
-
-    def load_model_state(self, model_state: dict) -> None:
-        """The whole model's weights into this rank's stages (their keys only)."""
-        from runner.engine.parallel.state import load_full_model_state
-
-        keys = set(self.module.state_dict().keys())
-        load_full_model_state(self.module, {k: v for k, v in model_state.items() if k in keys})
-
-    def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-        """The whole model's state (from any mesh) into this rank's stages: their keys only."""
-        from runner.engine.parallel.state import load_full_state
-
-        local_names = [n for n, _ in self.module.named_parameters()]
-        local = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
-        # a shared parameter is keyed by its first name in the whole model; here by its first name on this rank
-        rename = {}
-        for names in self.tied:
-            here = [n for n in local_names if n in names]
-            if here:
-                rename[names[0]] = here[0]
-        keys = set(self.module.state_dict().keys())
-        missing = keys - model_state.keys()
-        if missing:
-            raise KeyError(f"the checkpoint has no {sorted(missing)[0]}")
-        model = {k: v for k, v in model_state.items() if k in keys}
-        state = {rename.get(n, n): v for n, v in optim_state.get("state", {}).items() if rename.get(n, n) in local}
-        groups = []
-        for group in optim_state["param_groups"]:
-            params = [rename.get(n, n) for n in group["params"] if rename.get(n, n) in local]
-            if params:
-                groups.append({**group, "params": params})
-        load_full_state(self.module, optimizer, model, {"state": state, "param_groups": groups})
 
 
 def _placed_as_parameter(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Full (unsharded) state dicts of a wrapped model and its optimizer, and the local values of DTensors."""
+"""The state of a wrapped model and its optimizer: this rank's shards for checkpoints (sharded_state, load_sharded), full
+state dicts where one process needs the whole model, the local values of DTensors, and gradient norms over a mesh."""
 from __future__ import annotations
 
 import torch
@@ -6,12 +7,8 @@ from torch import nn
 
 
 def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank.
-
-    Checkpoints hold full state dicts rather than torch.distributed.checkpoint shards: at the sizes
-    this runner trains the gather is cheap, and one file loads into single, ddp, fsdp or hsdp alike, so
-    a run can resume on a different number of devices.
-    """
+    """Model and optimizer state as full (unsharded) tensors on the CPU, on every rank (a collective; what the
+    memory tests compare against one process: checkpoints hold this rank's shards instead, sharded_state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -45,37 +42,6 @@ def full_model_state(module: nn.Module) -> dict:
             if name in state:
                 state[name] = value
     return state
-
-
-def load_model_state(module: nn.Module, model_state: dict) -> None:
-    """The whole model's full state into `module`, wrapped or one rank's pipeline stages."""
-    pipeline = getattr(module, "_runner_pipeline", None)
-    if pipeline is not None:
-        pipeline.load_model_state(model_state)
-        return
-    load_full_model_state(module, model_state)
-
-
-def load_full_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    options = StateDictOptions(full_state_dict=True)
-    if _nested_placements(module):
-        model_state, optim_state = placed_state(module, model_state), _placed_optim_state(module, optim_state)
-        options = StateDictOptions(full_state_dict=False)
-    if optim_state.get("state"):
-        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
-        return
-    # An optimizer that keeps no per-parameter state (SGD without momentum): torch's loader takes the device
-    # from a state tensor, finds none and refuses ("Expected device to be set"). The groups' settings (lr,
-    # weight decay, ...) are all there is to load; runner builds the groups in one order every time.
-    set_model_state_dict(module, model_state, options=options)
-    saved = optim_state["param_groups"]
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run's "
-                         f"{len(optimizer.param_groups)}")
-    for group, state in zip(optimizer.param_groups, saved):
-        group.update({k: v for k, v in state.items() if k != "params"})
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -132,16 +98,6 @@ def clip_grad_value(params: list[torch.Tensor], clip_value: float) -> None:
     """torch's clip_grad_value_ for gradients that may mix DTensors and plain tensors: each rank clamps its part."""
     for p in params:
         local_tensor_of(p.grad).clamp_(-clip_value, clip_value)
-
-
-def load_full_model_state(module: nn.Module, model_state: dict) -> None:
-    """Full (unsharded) model weights into a wrapped model, any mesh (best weights, averages)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if _nested_placements(module):
-        set_model_state_dict(module, placed_state(module, model_state), options=StateDictOptions(full_state_dict=False))
-    else:
-        set_model_state_dict(module, model_state, options=StateDictOptions(full_state_dict=True))
 
 
 def _is_nested(t: torch.Tensor) -> bool:
@@ -210,17 +166,208 @@ def _nested_placements_of(placements) -> bool:
     return isinstance(placements[-1], _StridedShard)
 
 
-def placed_state(module: nn.Module, model_state: dict) -> dict:
-    """A full model state dict with each parameter's entry laid out as the parameter (see placed_like)."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    return {k: placed_like(v, params[k]) if k in params else v for k, v in model_state.items()}
+
+# --- sharded state: what a checkpoint holds of each rank (torch.distributed.checkpoint) --------------------------
+#
+# A checkpoint's tensors are one flat dict: model/<name>, optim/<name>/<field>, averages/<kind>/<name>, each a
+# plain tensor or a DTensor (this rank's shard, with its place in the whole). Names are the whole model's (a
+# pipeline rank's `module` keeps them), so any mesh finds its own in any checkpoint; DCP reads each rank's
+# pieces from whichever ranks wrote them. A parameter tied between stages (gpt's lm head = the token embedding)
+# is saved under each name a process holds it by: a rank or process whose name for it is missing reads a twin's.
+
+MODEL, OPTIM, AVERAGES = "model/", "optim/", "averages/"
 
 
-def _placed_optim_state(module: nn.Module, optim_state: dict) -> dict:
-    params = dict(module.named_parameters(remove_duplicate=False))
-    state = {}
+def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, list[dict]]:
+    """This rank's flat state (its own shards, nothing gathered: the tensors are the model's and optimizer's own,
+    so a load into them is in place) and its optimizer's parameter groups (settings and parameter names)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    options = StateDictOptions(full_state_dict=False)
+    if optimizer is None:
+        model_state, optim_state = get_model_state_dict(module, options=options), {}
+    else:  # torch fills a fresh optimizer's state first (a step at lr 0), so a resume has tensors to load into
+        model_state, optim_state = get_state_dict(module, optimizer, options=options)
+    flat = {MODEL + k: v for k, v in model_state.items()}
     for name, entry in optim_state.get("state", {}).items():
-        like = params.get(name)
-        state[name] = {k: placed_like(v, like) if like is not None and isinstance(v, torch.Tensor)
-                       and v.shape == like.shape else v for k, v in entry.items()}
-    return {**optim_state, "state": state}
+        flat.update({f"{OPTIM}{name}/{field}": v for field, v in entry.items()})
+    return flat, list(optim_state.get("param_groups", []))
+
+
+def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """A rank's flat state under the names one process saves it by: the optimizer's state and the averages of a
+    tied parameter under its first name (a pipeline rank holding only the lm head keys them by its own), so that
+    a checkpoint's layout is the same at every mesh. The model's entries keep every name, as its state dict has."""
+    canonical = {n: names[0] for names in tied_names(module) for n in names[1:]}
+    out = {}
+    for key, value in flat.items():
+        if _is_strided(value):  # see _is_strided: whole over its tensor-parallel group (a collective of that group)
+            value = gathered(value)
+        if not key.startswith(MODEL):
+            prefix, name, field = _split_key(key)
+            key = prefix + canonical.get(name, name) + field
+        out[key] = value
+    return out
+
+
+def _is_strided(t: Any) -> bool:
+    """A DTensor placed _StridedShard (the fused qkv of runner/engine/parallel/tensor.py: each tensor-parallel rank
+    holds its rows of q, of k and of v). DCP describes a rank's piece of a tensor by one offset and one size, and
+    for these it takes the offset of the first row only, as if the piece were contiguous: torch 2.14's dcp.save
+    refuses them ("Failed to validate global plan: key:w has overlapping chunks", measured with tp=2 on gloo).
+    Such a tensor is saved whole instead (gathered
+    over its group; every rank of the group writes the same value, which DCP keeps once) and loaded whole, each
+    rank laying out its part (placed_like). Only these few tensors (one per attention block) are ever whole."""
+    if not hasattr(t, "placements"):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def tied_names(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter the whole model holds under several names (a pipeline rank's: the whole
+    model's, which it knows from before the cut)."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    if pipeline is not None:
+        return pipeline.tied
+    shared: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return [names for names in shared.values() if len(names) > 1]
+
+
+def merged_groups(parts: list[list[dict]], tied: list[list[str]]) -> list[dict]:
+    """Every rank's parameter groups as the whole model's (a pipeline's ranks each hold some parameters of each
+    group): group i holds every rank's parameters of its group i, a tied parameter under its first name."""
+    canonical = {n: names[0] for names in tied for n in names}
+    groups: list[dict] = []
+    for part in parts:
+        for i, group in enumerate(part):
+            if i == len(groups):
+                groups.append({**group, "params": []})
+            groups[i]["params"] += [canonical.get(n, n) for n in group["params"] if canonical.get(n, n) not in groups[i]["params"]]
+    return groups
+
+
+def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, source: Any,
+                 groups: list[dict] | None = None, extra: dict[str, torch.Tensor] | None = None,
+                 optional: tuple[str, ...] = ()) -> set[str]:
+    """This rank's model (and optimizer) state from `source`, at whatever mesh it was written: a sharded
+    checkpoint folder (DCP reads this rank's pieces; a collective), or a flat dict of whole tensors (a
+    one-file checkpoint: each rank lays them out as its own). `extra`: more of this rank's tensors to fill
+    in place (the averages). Keys under an `optional` prefix the checkpoint lacks are left alone; returns
+    those prefixes that it lacked. Raises KeyError naming a missing key, ValueError for a mismatch."""
+    state, _ = sharded_state(module, optimizer)
+    state.update(extra or {})
+    if isinstance(source, dict):
+        saved = source.keys()
+    else:
+        from runner.engine.checkpoint import tensor_keys
+
+        saved = tensor_keys(source).keys()
+    twins = {n: names for names in tied_names(module) for n in names}
+    source_of: dict[str, str] = {}  # this rank's key -> the checkpoint's key it is read from
+    lacking: set[str] = set()
+    for key in state:
+        source_key = key if key in saved else _twin_key(key, saved, twins)
+        if source_key is not None:
+            source_of[key] = source_key
+            continue
+        prefix = next((p for p in optional if key.startswith(p)), None)
+        if prefix is None:
+            raise KeyError(f"the checkpoint has no {key.partition('/')[2]}")
+        lacking.add(prefix)
+    wanted: dict[str, Any] = {}  # the checkpoint's key -> the tensor of this rank it fills (the first asking)
+    for key, source_key in source_of.items():
+        value = state[key]
+        if _is_strided(value) and not isinstance(source, dict):  # read whole (see _is_strided), laid out below
+            value = torch.empty(value.shape, dtype=value.dtype)
+        wanted.setdefault(source_key, value)
+    if isinstance(source, dict):
+        for source_key, like in wanted.items():
+            wanted[source_key] = _placed_into(source[source_key], like)
+    else:
+        from torch.distributed import checkpoint as dcp
+
+        import torch.distributed as dist
+
+        # tensors in place; other values replaced in `wanted`
+        dcp.load(wanted, checkpoint_id=str(source), no_dist=not dist.is_initialized())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for key, source_key in source_of.items():
+            value, loaded = state[key], wanted[source_key]
+            if isinstance(value, torch.Tensor):
+                if _is_strided(value) and not _is_strided(loaded):  # read whole: this rank's part of it
+                    local_tensor_of(value).copy_(local_tensor_of(placed_like(loaded, value)))
+                elif loaded is not value:  # a second name of a tied parameter held apart here
+                    local_tensor_of(value).copy_(local_tensor_of(loaded))
+            elif key.startswith(OPTIM) and optimizer is not None:  # a count kept as a number
+                name, _, field = key[len(OPTIM):].rpartition("/")
+                optimizer.state[params[name]][field] = loaded
+    if optimizer is not None and groups is not None:
+        load_param_groups(module, optimizer, groups)
+    return lacking
+
+
+def _twin_key(key: str, saved: Any, twins: dict[str, list[str]]) -> str | None:
+    """The checkpoint's key for `key` under another name of the same tied parameter."""
+    prefix, name, field = _split_key(key)
+    for other in twins.get(name, ()):
+        candidate = prefix + other + field
+        if candidate in saved:
+            return candidate
+    return None
+
+
+def _split_key(key: str) -> tuple[str, str, str]:
+    """model/<name> -> (model/, name, ""); optim/<name>/<field> -> (optim/, name, /field);
+    averages/<kind>/<name> -> (averages/<kind>/, name, "")."""
+    if key.startswith(OPTIM):
+        name, _, field = key[len(OPTIM):].rpartition("/")
+        return OPTIM, name, "/" + field
+    if key.startswith(AVERAGES):
+        kind, _, name = key[len(AVERAGES):].partition("/")
+        return f"{AVERAGES}{kind}/", name, ""
+    return MODEL, key[len(MODEL):], ""
+
+
+@torch.no_grad()
+def _placed_into(full: Any, like: Any) -> Any:
+    """A whole tensor copied into this rank's own tensor `like` (its part of a DTensor); other values as they are."""
+    if not isinstance(like, torch.Tensor) or not isinstance(full, torch.Tensor):
+        return full
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} where this run's is {tuple(like.shape)}")
+    local_tensor_of(like).copy_(local_tensor_of(placed_like(full, like)) if hasattr(like, "device_mesh") else full)
+    return like
+
+
+def load_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """The saved groups' settings (lr, weight decay, ...) into this optimizer's groups: each of its groups takes
+    those of the saved group holding its parameters (by name: a pipeline rank holds some of each group)."""
+    canonical = {n: names[0] for names in tied_names(module) for n in names}
+    group_of = {canonical.get(n, n): i for i, group in enumerate(groups) for n in group["params"]}
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(canonical.get(name, name))
+    for i, group in enumerate(optimizer.param_groups):
+        found = next((group_of[n] for p in group["params"] for n in names.get(id(p), ()) if n in group_of), None)
+        if found is None:
+            if len(groups) != len(optimizer.param_groups):
+                raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this run's "
+                                 f"{len(optimizer.param_groups)}")
+            found = i
+        group.update({k: v for k, v in groups[found].items() if k != "params"})
+
+
+def flat_full_state(state: dict) -> dict[str, Any]:
+    """A one-file checkpoint's whole tensors under the flat keys of a sharded one (model, optimizer, averages)."""
+    flat = {MODEL + k: v for k, v in state.get("model", {}).items()}
+    for name, entry in (state.get("optimizer") or {}).get("state", {}).items():
+        flat.update({f"{OPTIM}{name}/{field}": v for field, v in entry.items()})
+    for kind, entry in ((state.get("addons") or {}).get("averages") or state.get("averages") or {}).items():
+        if entry:
+            flat.update({f"{AVERAGES}{kind}/{name}": v for name, v in entry.get("values", {}).items()})
+    return flat

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import yaml
 
-from runner.engine import checkpoint, run_weights
+from runner.engine import checkpoint
 from runner.files import atomic_write
 from runner.search.pbt import explore
 from runner.search.pbt.member import SWEEP_PID_ENV
@@ -263,11 +263,12 @@ def _new_this_round(member: dict[str, Any], r: int, boundaries: list[int]) -> bo
 def copy_checkpoint(source_dir: Path, target_dir: Path, target_run_id: str) -> Path:
     """The source's newest checkpoint as the target's own: exact in every tensor, but naming the target's
     MLflow run, so the target's run goes on in its own records."""
-    path, state = run_weights.last_training_state(source_dir)
-    state["mlflow_run_id"] = target_run_id
-    state.pop("path", None)
-    step = int(state["progress"]["step"])
+    path, state = checkpoint.read(source_dir)  # a sharded folder: its record only; its shards are linked
     keep = RunSpec.from_yaml(state["spec"]).trainer.keep_checkpoints
+    if path.is_dir():
+        return checkpoint.copy(path, target_dir / "checkpoints", {"mlflow_run_id": target_run_id}, keep)
+    state["mlflow_run_id"] = target_run_id  # a one-file checkpoint (written before they were sharded)
+    step = int(state["progress"]["step"])
     return checkpoint.save(target_dir / "checkpoints", step, state, keep)
 
 

@@ -150,19 +150,27 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, migrated_mlflow_stor
     return weights(cwd / "run"), history
 
 
-KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), ("after_final_checkpoint", 1)]
+KILLS = [("step", 25), ("save", 2), ("final_eval", 1), ("finish_training", 1), ("after_final_checkpoint", 1),
+         ("async_save", 2)]
 
 
-@pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] == "final_eval" else pytest.mark.slow)
+@pytest.mark.parametrize("point, nth", [pytest.param(*k, marks=[] if k[0] in ("final_eval", "async_save") else pytest.mark.slow)
                                         for k in KILLS], ids=[k[0] for k in KILLS])
 def test_a_killed_run_resumed_in_place_ends_as_if_never_stopped(tmp_path: Path, migrated_mlflow_store: Path,
                                                                  uninterrupted: tuple, point: str,
                                                                  nth: int) -> None:
+    """async_save: killed while trainer.async_checkpoint's thread writes the shards of a checkpoint after the first
+    one: the first stays the newest (the torn one has no manifest) and the resume from it ends bitwise equal."""
     want_weights, want_history = uninterrupted
     db = migrated(tmp_path / "mlflow.db", migrated_mlflow_store)
-    killed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(point, nth))
+    saving = ["trainer.async_checkpoint=true"] if point == "async_save" else []
+    killed = cli([*RUN, *saving, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db, kill=(point, nth))
     assert killed.returncode == -9, killed.stderr
-    assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*")) or point == "save"
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*tmp*")) or point in ("save", "async_save")
+    if point == "async_save":  # the checkpoint being written was never committed: the previous one is the newest
+        newest = checkpoint.resolve(tmp_path / "run")
+        assert list((tmp_path / "run" / "checkpoints").glob(".*tmp*")), "the kill was not during a save"
+        assert checkpoint.read(tmp_path / "run")[0] == newest
     resumed = cli([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"], tmp_path, db)
     assert resumed.returncode == 0, resumed.stderr
     [(status, history, _)] = mlflow_record(db).values()  # one MLflow run: the same one, finished
