@@ -1,5 +1,6 @@
 """Pipeline parallelism where it meets the rest of the runner (issue 35's defects at the seams): dict batches,
-pp x tp's build, BatchNorm and ragged batches, SWA's BatchNorm statistics and the batch-size finder. Each
+pp x tp's build, BatchNorm and ragged batches, SWA's BatchNorm statistics (the batch-size finder under pp
+is refused by the composition table: tests/runner/spec/test_composition.py). Each
 case runs real gloo processes against one process, as tests/runner/engine/test_pipeline_parallel.py does
 (its helpers and tolerance)."""
 from __future__ import annotations
@@ -72,36 +73,3 @@ def test_swa_recomputes_batchnorm_statistics_through_the_pipeline_like_one_proce
              for d in ("one", "two")]
     assert any(k.endswith("running_mean") for k in saved[0])
     assert_same(saved[1], saved[0])
-
-
-def _candidates_rows(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
-    """The batch-size finder on a pp=2 engine: the candidates it timed and the rows of every micro-batch the
-    first stage ran meanwhile."""
-    from runner.engine.engine import Engine
-    from runner.engine.parallel import DistEnv
-    from runner.tune import batch_size
-    from tests.conftest import compose_spec
-
-    spec = compose_spec(overrides, Path(run_dir))
-    engine = Engine(spec, None, DistEnv(rank, world, rank))
-    rows: set[int] = set()
-    first = engine.view.parts[0]
-    handle = first.register_forward_pre_hook(lambda m, args: rows.add(int(args[0].shape[0])) if args else None)
-    found = batch_size.find_batch_size(engine, spec.tune, until_oom=False)
-    handle.remove()
-    return {"candidates": sorted(found.throughput), "rows": sorted(rows)}
-
-
-def test_the_batch_size_finder_runs_each_candidate_through_the_pipeline_at_its_own_size(tmp_path: Path,
-                                                                                          two_ranks) -> None:
-    """tune=batch_size under pp=2 (2 micro-batches, configured batch 8): each candidate's batch is cut into the
-    pipeline's micro-batches (candidate 16: two of 8 rows), not the configured batch's rows (4 for every
-    candidate, which timed batches it never ran: 15x the throughput at 64)."""
-    overrides = ["dataset=synthetic", "dataset.shape=[1,4,4]", "dataset.size=200", "model=mlp", "model.hidden=[8,8]",
-                 "dataset.batch_size=8", "tune=batch_size", "tune.max_batch_size=16", "tune.steps_per_candidate=1",
-                 "parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.pp=2", "parallelism.pp_microbatches=2",
-                 "parallelism.pp_schedule=gpipe", "parallelism.pp_plan={_target_:tests.user_pkg.stages.mlp_stage}",
-                 "trainer.progress_bar=off"]
-    first, _ = two_ranks.run(_candidates_rows, overrides, str(tmp_path / "run"))
-    assert first["candidates"]  # whichever the search stopped at: each ran at its own rows
-    assert first["rows"] == sorted({-(-b // 2) for b in first["candidates"]})
