@@ -148,9 +148,12 @@ def non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _strided(t: Any) -> bool:
+    """Whether the tensor-parallel placement (the mesh's last dimension) is a fused projection's strided split.
+    FSDP's own _StridedShard over a tensor-parallel Shard (fsdp x tp) is one contiguous chunk: DCP reads it."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return any(isinstance(p, _StridedShard) for p in getattr(t, "placements", ()))
+    placements = getattr(t, "placements", ())
+    return bool(placements) and isinstance(placements[-1], _StridedShard)
 
 
 def _main(where: Path) -> int:
