@@ -102,16 +102,25 @@ def _on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
     try:
         with torch.device("meta"):
             module = components.build_model(spec, data)
-    except SpecError:
-        raise  # the component's own complaint about its arguments: the same on any device
+    except SpecError as e:
+        # the component's own complaint about its arguments is the same on any device; a RuntimeError (what the
+        # meta device refuses: reading a value, an op without a meta kernel) is made one line by the builder too
+        cause = e.__context__
+        if not isinstance(cause, RuntimeError):
+            raise
+        return None, _first_line(cause)
     except Exception as e:  # whatever the constructor does that the meta device cannot
-        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        return None, _first_line(e)
     if not isinstance(module, nn.Module):
         return fit_checks.check_model(spec, module), ""  # refused there in one line
     off = next(((name, t) for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_meta), None)
     if off is not None:
         return None, f"{off[0]} was made on {off[1].device.type}"
     return module, ""
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
 
 
 def _freeze(spec: RunSpec, module: nn.Module, say: Callable) -> None:

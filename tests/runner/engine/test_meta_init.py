@@ -7,16 +7,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from models.gpt import GPT as GptModel
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, full_model_state
 from tests.conftest import compose_spec
 from tests.runner.engine.test_parallel import free_port
 from tests.runner.engine.test_tensor_parallel import assert_same_metrics, train
-from tests.runner.engine.test_parallel import assert_same
+from tests.runner.engine.test_parallel import assert_same, final_weights
 
 # vocabulary 512: the token embedding (and the tied lm head, 512 x 128) is the largest parameter, larger than the
 # fused qkv (384 x 128) that tp reads whole (seed.py); 4 heads divide by tp=2
@@ -137,8 +140,81 @@ TRAIN = ["trainer.max_steps=4", "trainer.eval_every_n_steps=2"]
 
 @pytest.mark.parametrize("degrees", [FSDP2, PP2], ids=["fsdp2", "pp2"])
 def test_a_run_built_on_meta_trains_like_one_process(tmp_path: Path, degrees: list[str], two_ranks) -> None:
-    """Weights and the logged train/val losses (MLflow) as one process's."""
+    """The logged train/val losses (MLflow) as one process's; the weights bitwise those of the same run with every
+    rank building the whole model (parallelism.meta_init=false), which differ from one process's only by the order
+    of fp32 sums, scaled up by Adam on the smallest entries (see test_tensor_parallel.py)."""
     one = train([*GPT, *ONE, *TRAIN], tmp_path / "one")
-    other = train([*GPT, *TRAIN, *degrees], tmp_path / "other", world=2, two_ranks=two_ranks)
-    assert_same(other[0], one[0], rtol=1e-5)
-    assert_same_metrics(one[1], other[1])
+    meta = train([*GPT, *TRAIN, *degrees], tmp_path / "meta", world=2, two_ranks=two_ranks)
+    whole = train([*GPT, *TRAIN, *degrees, "parallelism.meta_init=false"], tmp_path / "whole", world=2, two_ranks=two_ranks)
+    assert_bitwise(meta[0], whole[0])
+    assert_same_metrics(one[1], meta[1])
+    assert_same(meta[0], one[0], rtol=1e-3)
+
+
+class RefusesMeta(GptModel):
+    """A user's gpt whose constructor reads a value it makes: it cannot run on the meta device."""
+
+    def __init__(self, vocab_size: int, max_length: int = 256, size: str = "tiny", n_layer: Optional[int] = None,
+                 n_head: Optional[int] = None, n_embd: Optional[int] = None, dropout: float = 0.0, bias: bool = True):
+        if torch.ones(1).is_meta:
+            raise NotImplementedError("reads a value: bool() of a meta tensor")
+        super().__init__(vocab_size, max_length, size, n_layer, n_head, n_embd, dropout, bias)
+
+
+USER = ["model._target_=tests.runner.engine.test_meta_init.RefusesMeta"]
+
+
+def _said(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
+    """_initial's report with the lines parallelize.py logged on this rank, or the SpecError's line."""
+    import logging
+
+    from runner.spec.run import SpecError
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("runner.engine.parallel.parallelize")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return {**_initial(rank, world, overrides, run_dir), "said": lines}
+    except SpecError as e:
+        return {"refused": str(e)}
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_said_in_one_line_and_built_whole_as_before(tmp_path: Path,
+                                                                                             two_ranks) -> None:
+    one = _initial(0, 1, [*GPT, *ONE, *USER], str(tmp_path / "one"))
+    reports = two_ranks.run(_said, [*GPT, *FSDP2, *USER], str(tmp_path / "fsdp"))
+    assert_bitwise(reports[0]["state"], one["state"])
+    assert [line for line in reports[0]["said"] if "meta" in line] == [
+        "parallelism.meta_init: tests.runner.engine.test_meta_init.RefusesMeta cannot be built on the meta device "
+        "(NotImplementedError: reads a value: bool() of a meta tensor): every rank builds the whole model"]
+    assert reports[1]["said"] == []  # rank 0 says it
+    refused = two_ranks.run(_said, [*GPT, *FSDP2, *USER, "parallelism.meta_init=true"], str(tmp_path / "true"))
+    assert refused[0]["refused"].startswith("parallelism.meta_init: true, but tests.runner.engine.test_meta_init."
+                                            "RefusesMeta cannot be built on the meta device")
+
+
+def _seeds_written(rank: int, world: int, overrides: list[str], run_dir: str) -> int:
+    """How many seed checkpoints this rank's engine asked for while it was built (seed.write counted, not replaced)."""
+    from runner.engine.parallel import seed
+
+    calls, write = [], seed.write
+    seed.write = lambda *args: calls.append(1) or write(*args)
+    try:
+        Engine(compose_spec(overrides, Path(run_dir)), env=DistEnv(rank, world, rank)).fit()
+    finally:
+        seed.write = write
+    return len(calls)
+
+
+def test_a_resumed_run_writes_no_seed_and_ends_as_if_never_stopped(tmp_path: Path, two_ranks) -> None:
+    run = [*GPT, *FSDP2, "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=3"]
+    assert two_ranks.run(_seeds_written, run, str(tmp_path / "whole")) == [1, 1]
+    start = tmp_path / "whole" / "checkpoints" / "step-00000002.pt"
+    assert two_ranks.run(_seeds_written, [*run, f"trainer.resume={start}"], str(tmp_path / "resumed")) == [0, 0]
+    assert not list((tmp_path / "resumed").glob(".seed*"))
+    assert_same(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"), rtol=0)
