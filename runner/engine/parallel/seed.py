@@ -17,6 +17,7 @@ order and dropout draw from it), so the process writes it beside the values.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -49,14 +50,18 @@ def write(spec: Any, data: Any, env: Any, rng_before: dict) -> Path:
     from runner.spec.run import SpecError
 
     where = folder(spec.run_dir, env.rank, env.local_rank)
+    fresh = not Path(spec.run_dir).exists()  # an engine started without the launcher, which writes spec.yaml first
     failure = ("", "")
     if env.local_rank == 0:
         failure = _run(spec, {name: getattr(data, name, None) for name in DATA_DECIDED}, rng_before, where)
     failures = [f for f in gather_objects(failure) if f[1]]
     if failures:
         kind, message = failures[0]
-        if env.local_rank == 0:
+        if env.local_rank == 0:  # nothing half-written is left by a refused run
             shutil.rmtree(where, ignore_errors=True)
+            if fresh:
+                with contextlib.suppress(OSError):
+                    Path(spec.run_dir).rmdir()
         raise SpecError(message) if kind == "spec" else RuntimeError(f"the seed checkpoint was not written: {message}")
     return where
 

@@ -218,3 +218,12 @@ def test_a_resumed_run_writes_no_seed_and_ends_as_if_never_stopped(tmp_path: Pat
     assert two_ranks.run(_seeds_written, [*run, f"trainer.resume={start}"], str(tmp_path / "resumed")) == [0, 0]
     assert not list((tmp_path / "resumed").glob(".seed*"))
     assert_same(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"), rtol=0)
+
+
+def test_a_seed_build_that_refuses_its_input_is_refused_in_one_line_on_every_rank(tmp_path: Path, two_ranks) -> None:
+    """The seed process's SpecError (here model.weights naming no file) reaches every rank; its folder is removed."""
+    missing = tmp_path / "no-such-weights.pt"
+    reports = two_ranks.run(_said, [*GPT, *FSDP2, f"model.weights={missing}"], str(tmp_path / "run"))
+    assert reports[0]["refused"] == reports[1]["refused"]
+    assert reports[0]["refused"].startswith("model.weights:") and "\n" not in reports[0]["refused"]
+    assert not (tmp_path / "run").exists()
