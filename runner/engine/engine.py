@@ -20,8 +20,8 @@ import torch
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from runner.engine import activation_checkpointing, checkpoint, finetune, fit_checks, parallel, preemption, steps
-from runner.engine.parallel import pipeline
+from runner.engine import checkpoint, finetune, fit_checks, parallel, preemption, steps
+from runner.engine.parallel import parallelize
 
 from runner.addons import averaging, profiling
 
@@ -113,23 +113,23 @@ class Engine:
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
-        self.module = self.precision.prepare_model(self._initial_model(spec, data).to(self.device))
+        # on the meta device where the run shards the model (parallel/parallelize.py): no rank holds it whole
+        built = parallelize.build_model(spec, data, self.env, self.device, resuming=resume_state is not None)
+        module = built.module = self.precision.prepare_model(built.module)
         if spec.trainer.channels_last:  # 4-D weights only; a convolution then gives channels-last outputs too
-            self.module = self.module.to(memory_format=torch.channels_last)
-        self.pass_labels = batches.accepts_labels(self.module)
+            module = built.module = module.to(memory_format=torch.channels_last)
+        self.pass_labels = batches.accepts_labels(module)
         stand_in = self._prepare(batches.split_batch(self.train_loader.collate_fn.stand_in()), train=False)
-        batches.check_loss_options(self.module, self.task, stand_in, self.pass_labels, spec.model.target)
+        _check_loss_options(module, self.task, stand_in, self.pass_labels, spec.model.target, built.on_meta)
         # before the wrap (FSDP shards in place): the FLOPs of every micro-batch are counted on a meta twin of the model
-        self.flop_count, flop_rate = flops.measure(self.module, stand_in, spec, self.device, self.pass_labels,
-                                                   self.env.world)
-        # parallelism.pp: this rank's stages; self.module is then this rank's part of the model (whole-model names)
-        self.pipeline = self._pipeline(spec) if self.env.dims.pp > 1 else None
-        if self.pipeline is not None:
-            self.module = self.pipeline.module
-        tensor_parallel.apply(self.module, spec.parallelism, self.env)  # tp: after the pipeline's cut, before checkpointing and the data-parallel wrap
-        if self.pipeline is not None:  # pp x tp: the stages compute with the split parameters, whole between stages
-            self.pipeline.after_tensor_plan(spec.parallelism, self.env)
+        self.flop_count, flop_rate = flops.measure(module, stand_in, spec, self.device, self.pass_labels, self.env.world)
         self.cp_mesh = self.env.submesh("cp")  # parallelism.cp: each sequence split across these ranks (CUDA)
+        if self.cp_mesh is not None:
+            context.check_model(module, spec.model.target)
+        # the pipeline cut, the tensor plan, activation checkpointing, the data-parallel wrap, this rank's shards, compile
+        parts = parallelize.parallelize(built, spec, self.env, self.device, self.precision.param_dtype, self._pipeline_loss)
+        # self.module: this rank's model, bare (under pp its stages' part, whole-model names); self.model: what steps call
+        self.model, self.module, self.pipeline, self.compiled = parts.model, parts.module, parts.pipeline, parts.compiled
         self.dp_degree = self.env.dp_degree  # read once: a step's loss scale is dp degree / units
         self.clips = spec.trainer.clip_grad_norm is not None or spec.trainer.clip_grad_value is not None
         self.distributed = self.env.distributed  # one process: the step's unit count is its own, no collective asked
@@ -137,25 +137,10 @@ class Engine:
         sharded_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
         self._loss_context = (lambda: tensor_parallel.loss_context(spec.parallelism, self.env)) if sharded_loss \
             else lambda: _NO_CONTEXT
-        if self.cp_mesh is not None:
-            context.check_model(self.module, spec.model.target)
-        # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap
-        activation_checkpointing.apply(self.module, spec.trainer.activation_checkpointing)
-        # under pp the schedule calls the stages, not a wrapper: the pipeline averages over dp_replicate itself
-        self.model = self.module if self.pipeline is not None else parallel.wrap(
-            self.module, spec.parallelism, self.env, self.device, self.precision.param_dtype,
-            # parameters unfrozen mid-run must still be reduced across ranks
-            find_unused=spec.model.unfreeze_after_epochs is not None)
-        if self.pipeline is not None:  # pp x fsdp: each stage sharded on dp_shard
-            self.pipeline.shard_stages(spec.parallelism, self.env, self.device, self.precision.param_dtype)
         # what clipping, the grad norm and the FLOP count walk (FSDP's are new: unfreezing sets requires_grad on
         # these); walking the module each step costs ~0.5 ms of host time on GPT-2, while the GPU waits
         self.params = self.flop_count.params = list(self.module.parameters())
-        self.model = compiling.compile_model(self.model, spec.trainer.compile, self.device)
-        self.compiled = hasattr(self.model, "_orig_mod")  # torch.compile's wrapper: a ragged batch runs the model under it
         self.compiled_task = compiling.compile_loss(self.task, spec, self.device)  # None: the loss stays eager
-        if self.pipeline is not None:  # train()/eval() reach every stage, a plan's copies included
-            self.model = torch.nn.ModuleList(self.pipeline.stage_modules)
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
         tensor_parallel.fit_optimizer(self.optimizer)
         self.progress = Progress()
@@ -226,19 +211,6 @@ class Engine:
             best_step=lambda metric: self.monitor.best_step.get(metric),
             train_batches=self._train_batches, forward=self.steps.forward, untimed=lambda: self.monitor.window.paused(),
             parts=tuple(self.steps.parts()), holds_batchnorm=self.steps.holds_batchnorm())
-
-    def _initial_model(self, spec: RunSpec, data) -> torch.nn.Module:
-        """The model from its component, then (fine-tuning) its starting weights and frozen parameters."""
-        module = fit_checks.check_model(spec, components.build_model(spec, data))
-        if spec.model.weights:
-            report = _finetune_call("model.weights", finetune.load_weights, module, spec.model.weights)
-            if self.env.is_main:
-                log.info("%s", report.describe())
-        if spec.model.freeze and spec.model.unfreeze_after_epochs is None:
-            frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
-            if self.env.is_main:
-                log.info("frozen for the whole run: %d parameter tensors (%s)", len(frozen), ", ".join(spec.model.freeze))
-        return fit_checks.check_model(spec, module, loaded=True)
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -361,14 +333,9 @@ class Engine:
         # (A step of no units at all, e.g. only padding, has a loss sum of 0: any scale keeps it 0.)
         return self.steps.train_step(step_batches, counts)
 
-    def _pipeline(self, spec: RunSpec) -> "pipeline.Pipeline":
-        pipeline.check_composition(spec, self.env.dims)
-
-        def loss_sum(output, labels: torch.Tensor) -> torch.Tensor:
-            return batches.loss_sum(output, tasks.Batch(None, labels), 0, self.task, spec.model.target)
-
-        return pipeline.Pipeline(self.module, spec.parallelism, self.env, self.device, spec.dataset.batch_size,
-                                 spec.model.target, loss_sum)
+    def _pipeline_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        """The pipeline's last stage's loss: the task's, summed over the labels' units."""
+        return batches.loss_sum(output, tasks.Batch(None, labels), 0, self.task, self.spec.model.target)
 
     def _train_batches(self) -> Iterator[tasks.Batch]:
         """One pass over the training split in this epoch's order, prepared as a step prepares its batches
@@ -559,6 +526,25 @@ def _on_device(batch: tasks.Batch, device: torch.device) -> bool:
 
 def _inside(path: Path, directory: Path) -> bool:
     return path.resolve().is_relative_to(directory.resolve())
+
+def _check_loss_options(module: torch.nn.Module, task: tasks.Task, stand_in: tasks.Batch, pass_labels: bool,
+                        model: str, on_meta: bool) -> None:
+    """batches.check_loss_options; on a model built on the meta device, on a meta copy of the stand-in. A model
+    the meta device cannot run (one reading its inputs' values) is not checked here: a loss option it cannot
+    apply is still refused in one line, by its first step's loss (batches.own_loss)."""
+    if not on_meta:
+        batches.check_loss_options(module, task, stand_in, pass_labels, model)
+        return
+    from torch.utils._pytree import tree_map
+
+    meta = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, stand_in)
+    try:
+        batches.check_loss_options(module, task, meta, pass_labels, model)
+    except SpecError:
+        raise
+    except Exception:  # noqa: BLE001 (see the docstring)
+        pass
+
 
 def _finetune_call(key: str, fn, *args):
     """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is

@@ -69,6 +69,11 @@ class ParallelismSpec:
     sync_batchnorm: bool = opt(False, "BatchNorm statistics over the global batch of all ranks (SyncBatchNorm); ddp/fsdp only")
     reshard_after_forward: bool = opt(True, "fsdp: free each block's gathered parameters after its forward (false: keep "
                                             "them until the backward, more memory, one all-gather less per step)")
+    meta_init: Literal["auto", True, False] = opt(
+        "auto", "build the model on the meta device and materialise only this rank's shards, their initial values "
+                "those of one process (a seed checkpoint no rank holds whole), where the run shards the model (dp_shard, "
+                "tp or pp > 1); auto: so, and a model whose constructor cannot run on meta is built whole on every "
+                "rank (said in one line); true: a model that cannot is refused; false: every rank builds the whole model")
     cpu_offload: bool = opt(False, "fsdp: keep parameters, gradients and optimizer state on the CPU (the optimizer "
                                    "steps there); for a model that does not fit on the devices otherwise")
 

@@ -129,7 +129,9 @@ class Pipeline:
         self.tied = [names for names in shared.values() if len(names) > 1]
 
         self.indices = stage_indices(par.pp_schedule, self.pp_rank, self.pp, stages_per_rank(par))
-        cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages).to(device) for i in self.indices]
+        cut = [cut_stage(model, par.pp_plan, model_name, i, self.num_stages) for i in self.indices]
+        if not any(t.is_meta for t in model.parameters()):  # a model built on meta is materialised once sharded
+            cut = [stage.to(device) for stage in cut]
         self.stage_modules = cut
         self.module = _rank_part(model, cut)
         self.module._runner_pipeline = self  # state.py: the tied names, and full_model_state merging every stage's part
