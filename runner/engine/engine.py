@@ -195,7 +195,7 @@ class Engine:
         if not (spec.model.freeze and spec.model.unfreeze_after_epochs is not None):
             return []
         # after the optimizer: a frozen parameter is in it already and simply gets no gradient until unfrozen
-        unfreezer = _finetune_call("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
+        unfreezer = finetune.keyed("model.freeze", finetune.Unfreezer, self.module, list(spec.model.freeze),
                                    spec.model.unfreeze_after_epochs)
         return [GradualUnfreezing(unfreezer, list(spec.model.freeze))]
 
@@ -544,14 +544,3 @@ def _check_loss_options(module: torch.nn.Module, task: tasks.Task, stand_in: tas
         raise
     except Exception:  # noqa: BLE001 (see the docstring)
         pass
-
-
-def _finetune_call(key: str, fn, *args):
-    """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
-    not weights) becomes one line naming the key."""
-    try:
-        return fn(*args)
-    except SpecError:
-        raise
-    except ValueError as e:
-        raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None

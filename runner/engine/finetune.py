@@ -12,13 +12,16 @@ import pickle
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from runner.engine import checkpoint
 from runner.spec.run import SpecError
+
+if TYPE_CHECKING:
+    from runner.spec.run import RunSpec
 
 # Wrappers that rename every key: DDP (module.), torch.compile (_orig_mod.), runner.models.hf (model.)
 PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -355,3 +358,37 @@ def _names(names: list[str], shown: int = _SHOWN) -> str:
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip() or type(e).__name__).splitlines()[0]
+
+
+# --- the model as one process builds it: its component, then its starting weights and frozen parameters ---
+
+def whole_model(spec: RunSpec, data: Any, say: Callable[[str], None]) -> nn.Module:
+    """The model as one process builds it: from its component, then (fine-tuning) its starting weights and frozen
+    parameters. The seed process (parallel/seed.py) and a rank of a run that
+    does not shard the model (parallel/parallelize.py) build it so."""
+    from runner.engine import fit_checks
+    from runner.spec import components
+
+    module = fit_checks.check_model(spec, components.build_model(spec, data))
+    if spec.model.weights:
+        say(keyed("model.weights", load_weights, module, spec.model.weights).describe())
+    freeze_for_run(spec, module, say)
+    return fit_checks.check_model(spec, module, loaded=True)
+
+
+def freeze_for_run(spec: RunSpec, module: nn.Module, say: Callable) -> None:
+    """model.freeze for the whole run (no unfreeze_after_epochs): those parameters frozen, and said."""
+    if spec.model.freeze and spec.model.unfreeze_after_epochs is None:
+        frozen = keyed("model.freeze", freeze, module, list(spec.model.freeze))
+        say(f"frozen for the whole run: {len(frozen)} parameter tensors ({', '.join(spec.model.freeze)})")
+
+
+def keyed(key: str, fn, *args):
+    """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
+    not weights) becomes one line naming the key."""
+    try:
+        return fn(*args)
+    except SpecError:
+        raise
+    except ValueError as e:
+        raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None

@@ -54,17 +54,6 @@ def meta_init(spec: RunSpec, env: DistEnv) -> bool:
     return spec.parallelism.meta_init is not False and (dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1)
 
 
-def whole_model(spec: RunSpec, data: Any, say: Callable[[str], None]) -> nn.Module:
-    """The model as one process builds it: from its component, then (fine-tuning) its starting weights and frozen
-    parameters. The seed process (parallel/seed.py) builds it so too."""
-    from runner.spec import components
-
-    module = fit_checks.check_model(spec, components.build_model(spec, data))
-    if spec.model.weights:
-        say(_finetune_call("model.weights", finetune.load_weights, module, spec.model.weights).describe())
-    _freeze(spec, module, say)
-    return fit_checks.check_model(spec, module, loaded=True)
-
 
 def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, resuming: bool) -> BuiltModel:
     """The run's model on this rank: on the meta device with its seed checkpoint written where meta_init says so
@@ -75,7 +64,7 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
         module, why = _on_meta(spec, data)
         rng.set_rng_state(before)  # a constructor on meta may still draw (Python's random, numpy's)
         if module is not None:
-            _freeze(spec, module, say)
+            finetune.freeze_for_run(spec, module, say)
             fit_checks.check_model(spec, module)
             # a resumed run's checkpoint fills every value a state dict holds: the seed only for what it does not
             if resuming and not seed.non_persistent_buffers(module):
@@ -91,7 +80,7 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
                             f"({why}); use parallelism.meta_init=auto (every rank then builds the whole model) or false")
         say("parallelism.meta_init: %s cannot be built on the meta device (%s): every rank builds the whole model",
             spec.model.target, why)
-    return BuiltModel(whole_model(spec, data, lambda line: say("%s", line)).to(device))
+    return BuiltModel(finetune.whole_model(spec, data, lambda line: say("%s", line)).to(device))
 
 
 def _on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
@@ -122,11 +111,6 @@ def _on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
 
-
-def _freeze(spec: RunSpec, module: nn.Module, say: Callable) -> None:
-    if spec.model.freeze and spec.model.unfreeze_after_epochs is None:
-        frozen = _finetune_call("model.freeze", finetune.freeze, module, list(spec.model.freeze))
-        say(f"frozen for the whole run: {len(frozen)} parameter tensors ({', '.join(spec.model.freeze)})")
 
 
 def parallelize(built: BuiltModel, spec: RunSpec, env: DistEnv, device: torch.device, param_dtype: torch.dtype | None,
@@ -173,14 +157,3 @@ def materialise(modules: list[nn.Module], param_device: torch.device, buffer_dev
                 for name, buffer in sub._buffers.items():
                     if buffer is not None:
                         sub._buffers[name] = buffer.to(buffer_device)
-
-
-def _finetune_call(key: str, fn, *args):
-    """A fine-tuning helper whose complaint about its input (a pattern matching nothing, a file that is
-    not weights) becomes one line naming the key."""
-    try:
-        return fn(*args)
-    except SpecError:
-        raise
-    except ValueError as e:
-        raise SpecError(f"{key}: {str(e).splitlines()[0]}") from None

@@ -168,7 +168,7 @@ def _main(where: Path) -> int:
     import torch.distributed.checkpoint as dcp
 
     from runner.engine import rng
-    from runner.engine.parallel.parallelize import whole_model
+    from runner.engine.finetune import whole_model
     from runner.spec.run import RunSpec, SpecError
 
     spec = RunSpec.from_yaml((where / SPEC).read_text())

@@ -203,6 +203,8 @@ def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     for key, value in flat.items():
         if _is_strided(value):  # see _is_strided: whole over its tensor-parallel group (a collective of that group)
             value = gathered(value)
+        elif _is_partial(value):
+            value = _reduced(value)
         if not key.startswith(MODEL):
             prefix, name, field = _split_key(key)
             key = prefix + canonical.get(name, name) + field
@@ -223,6 +225,22 @@ def _is_strided(t: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _is_partial(t: Any) -> bool:
+    """A DTensor whose value is the sum of the ranks' pieces (Partial): under tp the optimizer's moments of a
+    replicated parameter whose gradient the plan left unreduced (a norm's weight under sequence parallelism).
+    DCP refuses them ("not supported for DTensor with partial placements")."""
+    return hasattr(t, "placements") and any(p.is_partial() for p in t.placements)
+
+
+def _reduced(t: Any) -> Any:
+    """A Partial DTensor made Replicate: its value summed over the group (a collective of its mesh), which is
+    the value the tensor stands for, so the checkpoint holds what one process would; a load gives it back
+    replicated, which the optimizer's next step reads as the same value."""
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
 
 
 def tied_names(module: nn.Module) -> list[list[str]]:

@@ -3,6 +3,7 @@ comes back on resume; a target that cannot be imported, is no add-on, or gets a 
 line naming the key before training (tests/runner/test_bad_input.py runs those through the CLI too)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,18 @@ from runner.cli import launch
 from runner.engine import checkpoint
 from runner.spec import components
 from runner.spec.run import SpecError
-from tests.conftest import compose_spec, run_cli
+from tests.conftest import REPO, compose_spec, run_cli
 
 COUNTER = "{_target_: tests.user_pkg.callbacks.StepCounter, scale: 10}"
+
+
+@pytest.fixture(autouse=True)
+def _user_package_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callbacks' package (tests.user_pkg) importable in `python -m runner`, as a user's own project is
+    (PYTHONPATH or an install): the CLI's runs start in a temporary directory."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
 RUN = ["trainer.max_steps=6", "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false", "dataset.batch_size=32",
        "trainer.progress_bar=off", "trainer.memory_estimate=false", f"trainer.callbacks=[{COUNTER}]"]
 

@@ -201,7 +201,7 @@ def test_every_dataset_option_takes_the_loader_keys(tmp_path: Path, dataset: str
 # the tasks each built-in model is made for, each with a dataset of that kind
 MODEL_TASKS = [(model, task, dataset) for model in ("mlp", "cnn", "resnet18", "timm", "torchvision", "vit")
                for task, dataset in (("classification", "synthetic"), ("regression", "synthetic"))]
-MODEL_TASKS += [("gpt", "language_modeling", "text_lm"), ("hf", "classification", "imdb"),
+MODEL_TASKS += [("gpt", "language_modeling", "text_lm"), ("gpt2_medium", "language_modeling", "text_lm"), ("hf", "classification", "imdb"),
                 ("hf", "language_modeling", "text_lm"), ("distilbert", "classification", "imdb")]
 
 

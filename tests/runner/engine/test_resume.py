@@ -244,7 +244,9 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_in_place(tmp_path:
     # (its checkpoints/ holds only the best weights so far, for trainer.test_on=best: not a checkpoint to resume)
     assert killed.returncode == -9 and not checkpoint.has_checkpoint(tmp_path / "run")
     [(status, _, _)] = mlflow_record(db).values()
-    assert status == "RUNNING"
+    # its tracking process ends it KILLED once it sees the training process gone (runner/tracking/store_process.py),
+    # which may come after this read; never FINISHED or FAILED
+    assert status in ("RUNNING", "KILLED")
     # the kill is a real process; the resume goes through the CLI's entry in this process (an interpreter start
     # saved, CI budget): a resume in a real process is test_a_killed_run_resumed_in_place_ends_as_if_never_stopped's
     code, out, err = cli_in_process([f"trainer.resume={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'resume'}"],
@@ -265,7 +267,7 @@ def test_a_killed_run_nobody_resumes_ends_killed_at_the_next_run_on_the_store(tm
                  kill=("step", 2))
     assert killed.returncode == -9
     [(killed_id, (status, _, tags))] = mlflow_record(db).items()
-    assert status == "RUNNING" and tags["runner.pid"].isdigit() and tags["runner.host"]
+    assert status in ("RUNNING", "KILLED") and tags["runner.pid"].isdigit() and tags["runner.host"]
     assert cli(["trainer.max_steps=1", "trainer.progress_bar=off", f"hydra.run.dir={tmp_path / 'next'}"],
                tmp_path, db).returncode == 0
     assert mlflow_record(db)[killed_id][0] == "KILLED"
@@ -286,9 +288,10 @@ def test_sigterm_and_sighup_stop_at_a_step_with_its_checkpoint_and_the_resume_en
     newest = tmp_path / "run" / "checkpoints" / "step-00000025.pt"
     assert newest.exists()
     # a corrupt newest checkpoint: the resume falls back to step 20, says so once, and still ends the same
-    data = bytearray(newest.read_bytes())
+    shard = newest / "__0_0.distcp"  # the checkpoint is a folder of shards (one rank: one shard file)
+    data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
-    newest.write_bytes(data)
+    shard.write_bytes(data)
     if requeue:  # SLURM requeues a preempted job: the same command again, in its own run directory
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
         resumed = cli([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, db)
