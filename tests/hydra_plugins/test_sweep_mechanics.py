@@ -13,6 +13,7 @@ import pytest
 from optuna.trial import TrialState
 
 from runner.search.trial import open_storage
+from tests.process_tree import alive, descendants
 
 APP = '''
 import os, time
@@ -249,30 +250,6 @@ def test_sweep_processes_sharing_a_study_propose_different_trials(app: Path) -> 
     ran = sorted(int(p.name.split("-")[0]) for p in (app / "marks").glob("*-*"))
     assert ran == sorted(t.number for t in run)  # every trial ran exactly once
     assert len({p.name.split("-")[1] for p in (app / "marks").glob("*-*")}) == 2  # both sweeps took trials
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below pid, read from /proc (the sweep's fork server, its trials, their children)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -12,33 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.process_tree import alive, descendants
 
 DEADLINE_S = 120  # a bound for "never", not a measure of speed: the workers' stop takes a step and a checkpoint
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` (Linux's /proc), however deep."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = set(), [pid]
-    while todo:
-        here = todo.pop()
-        children = {p for p, parent in parents.items() if parent == here}
-        todo += children - found
-        found |= children
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _statuses(db: Path) -> list[str]:
@@ -69,18 +45,18 @@ def _start_and_wait_for_training(tmp_path: Path, *overrides: str) -> subprocess.
 
 
 def _kill_and_check(tmp_path: Path, launcher: subprocess.Popen, processes: int) -> None:
-    started = _descendants(launcher.pid)
+    started = descendants(launcher.pid)
     assert len(started) >= processes, started
     try:
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         deadline = time.time() + DEADLINE_S
-        while time.time() < deadline and any(_alive(p) for p in started):
+        while time.time() < deadline and any(alive(p) for p in started):
             time.sleep(0.1)
-        assert [p for p in started if _alive(p)] == []
+        assert [p for p in started if alive(p)] == []
     finally:
         for pid in started:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert _statuses(tmp_path / "mlflow.db") == ["KILLED"]
 

@@ -18,6 +18,7 @@ from runner.search.trial import PRUNER_ATTR, RUN_DIR_ATTR, open_storage
 from tests.conftest import run_cli
 from tests.runner.engine.test_engine import ctrl_c_during_step, tracked
 from tests.runner.engine.test_parallel import metric_history
+from tests.process_tree import alive, descendants
 
 
 def load(journal: Path, name: str = "digits_optuna") -> optuna.Study:
@@ -213,28 +214,6 @@ def test_a_grid_multirun_is_a_parent_run_with_a_child_per_job(tmp_path: Path) ->
         assert "runner: trained" in (job_dir / "runner.log").read_text()
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-        except OSError:
-            continue
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree(tmp_path: Path) -> None:
@@ -252,15 +231,15 @@ def test_a_killed_sweep_takes_its_trials_along_and_study_and_mlflow_agree(tmp_pa
         while len(list(tmp_path.glob("outputs/multiruns/*/*/*/mlflow_run_id"))) < 2 and time.time() < deadline:
             time.sleep(0.5)
         assert len(list(tmp_path.glob("outputs/multiruns/*/*/*/mlflow_run_id"))) == 2, "the trials never started"
-        below = _descendants(sweep.pid)
+        below = descendants(sweep.pid)
         sweep.kill()
         sweep.wait()
         deadline = time.time() + 30
-        while any(_alive(p) for p in below) and time.time() < deadline:
+        while any(alive(p) for p in below) and time.time() < deadline:
             time.sleep(0.5)
-        assert not [p for p in below if _alive(p)], "trial processes outlived their sweep"
+        assert not [p for p in below if alive(p)], "trial processes outlived their sweep"
     finally:
-        for pid in _descendants(sweep.pid) if sweep.poll() is None else ():
+        for pid in descendants(sweep.pid) if sweep.poll() is None else ():
             os.kill(pid, 9)
     assert [t.state for t in load(journal).trials] == [TrialState.RUNNING] * 2  # the sweep told nothing
     open_client(uri)  # what any runner command does first: the runs whose process is gone end KILLED
