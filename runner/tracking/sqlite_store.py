@@ -15,7 +15,6 @@ depends on which way it went.
 from __future__ import annotations
 
 import math
-import os
 import posixpath
 import re
 import shutil

@@ -2,6 +2,8 @@
 state dicts where one process needs the whole model, the local values of DTensors, and gradient norms over a mesh."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
