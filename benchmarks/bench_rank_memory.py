@@ -81,7 +81,7 @@ def parameter_count(model_overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
     from hydra.utils import get_method
 
-    from runner.spec.registry import CONF_DIR
+    from runner.specs.registry import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*COMMON, *model_overrides])

@@ -84,8 +84,8 @@ def bench_log_calls(calls: int, template: Path, tmp: Path) -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from runner.spec.run import RunSpec
-    from runner.spec.tracking import TrackingSpec
+    from runner.specs.run import RunSpec
+    from runner.specs.tracking import TrackingSpec
     from runner.tracking.tracker import build_tracker
 
     def fresh(name: str) -> tuple[str, Path]:

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.spec import components
+from runner.specs import components
 from runner.engine.engine import Engine
 from runner.engine.loader import make_loader, on_device
 from runner.engine.optim import build_optimizer
 from runner.engine.parallel import pick_device
-from runner.spec.registry import CONF_DIR
+from runner.specs.registry import CONF_DIR
 from runner.engine.rng import seed_everything
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 from runner.tasks import IGNORE
 from runner.tracking.tracker import build_tracker
 

@@ -14,11 +14,11 @@ import hydra
 from omegaconf import DictConfig
 
 from hydra_plugins.runner_optuna_sweeper.hook import sweep_hook
-from runner.spec import registry
+from runner.specs import registry
 from runner.cli.preflight import CONFIG_NAME, Checked, expand_accum, fail, preflight, resolved
 from runner.cli.run_dir import shared_run_dir_overrides, under_torchrun
-from runner.spec.metric_names import with_task_declarations
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.metric_names import with_task_declarations
+from runner.specs.run import RunSpec, SpecError
 
 
 @hydra.main(config_path=str(registry.CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")

@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.spec.registry import CONF_DIR
-from runner.spec.metric_names import with_task_declarations
-from runner.spec.run import RunSpec
+from runner.specs.registry import CONF_DIR
+from runner.specs.metric_names import with_task_declarations
+from runner.specs.run import RunSpec
 from tests.temp_base import pytest_configure  # noqa: F401  (the suite's own temporary directories)
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (CONF_DIR may be a link inside runner/)

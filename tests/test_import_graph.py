@@ -101,16 +101,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read_from_the_source() -> None:
     graph = import_graph()
-    assert "runner.spec.run" in graph and "runner.engine.engine" in graph
-    assert "runner.spec.run" in graph["runner.spec.components"]  # `from runner.spec.run import RunSpec`
-    assert "runner.spec.components" in graph["runner.engine.engine"]  # `from runner.spec import components`
+    assert "runner.specs.run" in graph and "runner.engine.engine" in graph
+    assert "runner.specs.run" in graph["runner.specs.components"]  # `from runner.specs.run import RunSpec`
+    assert "runner.specs.components" in graph["runner.engine.engine"]  # `from runner.specs import components`
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_spec_is_in_no_import_cycle() -> None:
-    """The checks that need the task run after the spec is built (runner/spec/metric_names.py), so the spec,
+    """The checks that need the task run after the spec is built (runner/specs/metric_names.py), so the spec,
     the task protocol and the component checks import each other one way only."""
-    assert [c for c in cycles(import_graph()) if any(m.startswith(("runner.spec", "runner.tasks")) for m in c)] == []
+    assert [c for c in cycles(import_graph()) if any(m.startswith(("runner.specs", "runner.tasks")) for m in c)] == []
 
 
 def test_runner_has_no_import_cycle() -> None:
@@ -147,8 +147,8 @@ def test_the_stop_lives_with_the_add_on_protocol_and_every_add_on_in_addons() ->
 # (components.build_data -> search.folds, engine.fit_checks) and resume's checkpoint reading and mesh degrees
 # (engine.checkpoint, engine.parallel; sharded checkpoints are changing both). Nothing may be added here.
 SPEC_REACHES_UP_TODAY = {
-    "runner.spec.components": ["runner.engine", "runner.engine.fit_checks", "runner.search", "runner.search.folds"],
-    "runner.spec.resume": ["runner.engine", "runner.engine.checkpoint", "runner.engine.parallel",
+    "runner.specs.components": ["runner.engine", "runner.engine.fit_checks", "runner.search", "runner.search.folds"],
+    "runner.specs.resume": ["runner.engine", "runner.engine.checkpoint", "runner.engine.parallel",
                            "runner.engine.parallel.nominal_world", "runner.engine.parallel.resolve_dims"],
 }
 
@@ -157,7 +157,7 @@ def test_the_spec_imports_nothing_from_the_engine_addons_cli_or_search() -> None
     """The spec is data: the checks that need a built part run in preflight or the engine's build."""
     wrong = {name: sorted(m for m in imported if m.startswith(("runner.engine", "runner.addons", "runner.cli",
                                                                 "runner.search")))
-             for name, imported in all_imports().items() if name.startswith("runner.spec")}
+             for name, imported in all_imports().items() if name.startswith("runner.specs")}
     assert {name: found for name, found in wrong.items() if found} == SPEC_REACHES_UP_TODAY
 
 

@@ -20,8 +20,8 @@ def compose(overrides: list[str], run_dir: Path):
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from runner.spec.registry import CONF_DIR
-    from runner.spec.run import RunSpec
+    from runner.specs.registry import CONF_DIR
+    from runner.specs.run import RunSpec
 
     overrides = [*overrides, "tracking=none"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

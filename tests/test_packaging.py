@@ -76,7 +76,7 @@ def test_an_installed_wheel_runs_from_anywhere(wheels: dict[str, Path], tmp_path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
 
     where = subprocess.run(
-        [sys.executable, "-c", "import runner, runner.spec.registry as r, hydra_plugins.runner_optuna_sweeper as s; "
+        [sys.executable, "-c", "import runner, runner.specs.registry as r, hydra_plugins.runner_optuna_sweeper as s; "
                                "print(runner.__file__, r.CONF_DIR, s.__file__, sep='\\n')"],
         cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
     runner_file, conf_dir, sweeper_file = (Path(line) for line in where.stdout.split())

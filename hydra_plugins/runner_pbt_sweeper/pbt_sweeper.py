@@ -25,7 +25,7 @@ class PbtSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         from runner.search.pbt.launcher import MemberFailed
         from runner.search.pbt.sweep import run_sweep
-        from runner.spec.run import SpecError
+        from runner.specs.run import SpecError
 
         settings = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in self.settings.items()}
         try:

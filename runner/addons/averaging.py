@@ -41,8 +41,8 @@ from torch.optim.swa_utils import SWALR, get_ema_multi_avg_fn, get_swa_multi_avg
 from runner.engine.parallel import all_reduce_sum, local_tensor_of
 from runner.engine.parallel.state import AVERAGES
 from runner.addons.base import AddOn, EngineView, Progress
-from runner.spec.trainer import SwaSpec
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.trainer import SwaSpec
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 

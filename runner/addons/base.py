@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Sequence
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 if TYPE_CHECKING:
     import torch
 
     from runner.engine.parallel import DistEnv
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
     from runner.tracking.tracker import Tracker
 
 

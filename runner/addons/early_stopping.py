@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runner.addons.base import AddOn, Stop
-from runner.spec.trainer import EarlyStoppingSpec
+from runner.specs.trainer import EarlyStoppingSpec
 
 
 class EarlyStopping:

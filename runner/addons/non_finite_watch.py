@@ -8,7 +8,7 @@ import torch
 from runner.addons.base import AddOn, EngineView
 from runner.engine.monitor import Diverged
 from runner.engine.parallel import all_reduce_max
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 
 class NonFiniteWatch(AddOn):

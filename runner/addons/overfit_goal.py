@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from runner.addons.base import AddOn, EngineView, Progress, Stop
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 
 class OverfitGoal(AddOn):

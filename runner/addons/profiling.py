@@ -34,7 +34,7 @@ from runner.addons import profile_advice
 from runner.addons.base import AddOn, EngineView
 from runner.engine.optim import fused_kernel_runs, kernels
 from runner.engine.parallel import DistEnv
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 log = logging.getLogger(__name__)
 

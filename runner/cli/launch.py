@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import yaml
 
-from runner.spec import components, resume
+from runner.specs import components, resume
 
 from runner.engine import checkpoint, preemption
 
@@ -27,10 +27,10 @@ from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.engine.parallel import pipeline, tensor as tensor_parallel
-from runner.spec import composition
-from runner.spec.parallelism import ParallelismSpec, world_source
+from runner.specs import composition
+from runner.specs.parallelism import ParallelismSpec, world_source
 from runner.engine.parallel.context import check_context_parallel, check_model
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
 

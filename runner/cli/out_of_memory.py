@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 _CPU_FAILURE = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 

@@ -13,12 +13,12 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.spec import registry
+from runner.specs import registry
 from runner.cli.run_dir import check_writable, under_torchrun
-from runner.spec.fields import did_you_mean
-from runner.spec.peer_names import peer_hint, peer_option_hint
-from runner.spec.metric_names import with_task_declarations
-from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option
+from runner.specs.fields import did_you_mean
+from runner.specs.peer_names import peer_hint, peer_option_hint
+from runner.specs.metric_names import with_task_declarations
+from runner.specs.run import OPTION_GROUPS, RunSpec, SpecError, check_option
 
 CONFIG_NAME = "config"
 
@@ -128,8 +128,8 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         check_tracking(spec.tracking)
         start_tracking_early(spec, multirun=dir_key == "hydra.sweep.dir")
     # last, as it imports the model's and dataset's modules (torch): their keys against their signatures
-    from runner.spec import components
-    from runner.spec.resume import typed_keys
+    from runner.specs import components
+    from runner.specs.resume import typed_keys
 
     components.resolved_spec(spec, typed_keys(spec.overrides))
     if spec.parallelism.cp != 1:  # the device and torch at hand, and the model's attention (torch is imported by now)
@@ -142,14 +142,14 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         check_writable(dir_key, run_dir)
 
 
-# the sweepers whose jobs are a feature of the composition table (runner/spec/composition.py), by their class
+# the sweepers whose jobs are a feature of the composition table (runner/specs/composition.py), by their class
 SWEEPER_FEATURES = {"PbtSweeper": ("pbt", "hydra/sweeper=pbt"), "OptunaSweeper": ("optuna", "hydra/sweeper=runner_optuna")}
 
 
 def _check_sweeper(cfg: DictConfig, spec: RunSpec) -> None:
     """A sweep's jobs in a parallel dimension the table refuses for them: one line before Hydra makes the sweep
     directory (the spec of a job does not know the sweeper that runs it)."""
-    from runner.spec import composition
+    from runner.specs import composition
 
     target = str(OmegaConf.select(cfg, "hydra.sweeper._target_") or "")
     feature = SWEEPER_FEATURES.get(target.rpartition(".")[2])
@@ -162,7 +162,7 @@ def start_tracking_early(spec: RunSpec, multirun: bool) -> None:
     and opens the store on another core while this one imports torch and builds the run
     (runner/tracking/store_process.py). Not for a multirun's jobs (one process, one MLflow import for them
     all), torchrun's workers, parallel launchers or k-fold's runs."""
-    from runner.spec.parallelism import nominal_world
+    from runner.specs.parallelism import nominal_world
 
     if (spec.mode != "train" or spec.tracking.name == "none" or under_torchrun() or multirun
             or spec.parallelism.name != "single" or nominal_world(spec.parallelism) != 1
@@ -309,7 +309,7 @@ def _composition_error(error: Exception, config_name: str, overrides: list[str])
         hint = peer_option_hint(group, option) or did_you_mean(option, choices)
         return f"{group}: unknown option {option!r}; {hint}choose one of {', '.join(choices)}"
     if isinstance(cause, OmegaConfBaseException) and cause.full_key == "trainer.callbacks":  # a mapping for the list
-        from runner.spec.trainer import callbacks_refusal
+        from runner.specs.trainer import callbacks_refusal
 
         typed = [line.split("=", 1)[1] for line in overrides if _key_of(line) == "trainer.callbacks" and "=" in line]
         return callbacks_refusal(typed[-1] if typed else "a mapping")

@@ -30,7 +30,7 @@ from pathlib import Path
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 BACKEND = "runner-c10d"
 ROUND_ENV = "RUNNER_RDZV_ROUND"              # this round's token, the same on every node
@@ -140,7 +140,7 @@ class RollCall:
 
     def _publish_kept(self) -> None:
         from runner.engine import checkpoint
-        from runner.spec.run import SpecError
+        from runner.specs.run import SpecError
 
         try:
             newest = str(checkpoint.resolve(self._own_run_dir)) if self._own_run_dir else ""

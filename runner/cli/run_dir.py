@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 _REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system",
             errno.EACCES: "permission denied", errno.EPERM: "not permitted",

@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 LOCK_FILE = ".runner.lock"
 # what makes a directory a run's: the spec is written first, before its MLflow run exists
@@ -146,7 +146,7 @@ def check_at_start(resume: str | None, dir_key: str, run_dir: str, parallelism: 
 
         resume = str(latest_run())
     if resume:
-        from runner.spec.resume import check_source  # imports torch; a resumed run needs it next anyway
+        from runner.specs.resume import check_source  # imports torch; a resumed run needs it next anyway
 
         check_source(resume)
         if Path(resume).is_dir():

@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 
 def _module_file(target: str) -> Path | None:

@@ -22,7 +22,7 @@ from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
 from runner.cli.rendezvous import PEER_GONE_EXIT
 from runner.engine.monitor import Diverged
 from runner.engine.parallel import broadcast_object, gather_objects, init_process_group
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 from runner.search.trial import is_pruned
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 MODES = ("none", "full", "selective")
 

@@ -41,7 +41,7 @@ import torch
 
 from runner.files import atomic_write
 from runner.engine.rng import rng_state, set_rng_state  # noqa: F401  (part of this module's API)
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 log = logging.getLogger(__name__)
 # DCP warns at every save and load in one process that it assumes one process: runner says so itself (no_dist)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 log = logging.getLogger(__name__)
 

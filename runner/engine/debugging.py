@@ -1,6 +1,6 @@
 """What the debug presets (conf/debug/) switch on: smaller splits, overfitting a few batches (the goal is an
 add-on: runner/addons/overfit_goal.py), autograd anomaly detection. The keys are the trainer's
-(runner/spec/debug.py); the engine calls these in a few hooks.
+(runner/specs/debug.py); the engine calls these in a few hooks.
 
 Limits take each split's first samples, before the loader deals them to ranks: every rank, every
 world size and a resumed run then see the same subset, and the loader's order stays a function of
@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from runner.engine.monitor import Diverged
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 
 
 class Head(Dataset):

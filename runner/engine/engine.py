@@ -25,7 +25,7 @@ from runner.engine.parallel import parallelize
 
 from runner.addons import averaging, profiling
 
-from runner.spec import components, metric_names
+from runner.specs import components, metric_names
 
 from runner import tasks
 from runner.engine import compiling, debugging, flops
@@ -46,9 +46,9 @@ from runner.engine.parallel import DistEnv, pick_device
 from runner.engine.parallel import context, tensor as tensor_parallel
 from runner.engine.precision import Precision
 from runner.engine.schedule import build_scheduler
-from runner.spec.resume import starts_over, typed_keys
+from runner.specs.resume import starts_over, typed_keys
 from runner.engine.rng import seed_everything
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 from runner.tracking.tracker import NullTracker, Tracker
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from runner.engine import checkpoint
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 # Wrappers that rename every key: DDP (module.), torch.compile (_orig_mod.), runner.models.hf (model.)
 PREFIXES = ("module.", "_orig_mod.", "model.")
@@ -367,7 +367,7 @@ def whole_model(spec: RunSpec, data: Any, say: Callable[[str], None]) -> nn.Modu
     parameters. The seed process (parallel/seed.py) and a rank of a run that
     does not shard the model (parallel/parallelize.py) build it so."""
     from runner.engine import fit_checks
-    from runner.spec import components
+    from runner.specs import components
 
     module = fit_checks.check_model(spec, components.build_model(spec, data))
     if spec.model.weights:

@@ -1,15 +1,15 @@
 """Checks that the model, the data and the task fit each other once they are built, in one line each: the
 labels a task learns from against the data's, and what a builder returned (DataSplits, a module with
 parameters, finite weights). What a model reads against what the data gives is known before either is
-built: runner/spec/components.py checks it."""
+built: runner/specs/components.py checks it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 # The labels each built-in task can learn from, as the first training item holds them (see label_kind).
 TASK_LABELS = {"classification": "class ids", "language_modeling": "token ids per position",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 log = logging.getLogger(__name__)
 _requires_grad = operator.attrgetter("requires_grad")

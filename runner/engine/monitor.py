@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from runner.spec import metric_names
+from runner.specs import metric_names
 from runner.engine.compiling import CompileClock
 from runner.engine.flops import FlopRate
 from runner.engine.log_window import LogWindow
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 from runner.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)

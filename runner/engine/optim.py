@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.spec.components import build_component, load_target
-from runner.spec.optimizer import OptimizerSpec
-from runner.spec.run import SpecError
+from runner.specs.components import build_component, load_target
+from runner.specs.optimizer import OptimizerSpec
+from runner.specs.run import SpecError
 
 
 def build_optimizer(spec: OptimizerSpec, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

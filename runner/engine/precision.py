@@ -10,8 +10,8 @@ if TYPE_CHECKING:
 
 import torch
 
-from runner.spec.precision import PrecisionSpec
-from runner.spec.run import SpecError
+from runner.specs.precision import PrecisionSpec
+from runner.specs.run import SpecError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from runner.engine import checkpoint
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 WHICH = ("tested", "best", "last")
 AVERAGES = ("auto", "none", "ema", "swa")

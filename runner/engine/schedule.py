@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LinearLR, OneCycleLR, ReduceLROnPlateau, SequentialLR
 
-from runner.spec.components import build_component, complaint, load_target
-from runner.spec.run import SpecError
-from runner.spec.scheduler import SchedulerSpec
+from runner.specs.components import build_component, complaint, load_target
+from runner.specs.run import SpecError
+from runner.specs.scheduler import SchedulerSpec
 
 _FLOATS = {float}  # a constant schedule holds only rates that are plain floats
 

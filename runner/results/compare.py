@@ -21,7 +21,7 @@ from typing import Any
 from runner.tracking.mlflow_store import DEFAULT_URI
 from runner.cli.preflight import fail
 from runner.results.reproduce import OneLineParser, find_run, open_store, parse, refuse_deleted
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 # params that differ between any two runs without changing what was trained
 _NOT_COMPARED = ("run_dir", "trial.", "tracking.", "trainer.resume", "trainer.progress_bar")

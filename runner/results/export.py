@@ -27,8 +27,8 @@ from runner.engine import checkpoint, run_weights
 from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
-from runner.spec import components
-from runner.spec.run import RunSpec, SpecError
+from runner.specs import components
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 from runner.results.source import load_engine, source_spec, tracked
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import torch
 
 from runner.files import atomic_write
 from runner.results.source import load_engine, source_spec, tracked
-from runner.spec import components
-from runner.spec.fields import SpecError
+from runner.specs import components
+from runner.specs.fields import SpecError
 from runner.tasks import batches
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from runner.tracking.mlflow_store import DEFAULT_URI, sqlite_path
 from runner.cli.preflight import fail
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 
 TAG = "runner.reproduces"
 # metrics that measure the machine's speed at that moment, not what was trained
@@ -138,7 +138,7 @@ def rerun_spec(spec: RunSpec, original: Any, uri: str, run_dir: Path) -> RunSpec
     """The same spec as a fresh, standalone run: not a resume, not a trial of the original's study. An
     evaluation, prediction or export keeps its source: its spec names the very weights file and average it
     took (runner/results/source.py), so the rerun takes the same weights."""
-    from runner.spec.trial import TrialSpec
+    from runner.specs.trial import TrialSpec
 
     name = f"{original.info.run_name} (reproduced)"
     resume = spec.trainer.resume if spec.mode != "train" else None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
-from runner.spec.fields import SpecError, set_dotted
+from runner.specs.fields import SpecError, set_dotted
 from runner.tracking.tracker import RUN_FILE
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ def resolve_source(spec) -> Source:
 def source_spec(spec) -> tuple:
     """The spec this invocation runs (the source run's, with what was typed now on top) and its Source. The
     spec names the chosen weights' own file and average, so it reruns on exactly them (runner reproduce)."""
-    from runner.spec.resume import typed_keys
-    from runner.spec.run import RunSpec
+    from runner.specs.resume import typed_keys
+    from runner.specs.run import RunSpec
 
     source = resolve_source(spec)
     merged = source.spec
@@ -112,7 +112,7 @@ def tracked(spec, source: Source, verb: str):
 def check_at_start(spec) -> None:
     """The CLI's check before the run starts: the source exists (a run id is looked up when the run starts,
     as it needs the MLflow store) and predict.input names something to read."""
-    from runner.spec.resume import check_source
+    from runner.specs.resume import check_source
 
     given = spec.predict.input
     if spec.mode == "predict" and given is not None and not Path(given).exists():

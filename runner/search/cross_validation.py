@@ -37,16 +37,16 @@ from typing import Any, Callable
 
 import yaml
 
-from runner.spec import components
+from runner.specs import components
 
 from runner.search import folds
 
 from runner.cli import run_lock
 from runner.files import atomic_write
 from runner.engine.engine import RunResult
-from runner.spec import resume
-from runner.spec.run import RunSpec, SpecError
-from runner.spec.trial import TrialSpec
+from runner.specs import resume
+from runner.specs.run import RunSpec, SpecError
+from runner.specs.trial import TrialSpec
 from runner.tracking.tracker import RUN_FILE, build_tracker
 from runner.engine.parallel import in_torchrun
 from runner.search.trial import TrialReporter, is_pruned, open_trial, parent_run_id, pruned
@@ -103,7 +103,7 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
         raise SpecError(f"trainer.cross_validation.folds: {cv.folds} folds cannot run inside torchrun; start "
                         "`python -m runner parallelism=ddp parallelism.nproc_per_node=N ...` without torchrun: it "
                         "starts each fold's workers itself")
-    # a finder with several processes: refused while the spec was built (runner/spec/composition.py)
+    # a finder with several processes: refused while the spec was built (runner/specs/composition.py)
     size, val_sizes, stratified = folds.plan(components.build_data(spec), cv.folds, cv.seed)  # refusals come now
     done = read_record(run_dir)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, TensorDataset
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 KEY = "trainer.cross_validation.folds"
 

@@ -2,7 +2,7 @@
 jobs (trial.* overrides so each job reports to its trial, the objective's direction).
 
 The objective's direction is resolved once per sweep, as every job resolves it (the task's declaration
-for objective.metric: runner/spec/metric_names.py), and is what the study optimizes and what picks a
+for objective.metric: runner/specs/metric_names.py), and is what the study optimizes and what picks a
 grid's best job.
 
 The Optuna sweeper knows nothing of runner: runner's task function declares `RunnerSweepHook`
@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError, SweepHook
 from hydra_plugins.runner_optuna_sweeper.storage import once_per_study, open_storage
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 from runner.tracking.mlflow_store import open_client, open_experiment, owner_tags
 from runner.search.sweep_summary import Job, best_job, log_jobs_table, mark_best, print_summary, run_link
 from runner.tracking.tracker import RUN_FILE, run_exists
@@ -390,9 +390,9 @@ class RunnerSweepHook(SweepHook):
 def sweep_objective(config: DictConfig) -> Any:
     """The sweep's objective (an ObjectiveSpec) from its composed config, its direction resolved for its task
     as each job's is; a SpecError when it cannot be (an unknown metric, a direction the task contradicts)."""
-    from runner.spec.fields import build
-    from runner.spec.metric_names import resolved_objective
-    from runner.spec.objective import ObjectiveSpec
+    from runner.specs.fields import build
+    from runner.specs.metric_names import resolved_objective
+    from runner.specs.objective import ObjectiveSpec
 
     node = OmegaConf.to_container(config.objective, resolve=True) if "objective" in config else {}
     if OmegaConf.select(config, "task._target_", default=None) is None:

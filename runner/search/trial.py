@@ -33,7 +33,7 @@ from hydra_plugins.runner_optuna_sweeper.storage import PRUNER_ATTR, open_storag
 from runner.addons.base import AddOn, EngineView, Progress, Stop
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def parent_run_id(spec: "RunSpec") -> str | None:
 
 def _check_storage(spec: "RunSpec") -> None:
     if spec.trial.storage is None:
-        from runner.spec.run import SpecError
+        from runner.specs.run import SpecError
 
         raise SpecError(f"trial.storage: null, but trial.study_name={spec.trial.study_name!r} and trial.number="
                         f"{spec.trial.number} are set; name the study's Optuna storage too (the sweeper sets all three)")

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 from runner.engine.loader import EmptyShare, make_loader
 from runner.tasks import Batch, Task
 

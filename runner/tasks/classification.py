@@ -26,7 +26,7 @@ class Classification(Task):
         """A model with another number of outputs than the data has classes is refused: fewer fail on the first
         label beyond them, more train silently with classes that never occur."""
         if self.num_classes and logits.shape[-1] != self.num_classes:
-            from runner.spec.fields import SpecError
+            from runner.specs.fields import SpecError
 
             raise SpecError(f"model: it outputs {logits.shape[-1]} scores per sample, but the data has "
                             f"{self.num_classes} classes; allowed: a model with {self.num_classes} outputs (a model "

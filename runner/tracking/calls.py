@@ -70,7 +70,7 @@ def record_args(spec: Any) -> dict:
 
 def built_record(client: Any, run_id: str) -> dict:
     """A record whose process died before building it: built now, from the run directory's spec.yaml."""
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
     run_dir = client.get_run(run_id).data.tags.get("run_dir", "")
     return record_args(RunSpec.from_yaml((Path(run_dir) / "spec.yaml").read_text()))

@@ -32,8 +32,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-from runner.spec.run import SpecError
-from runner.spec.tracking import TrackingSpec
+from runner.specs.run import SpecError
+from runner.specs.tracking import TrackingSpec
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from runner.spec.tracking import TrackingSpec
+from runner.specs.tracking import TrackingSpec
 from runner.tracking import mlflow_store
 
 # alembic revisions of MLflow's sqlite schema whose tables this module writes as MLflow does (MLflow 3.17)

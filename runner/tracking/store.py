@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner.tracking.mlflow_store import check_tracking, make_call, open_client, open_experiment
-from runner.spec.tracking import TrackingSpec
+from runner.specs.tracking import TrackingSpec
 
 
 class Store:

@@ -122,7 +122,7 @@ class StoreProcess:
             return value
         message, type_name, error_code, refused, spec_error = value
         if spec_error:
-            from runner.spec.run import SpecError
+            from runner.specs.run import SpecError
 
             raise SpecError(message)
         raise StoreError(message, type_name, error_code, refused)
@@ -229,7 +229,7 @@ def serve(requests_fd: int, answers_fd: int) -> None:
     requests, answers = Connection(requests_fd, writable=False), Connection(answers_fd, readable=False)
     from runner.tracking.store import Store
     from runner.tracking.writer import refused
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     store = Store()
     running: set[str] = set()  # runs the training process opened and has not ended

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.spec import metric_names
+from runner.specs import metric_names
 
 from runner.tracking import calls, journal, sqlite_store, store_process
 from runner.tracking.store import Store
@@ -32,7 +32,7 @@ from runner.tracking.journal import Journal
 from runner.tracking.writer import StoreWriter, first_line, refused
 from runner.tracking.mlflow_store import (DEFAULT_URI, check_tracking, experiment_page, open_client, open_experiment, owner_tags,
                                   saved_views)
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 

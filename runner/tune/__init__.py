@@ -24,9 +24,9 @@ import yaml
 from runner.engine import parallel
 from runner.engine.engine import Engine, RunResult
 from runner.engine.parallel import DistEnv
-from runner.spec.fields import set_dotted
-from runner.spec.run import RunSpec
-from runner.spec.tune import TuneSpec
+from runner.specs.fields import set_dotted
+from runner.specs.run import RunSpec
+from runner.specs.tune import TuneSpec
 from runner.tracking.tracker import NullTracker, Tracker
 from runner.tune import batch_size, lr_find
 from runner.tune.probing import free_memory

@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from runner.engine import parallel
-from runner.spec.run import RunSpec, SpecError
-from runner.spec.tune import TuneSpec
+from runner.specs.run import RunSpec, SpecError
+from runner.specs.tune import TuneSpec
 from runner.tune.probing import free_memory, probing, step_batches
 
 log = logging.getLogger(__name__)

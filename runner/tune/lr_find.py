@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from runner.spec.run import RunSpec, SpecError
-from runner.spec.tune import TuneSpec
+from runner.specs.run import RunSpec, SpecError
+from runner.specs.tune import TuneSpec
 from runner.tune.probing import mean_loss, probing, set_base_lr, step_batches
 
 log = logging.getLogger(__name__)

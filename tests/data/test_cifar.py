@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from runner.data import cifar
 from runner.engine.loader import make_loader
-from runner.spec.registry import CONF_DIR
+from runner.specs.registry import CONF_DIR
 
 PER_BATCH, N_TEST = 60, 50
 

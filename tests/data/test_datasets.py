@@ -85,8 +85,8 @@ def build_datasets(name: str = "digits", **kwargs):
     """The dataset option `name` built as the engine builds it: its YAML's _target_ with these arguments."""
     import yaml
 
-    from runner.spec import components
-    from runner.spec.registry import CONF_DIR
+    from runner.specs import components
+    from runner.specs.registry import CONF_DIR
 
     target = yaml.safe_load((CONF_DIR / "dataset" / f"{name}.yaml").read_text())["_target_"]
     return components.load_target("dataset", target)(**kwargs)

@@ -15,7 +15,7 @@ from torchvision.io import decode_image
 
 from runner.data import imagefolder
 from runner.engine.loader import make_loader
-from runner.spec.registry import CONF_DIR
+from runner.specs.registry import CONF_DIR
 
 MEAN, STD = imagefolder.IMAGENET_MEAN, imagefolder.IMAGENET_STD
 CLASSES = ("zebra", "ant", "Bee")  # sorted as ImageFolder sorts: Bee, ant, zebra

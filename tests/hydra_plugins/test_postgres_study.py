@@ -19,8 +19,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from hydra_plugins.runner_optuna_sweeper.storage import check_storage, database_problem, masked_url
-from runner.spec.run import SpecError
-from runner.spec.tracking import TrackingSpec
+from runner.specs.run import SpecError
+from runner.specs.tracking import TrackingSpec
 from runner.tracking.mlflow_store import check_tracking
 from tests.hydra_plugins.test_shared_store import APP, CONFIG
 from tests.servers.postgres import postgres_database, postgres_server, wait_until  # noqa: F401  (fixtures)

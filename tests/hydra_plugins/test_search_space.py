@@ -13,7 +13,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from hydra_plugins.runner_optuna_sweeper._builders import build_sampler
 from hydra_plugins.runner_optuna_sweeper._search_space import distribution_from_config, grid_values, parse_params
 from hydra_plugins.runner_optuna_sweeper.hook import SweepConfigError
-from runner.spec.registry import CONF_DIR
+from runner.specs.registry import CONF_DIR
 from runner.search.trial import storage_url
 
 

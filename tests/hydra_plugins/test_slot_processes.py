@@ -12,7 +12,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper._compose_cache import CachingConfigLoader
-from runner.spec import registry
+from runner.specs import registry
 from tests.hydra_plugins.test_sweep_mechanics import states
 
 APP = '''

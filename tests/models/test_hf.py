@@ -18,8 +18,8 @@ import yaml
 from hydra.utils import get_method
 
 from runner.models.hf import hf_model
-from runner.spec.run import SpecError
-from runner.spec.registry import CONF_DIR
+from runner.specs.run import SpecError
+from runner.specs.registry import CONF_DIR
 
 pytest.importorskip("transformers")
 
@@ -206,7 +206,7 @@ def pretrained_dir(path: Path) -> Path:
 def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from runner.spec import components
+    from runner.specs import components
     from tests.conftest import compose_spec
 
     model_dir, reviews = pretrained_dir(tmp_path / "distilbert"), write_reviews(tmp_path / "reviews.csv")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.spec import components
-from runner.spec.registry import CONF_DIR
-from runner.spec.run import SpecError
+from runner.specs import components
+from runner.specs.registry import CONF_DIR
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 
 FILES = sorted((CONF_DIR / "model").glob("*.yaml")) + sorted((CONF_DIR / "dataset").glob("*.yaml"))

@@ -536,7 +536,7 @@ CASES = [
          "directory there holds the spec.yaml of one); give a run directory or a checkpoint file"),
     # --- issue 16 (helper mlmodel): tracking.log_model
     case("tracking.log_model=best_val", "error: tracking.log_model: 'best_val' is not allowed; choose one of best, last, none"),
-    # --- debug presets (conf/debug/, runner/spec/debug.py)
+    # --- debug presets (conf/debug/, runner/specs/debug.py)
     case("debug=nope", "error: debug: unknown option 'nope'; choose one of anomaly, fast, limit, overfit, profile"),
     case("debug=limit trainer.limit_train=0", "error: trainer.limit_train: 0.0 is out of range; allowed: a value > 0 and <= 1"),
     case("debug=overfit trainer.overfit_batches=-1", "error: trainer.overfit_batches: -1 is out of range; allowed: a value >= 0"),
@@ -709,7 +709,7 @@ class Places:
         return write_reviews(self.tmp / "reviews.csv")
     def nan_weights(self) -> Path:
         """The default model's state dict, every value NaN."""
-        from runner.spec import components
+        from runner.specs import components
         from tests.conftest import compose_spec
 
         spec = compose_spec([], self.tmp / "weights_run")

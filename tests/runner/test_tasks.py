@@ -115,7 +115,7 @@ def test_labels_reach_a_model_with_tuple_batches_and_a_plain_dict_output_is_read
 
 
 def test_label_smoothing_is_refused_for_a_model_that_computes_its_own_loss(tmp_path: Path) -> None:
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     with pytest.raises(SpecError) as err:
         Engine(compose([*SHARES, OWN_LOSS, "task.label_smoothing=0.1"], tmp_path))

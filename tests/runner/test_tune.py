@@ -18,11 +18,11 @@ from runner import tune
 from runner.engine.engine import Engine
 from runner.cli.launch import run_in_process
 from runner.engine.parallel import DistEnv
-from runner.spec.accumulation import AccumulationSpec
-from runner.spec.dataset import DatasetSpec
-from runner.spec.model import ModelSpec
-from runner.spec.run import RunSpec
-from runner.spec.tune import TuneSpec
+from runner.specs.accumulation import AccumulationSpec
+from runner.specs.dataset import DatasetSpec
+from runner.specs.model import ModelSpec
+from runner.specs.run import RunSpec
+from runner.specs.tune import TuneSpec
 from runner.tune import batch_size, lr_find
 from tests.conftest import compose_spec, run_cli
 

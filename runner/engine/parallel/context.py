@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
-from runner.spec.fields import SpecError
+from runner.specs.fields import SpecError
 
 POSITIONS = "positions"  # the keyword a CP-able model's forward takes
 
@@ -83,7 +83,7 @@ def check_context_parallel(spec: Any, device: torch.device, model_target: Any = 
                         "(torch.distributed.tensor.experimental.context_parallel, torch >= 2.6); upgrade torch "
                         "or use parallelism.cp=1")
     if model_target is None:
-        from runner.spec import components
+        from runner.specs import components
 
         model_target = components.load_target("model", spec.model.target)
     if takes_positions(model_target) is False:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from runner.engine.parallel.collectives import use_data_parallel_group
-from runner.spec.parallelism import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, resolve_degrees
-from runner.spec.parallelism import nominal_world  # noqa: F401  (exported by runner.engine.parallel)
-from runner.spec.run import SpecError
+from runner.specs.parallelism import PARALLEL_DIMENSIONS as DIMENSIONS, ParallelismSpec, resolve_degrees
+from runner.specs.parallelism import nominal_world  # noqa: F401  (exported by runner.engine.parallel)
+from runner.specs.run import SpecError
 
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
 

@@ -23,7 +23,7 @@ from runner.engine import activation_checkpointing, compiling, finetune, fit_che
 from runner.engine.parallel import pipeline as pipelining, seed, tensor as tensor_parallel
 from runner.engine.parallel.wrap import parameter_device, wrap
 from runner.engine.parallel.mesh import DistEnv
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
 def _on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
     """The model built under the meta device, or None and why it cannot be: its constructor raised there, or left
     a parameter or buffer off it (a tensor made from data, say)."""
-    from runner.spec import components
+    from runner.specs import components
 
     try:
         with torch.device("meta"):

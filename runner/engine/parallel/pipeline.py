@@ -40,9 +40,9 @@ from torch import nn
 
 from runner.engine.parallel.mesh import DistEnv
 from runner.engine.parallel.state import local_tensor_of
-from runner.spec import composition
-from runner.spec.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec, check_pipeline_keys
-from runner.spec.run import SpecError
+from runner.specs import composition
+from runner.specs.parallelism import MULTI_STAGE_SCHEDULES, ParallelismSpec, check_pipeline_keys
+from runner.specs.run import SpecError
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -55,13 +55,13 @@ def stages_per_rank(par: ParallelismSpec) -> int:
 
 
 def check_pipeline(par: ParallelismSpec, per_rank_batch: int) -> None:
-    """What can be refused from the keys alone: the spec's rule (runner/spec/parallelism.py), which refused
+    """What can be refused from the keys alone: the spec's rule (runner/specs/parallelism.py), which refused
     it already while the spec was built; kept for callers holding only the keys."""
     check_pipeline_keys(par, per_rank_batch)
 
 
 def check_composition(spec: Any, dims: Any = None) -> None:
-    """What pipeline parallelism does not combine with: the composition table's cells (runner/spec/composition.py),
+    """What pipeline parallelism does not combine with: the composition table's cells (runner/specs/composition.py),
     refused while the spec was built."""
     composition.check(spec)
 
@@ -82,7 +82,7 @@ def stage_indices(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[i
 def cut_stage(module: nn.Module, plan: Any, model_name: str, stage_index: int, num_stages: int) -> nn.Module:
     """One stage by the user's plan or the model's own pipeline_stage; refused in one line otherwise."""
     if plan is not None:
-        from runner.spec.components import load_target
+        from runner.specs.components import load_target
 
         fn = load_target("parallelism.pp_plan", plan.target)
         call, key = (lambda: fn(module, stage_index, num_stages, **plan.params)), "parallelism.pp_plan"

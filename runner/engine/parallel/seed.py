@@ -46,8 +46,8 @@ def write(spec: Any, data: Any, env: Any, rng_before: dict) -> Path:
     every rank waits until every node's is written). A failed build raises on every rank: its SpecError line
     where the build refused its input, a RuntimeError with the process's last lines otherwise."""
     from runner.engine.parallel.collectives import gather_objects
-    from runner.spec.components import DATA_DECIDED
-    from runner.spec.run import SpecError
+    from runner.specs.components import DATA_DECIDED
+    from runner.specs.run import SpecError
 
     where = folder(spec.run_dir, env.rank, env.local_rank)
     fresh = not Path(spec.run_dir).exists()  # an engine started without the launcher, which writes spec.yaml first
@@ -169,7 +169,7 @@ def _main(where: Path) -> int:
 
     from runner.engine import rng
     from runner.engine.finetune import whole_model
-    from runner.spec.run import RunSpec, SpecError
+    from runner.specs.run import RunSpec, SpecError
 
     spec = RunSpec.from_yaml((where / SPEC).read_text())
     with open(where / INPUTS, "rb") as f:

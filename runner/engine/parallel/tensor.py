@@ -20,8 +20,8 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from runner.spec.parallelism import ParallelismSpec
-from runner.spec.run import SpecError
+from runner.specs.parallelism import ParallelismSpec
+from runner.specs.run import SpecError
 
 # attributes by which a model (or its config) declares its attention heads: tp must divide each
 HEAD_ATTRIBUTES = ("n_head", "heads", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_heads")
@@ -74,7 +74,7 @@ def apply(module: nn.Module, spec: ParallelismSpec, env: Any) -> None:
     tp_mesh = env.mesh["tp"]
     source = plan_source(module, spec, env.dims.tp)
     if source == "user":
-        from runner.spec.components import load_target
+        from runner.specs.components import load_target
 
         load_target("parallelism.tp_plan", spec.tp_plan.target)(module, tp_mesh, **spec.tp_plan.params)
     elif source == "model":

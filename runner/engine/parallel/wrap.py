@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from runner.engine.parallel.mesh import DATA_PARALLEL, DistEnv
-from runner.spec.parallelism import ParallelismSpec
-from runner.spec.run import SpecError
+from runner.specs.parallelism import ParallelismSpec
+from runner.specs.run import SpecError
 
 
 @dataclass(frozen=True)

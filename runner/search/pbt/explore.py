@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from runner.search.pbt.mutable import MUTABLE, is_mutable
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 
 @dataclass(frozen=True)

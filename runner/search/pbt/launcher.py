@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from runner.files import atomic_write
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 
 log = logging.getLogger(__name__)
 ALIVE_FILE = "pbt_sweep.alive"

@@ -25,7 +25,7 @@ from typing import Any
 from runner.engine import checkpoint, preemption
 
 from runner.cli import lifetime, process_state
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 SWEEP_PID_ENV = "RUNNER_PBT_SWEEP_PID"  # the sweep process that started this member: it stops when that is gone

@@ -34,8 +34,8 @@ from runner.engine import checkpoint
 from runner.files import atomic_write
 from runner.search.pbt import explore
 from runner.search.pbt.member import SWEEP_PID_ENV
-from runner.spec.fields import set_dotted
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.fields import set_dotted
+from runner.specs.run import RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 STATE_FILE = "pbt_state.json"

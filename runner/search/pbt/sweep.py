@@ -22,9 +22,9 @@ from runner.search.pbt.explore import mlflow_key
 from runner.search.pbt.population import Population, Settings, ranked
 from runner.search.sweep_summary import run_link
 from runner.cli.preflight import resolved
-from runner.spec import composition
-from runner.spec.metric_names import with_task_declarations
-from runner.spec.run import RunSpec
+from runner.specs import composition
+from runner.specs.metric_names import with_task_declarations
+from runner.specs.run import RunSpec
 
 log = logging.getLogger(__name__)
 PARENT_FILE = "pbt_parent_run_id"
@@ -127,8 +127,8 @@ def _check_bounds(base: RunSpec, space: dict[str, explore.Dim], texts: dict[str,
     refused later would name a sampled value, not the interval the user typed."""
     import yaml
 
-    from runner.spec.fields import set_dotted
-    from runner.spec.run import SpecError
+    from runner.specs.fields import set_dotted
+    from runner.specs.run import SpecError
 
     for key, dim in space.items():
         ends = dim.choices or (dim.low, dim.high)

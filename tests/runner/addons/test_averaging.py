@@ -71,7 +71,7 @@ def test_swa_is_the_mean_of_the_end_of_epoch_weights_and_swalr_anneals_to_its_lr
 
 
 def test_averaged_metrics_are_declared_for_the_objective_early_stopping_and_plateau(tmp_path: Path) -> None:
-    from runner.spec.metric_names import produced_metrics
+    from runner.specs.metric_names import produced_metrics
     from tests.runner.cli.test_cli import preflight_ok
 
     args = ["trainer.ema.decay=0.99", "trainer.swa.start_epoch=2", "objective.metric=val/ema/acc",

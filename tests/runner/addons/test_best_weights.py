@@ -11,7 +11,7 @@ import torch
 from runner.engine import checkpoint
 from runner.engine.engine import Engine
 from runner.cli.run_dir import latest_run
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 from tests.runner.addons.test_averaging import assert_close_weights, recording
 from runner.tracking.tracker import NullTracker

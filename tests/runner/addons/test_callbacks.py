@@ -12,8 +12,8 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import launch
 from runner.engine import checkpoint
-from runner.spec import components
-from runner.spec.run import SpecError
+from runner.specs import components
+from runner.specs.run import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
 
 COUNTER = "{_target_: tests.user_pkg.callbacks.StepCounter, scale: 10}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from runner.spec import components
+from runner.specs import components
 
 from runner.engine import checkpoint
 from runner.results import export

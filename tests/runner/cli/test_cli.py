@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.spec import components
+from runner.specs import components
 
-from runner.spec import registry
+from runner.specs import registry
 from runner.cli.preflight import preflight
-from runner.spec.resume import typed_keys
-from runner.spec.run import SpecError
+from runner.specs.resume import typed_keys
+from runner.specs.run import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
 
 

@@ -46,7 +46,7 @@ def test_the_agent_starts_the_processes_the_degrees_make(tmp_path: Path, monkeyp
 
 def test_eval_and_predict_refuse_a_model_parallel_degree_under_single(tmp_path: Path) -> None:
     """They run in one process on full weights: tp=2 would otherwise start two processes."""
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     with pytest.raises(SpecError) as e:  # the composition table's cell, while the spec is built
         compose_spec(["mode=eval", f"trainer.resume={tmp_path}", "parallelism.tp=2"], tmp_path / "run")

@@ -86,7 +86,7 @@ def _decide_as_rank(rank: int, world: int, run_dir: str, existing: bool) -> str 
     write spec.yaml meanwhile); runs on the session's two gloo ranks (tests/conftest.py two_ranks). Returns the
     refusal or None."""
     from runner.cli import launch
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     os.environ["TORCHELASTIC_RUN_ID"] = "t"
     spec_file = Path(run_dir) / "spec.yaml"

@@ -11,7 +11,7 @@ from runner.engine import activation_checkpointing
 from runner.engine.engine import Engine
 from runner.models.cnn import CNN
 from runner.models.gpt import GPT
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.test_open_world import LM, compose
 from tests.user_pkg.blocks import Flat, Tower
 

@@ -20,7 +20,7 @@ import torch
 
 from runner.engine import checkpoint
 from runner.engine.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
-from runner.spec.run import RunSpec, SpecError
+from runner.specs.run import RunSpec, SpecError
 from tests.conftest import compose_spec, run_cli
 
 HEADER = checkpoint._HEADER_LEN

@@ -2,7 +2,7 @@
 token ids, labels and positions are the same load-balanced share of every sequence, the shares cover the
 sequence once, the engine's batch is left whole, and the shares' gradients and loss sums add up over the
 cp ranks. The ring attention itself needs CUDA and is not run
-here (no GPU in CI); its refusal on a CPU is tested in tests/runner/spec/test_parallelism.py."""
+here (no GPU in CI); its refusal on a CPU is tested in tests/runner/specs/test_parallelism.py."""
 from __future__ import annotations
 
 import torch

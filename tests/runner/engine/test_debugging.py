@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runner.engine.engine import Engine
-from runner.spec import components
+from runner.specs import components
 from runner.engine import monitor
 from runner.engine.monitor import Diverged
 from tests.conftest import compose_spec

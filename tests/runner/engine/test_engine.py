@@ -117,7 +117,7 @@ def test_interrupted_run_resumes_from_its_run_dir_into_the_same_mlflow_run(tmp_p
     run = client.get_run(engine.tracker.run_id)
     assert run.info.status == "KILLED"
 
-    # continuing in place, as `trainer.resume=<run dir>` plans it (runner/spec/resume.py)
+    # continuing in place, as `trainer.resume=<run dir>` plans it (runner/specs/resume.py)
     spec = compose_spec([*FAST, *RESUMABLE, f"trainer.resume={tmp_path / 'cut'}"], tmp_path / "cut",
                         tracking_uri=sqlite_uri)
     resumed = Engine(spec, build_tracker(spec))
@@ -249,7 +249,7 @@ def test_the_engines_backward_gives_the_gradients_of_loss_backward_with_the_scal
     precision.py): the gradients are bit for bit those of the public loss.backward(scale)."""
     from runner.engine import precision
     from runner.engine.precision import Precision
-    from runner.spec.precision import PrecisionSpec
+    from runner.specs.precision import PrecisionSpec
 
     assert precision._run_backward is not None  # this torch has the call: the direct path is the one tested
     torch.manual_seed(0)

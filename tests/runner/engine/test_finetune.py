@@ -17,8 +17,8 @@ from runner.engine import checkpoint
 from runner.engine.monitor import learning_rates
 from runner.engine.finetune import LoadReport, Unfreezer, freeze, load_weights, lr_multiplier_groups
 from runner.engine.schedule import build_scheduler
-from runner.spec.run import SpecError
-from runner.spec.scheduler import SchedulerSpec
+from runner.specs.run import SpecError
+from runner.specs.scheduler import SchedulerSpec
 
 
 class Net(nn.Module):
@@ -434,7 +434,7 @@ def test_lr_multipliers_scale_the_matching_groups_and_the_logged_lr_stays_the_ba
     engine = _engine(["optimizer=adamw", "optimizer.lr=0.01", "optimizer.lr_multipliers={1.*: 0.1}"], tmp_path / "run")
     lrs = sorted({round(g["lr"], 6) for g in engine.optimizer.param_groups})
     assert lrs == [0.001, 0.01] and learning_rates(engine.optimizer)["lr"] == pytest.approx(0.01)
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     with pytest.raises(SpecError, match=r"^model.freeze: .*nothing\*"):
         _engine(["model.freeze=[nothing*]"], tmp_path / "bad")

@@ -157,7 +157,7 @@ def _per_rank_figures(rank: int, world: int, spec_yaml: str) -> dict:
     """This rank's estimate (the figures report() returns), the lines fit() logged, and, after a step, the bytes
     of this rank's own parameters and optimizer state."""
     from runner.engine.parallel import DistEnv
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
     engine = Engine(RunSpec.from_yaml(spec_yaml), env=DistEnv(rank, world, rank))
     figures = memory_estimate.report(engine.spec, engine.module, engine.optimizer, engine.device, engine.env,

@@ -168,7 +168,7 @@ def _said(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
     """_initial's report with the lines parallelize.py logged on this rank, or the SpecError's line."""
     import logging
 
-    from runner.spec.run import SpecError
+    from runner.specs.run import SpecError
 
     lines: list[str] = []
     handler = logging.Handler()

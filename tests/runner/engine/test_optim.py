@@ -11,11 +11,11 @@ import torch
 import yaml
 from torch import nn
 
-from runner.spec import registry
-from runner.spec.components import load_target
+from runner.specs import registry
+from runner.specs.components import load_target
 from runner.engine.optim import build_optimizer, kernel_kwargs, kernels
-from runner.spec.optimizer import OptimizerSpec
-from runner.spec.run import SpecError
+from runner.specs.optimizer import OptimizerSpec
+from runner.specs.run import SpecError
 
 CPU = torch.device("cpu")
 NAMES = registry.options("optimizer")

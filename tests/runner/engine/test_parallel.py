@@ -17,7 +17,7 @@ import torch
 from runner.engine import checkpoint
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec, run_cli
 from tests.runner.cli.test_cli import assert_run_log
 
@@ -205,7 +205,7 @@ def test_an_unreachable_rendezvous_fails_with_a_timeout_that_says_what_it_waited
 def test_fsdp_refuses_a_model_without_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.cli import launch
 
-    monkeypatch.setattr("runner.spec.components.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
+    monkeypatch.setattr("runner.specs.components.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
     with pytest.raises(SpecError, match="parallelism: fsdp found no blocks to shard"):
         launch.check_parallel(compose_spec(["parallelism=fsdp"], tmp_path / "run"))
 
@@ -221,7 +221,7 @@ def test_more_workers_than_gpus_is_refused(tmp_path: Path, monkeypatch: pytest.M
 
 def test_slurm_endpoint_resolves_to_the_jobs_first_node_and_this_nodes_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.cli import launch
-    from runner.spec.parallelism import ParallelismSpec
+    from runner.specs.parallelism import ParallelismSpec
 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
     monkeypatch.setenv("SLURM_NODEID", "1")

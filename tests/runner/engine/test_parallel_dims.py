@@ -11,8 +11,8 @@ import torch
 
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, ParallelDims, resolve_dims
-from runner.spec.parallelism import ParallelismSpec
-from runner.spec.run import SpecError
+from runner.specs.parallelism import ParallelismSpec
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec, run_cli
 from tests.runner.engine.test_parallel import SMALL, assert_same, final_weights, metric_history
 

@@ -9,7 +9,7 @@ import torch
 
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv, full_state
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 from tests.conftest import compose_spec
 
 COMMON = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=200", "dataset.val_fraction=0.1",

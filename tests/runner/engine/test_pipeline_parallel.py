@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from runner.engine import checkpoint
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 from tests.runner.engine.test_parallel import assert_same, metric_history
 
@@ -302,7 +302,7 @@ def test_a_model_without_a_pipeline_plan_is_refused_in_one_line(tmp_path: Path) 
     assert "parallelism.pp_plan" in out["error"] and "\n" not in out["error"]
 
 
-# the pipeline's keys and what it does not compose with: the spec's checks (tests/runner/spec/test_composition.py)
+# the pipeline's keys and what it does not compose with: the spec's checks (tests/runner/specs/test_composition.py)
 
 
 def test_more_stages_than_blocks_are_refused_in_one_line() -> None:

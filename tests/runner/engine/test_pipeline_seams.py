@@ -1,6 +1,6 @@
 """Pipeline parallelism where it meets the rest of the runner (issue 35's defects at the seams): dict batches,
 pp x tp's build, BatchNorm and ragged batches, SWA's BatchNorm statistics (the batch-size finder under pp
-is refused by the composition table: tests/runner/spec/test_composition.py). Each
+is refused by the composition table: tests/runner/specs/test_composition.py). Each
 case runs real gloo processes against one process, as tests/runner/engine/test_pipeline_parallel.py does
 (its helpers and tolerance)."""
 from __future__ import annotations

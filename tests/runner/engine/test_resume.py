@@ -14,9 +14,9 @@ import torch
 from runner.cli import launch
 from runner.engine import checkpoint
 
-from runner.spec import components, resume
+from runner.specs import components, resume
 from runner.engine.engine import Engine
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
 
 SAVED = ["trainer.max_epochs=3", "scheduler=cosine", "optimizer.lr=0.01", "trainer.max_steps=4",

@@ -8,7 +8,7 @@ import torch
 
 from runner.engine import run_weights
 from runner.engine.engine import Engine
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 
 

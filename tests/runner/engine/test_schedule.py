@@ -10,12 +10,12 @@ import torch
 import yaml
 from pytest import approx
 
-from runner.spec import registry
-from runner.spec.components import load_target
+from runner.specs import registry
+from runner.specs.components import load_target
 from runner.engine.monitor import learning_rates
 from runner.engine.schedule import NO_WARMUP, Schedule, build_scheduler
-from runner.spec.run import SpecError
-from runner.spec.scheduler import SchedulerSpec
+from runner.specs.run import SpecError
+from runner.specs.scheduler import SchedulerSpec
 
 NAMES = registry.options("scheduler")
 

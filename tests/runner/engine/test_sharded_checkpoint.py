@@ -12,8 +12,8 @@ import torch
 
 from runner.engine import checkpoint, run_weights
 from runner.results.export import export_checkpoint
-from runner.spec import components
-from runner.spec.run import RunSpec, SpecError
+from runner.specs import components
+from runner.specs.run import RunSpec, SpecError
 from tests.runner.engine.test_pipeline_parallel import assert_same, run_one, run_two, weights
 from tests.runner.engine.test_resume import migrated, mlflow_record
 

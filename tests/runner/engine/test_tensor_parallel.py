@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from runner.engine.engine import Engine
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 from tests.runner.engine.test_parallel import assert_same, final_weights, fit_on_rank, free_port, metric_history
 

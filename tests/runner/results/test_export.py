@@ -14,7 +14,7 @@ import yaml
 
 from runner.results import export
 from runner.engine.engine import Engine
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 
 SHORT = ["trainer.max_steps=1", "trainer.progress_bar=off", "trainer.eval_every_epoch=false"]

@@ -14,11 +14,11 @@ from mlflow.tracking import MlflowClient
 
 from runner.engine import checkpoint
 
-from runner.spec import components
+from runner.specs import components
 from runner.cli.launch import run
 from runner.tasks.language_modeling import generate
 from runner.results.source import resolve_source
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from runner.tracking.tracker import RUN_FILE
 from tests.conftest import compose_spec
 
@@ -271,8 +271,8 @@ def test_a_best_file_is_a_runner_checkpoint_that_eval_and_export_take_and_a_trai
     """Defect: best-step-N.pt was refused as "not a valid runner checkpoint"; a run directory exported its last
     weights."""
     from runner.results.export import export_checkpoint, load_exported
-    from runner.spec.resume import check_source
-    from runner.spec.run import SpecError
+    from runner.specs.resume import check_source
+    from runner.specs.run import SpecError
 
     src, uri = best_not_last
     source_run = (src / RUN_FILE).read_text().strip()

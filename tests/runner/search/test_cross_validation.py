@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from runner.spec import components
+from runner.specs import components
 
 from runner.search import folds
 
 from runner.cli import launch
 from runner.search.cross_validation import RECORD, read_record
 from runner.engine.engine import Engine
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 from tests.conftest import compose_spec, run_cli
 
 TINY = ["trainer.max_steps=3", "trainer.progress_bar=off", "trainer.memory_estimate=false", "trainer.test_on=last"]
@@ -92,7 +92,7 @@ def test_regression_folds_are_plain_and_augmented_train_splits_are_refused() -> 
     from torch.utils.data import TensorDataset
 
     from runner.data.images import AugmentedImages
-    from runner.spec.fields import SpecError
+    from runner.specs.fields import SpecError
 
     x, y = torch.randn(30, 4), torch.randn(30)  # float targets: no classes to stratify by
     data = SimpleNamespace(train=TensorDataset(x[:20], y[:20]), val=TensorDataset(x[20:], y[20:]), num_classes=None)

@@ -20,7 +20,7 @@ from runner.engine import checkpoint
 from runner.search.pbt import explore
 from runner.search.pbt.mutable import is_mutable
 from runner.search.pbt.population import Population, Settings
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec, run_cli
 
 BASE = ["trainer.max_steps=6", "trainer.log_every_n_steps=1", "trainer.device=cpu", "trainer.eval_every_epoch=false",

@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from runner.search.pbt import launcher as members_launcher
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import REPO, run_cli
 from tests.runner.search.test_pbt import _alive, _gone_within, _runs_by_name as _statuses
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.runner_optuna_sweeper._builders import pruner_config
 from runner.addons.base import Progress
-from runner.spec.registry import CONF_DIR
+from runner.specs.registry import CONF_DIR
 from runner.search.trial import PRUNER_ATTR, open_storage, open_trial
 from tests.conftest import compose_spec
 

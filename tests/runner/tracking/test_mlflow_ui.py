@@ -27,9 +27,9 @@ from mlflow.tracking import MlflowClient
 
 from runner.tracking.mlflow_store import (BEST_VIEW, best_view, EXPERIMENT_KIND_TAG, MODEL_TRAINING, RUNS_VIEW, VIEW_TAG_PREFIX,
                                  experiment_page)
-from runner.spec.objective import ObjectiveSpec
-from runner.spec.run import RunSpec
-from runner.spec.tracking import TrackingSpec
+from runner.specs.objective import ObjectiveSpec
+from runner.specs.run import RunSpec
+from runner.specs.tracking import TrackingSpec
 from runner.tracking.tracker import best_key, build_tracker
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

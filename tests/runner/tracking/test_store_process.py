@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner.spec.run import RunSpec
+from runner.specs.run import RunSpec
 from runner.tracking import journal
 from runner.tracking.tracker import params_of
 from tests.conftest import run_cli

@@ -17,8 +17,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.tracking.mlflow_store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, check_tracking, store_lock
-from runner.spec.run import RunSpec, SpecError
-from runner.spec.tracking import TrackingSpec
+from runner.specs.run import RunSpec, SpecError
+from runner.specs.tracking import TrackingSpec
 from runner.tracking.tracker import (MlflowTracker, NullTracker, Tracker, best_key, build_tracker, end_left_running,
                              params_of, run_name_from)
 from tests.conftest import REPO, run_cli
@@ -27,8 +27,8 @@ from tests.conftest import REPO, run_cli
 WORKER = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from runner.spec.run import RunSpec
-    from runner.spec.tracking import TrackingSpec
+    from runner.specs.run import RunSpec
+    from runner.specs.tracking import TrackingSpec
     from runner.tracking.tracker import build_tracker
 
     root, name, first, last, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -273,7 +273,7 @@ def test_a_full_disk_is_named_with_its_path(tmp_path: Path) -> None:
 
 
 def test_check_tracking_imports_neither_torch_nor_mlflow() -> None:
-    code = ("import sys; from runner.tracking.mlflow_store import check_tracking; from runner.spec.tracking import TrackingSpec; "
+    code = ("import sys; from runner.tracking.mlflow_store import check_tracking; from runner.specs.tracking import TrackingSpec; "
             "check_tracking(TrackingSpec()); print('torch' in sys.modules, 'mlflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

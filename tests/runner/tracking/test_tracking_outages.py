@@ -21,8 +21,8 @@ from typing import Iterator
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner.spec.run import RunSpec
-from runner.spec.tracking import TrackingSpec
+from runner.specs.run import RunSpec
+from runner.specs.tracking import TrackingSpec
 from runner.tracking import journal
 from runner.tracking.tracker import build_tracker
 from tests.conftest import REPO
@@ -111,8 +111,8 @@ def test_steps_logged_while_the_store_is_locked_never_wait_and_all_arrive_after(
 # lost with it. It starts logging when told on stdin (the test locks the store first).
 WORKER = textwrap.dedent("""
     import os, signal, sys
-    from runner.spec.run import RunSpec
-    from runner.spec.tracking import TrackingSpec
+    from runner.specs.run import RunSpec
+    from runner.specs.tracking import TrackingSpec
     from runner.tracking.tracker import build_tracker
 
     root, first, last, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -304,8 +304,8 @@ OUTAGE_WORKER = textwrap.dedent("""
     from pathlib import Path
     import mlflow.pytorch, torch
     logging.getLogger().setLevel(logging.WARNING)  # as runner's CLI has it (an import above left it at ERROR)
-    from runner.spec.run import RunSpec
-    from runner.spec.tracking import TrackingSpec
+    from runner.specs.run import RunSpec
+    from runner.specs.tracking import TrackingSpec
     from runner.tracking.tracker import build_tracker
 
     run_dir, uri = Path(sys.argv[1]), sys.argv[2]

@@ -1,4 +1,4 @@
-"""The objective's direction is the task's declaration for objective.metric (runner/spec/metric_names.py), unless
+"""The objective's direction is the task's declaration for objective.metric (runner/specs/metric_names.py), unless
 one is given, and then it must agree: a run keeps and tests the weights that are best the way the task says,
 and everything that ranks runs reads the same resolved direction."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.spec.fields import opt
+from runner.specs.fields import opt
 
 
 @dataclass(frozen=True)

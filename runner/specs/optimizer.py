@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from runner.spec.fields import Component, build, component_dict, opt, to_plain
+from runner.specs.fields import Component, build, component_dict, opt, to_plain
 
 
 @dataclass(frozen=True)

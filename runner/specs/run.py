@@ -1,15 +1,15 @@
 """The run spec: the one contract between Hydra's composed config and everything that runs.
 
 Hydra composes conf/ once; `RunSpec.from_config` turns the result into frozen, typed dataclasses, one
-per config group (each in the module of runner/spec/ named after its group), checking every key, type
+per config group (each in the module of runner/specs/ named after its group), checking every key, type
 and range so that bad input fails before anything starts. From then on nothing reads the raw
 DictConfig: `spec.yaml` (see `to_yaml`/`from_yaml`) is all a worker, a resumed run or a reproduced run
 needs.
 
-Every field carries its help text and its allowed range (`opt`); runner/spec/fields.py builds the
+Every field carries its help text and its allowed range (`opt`); runner/specs/fields.py builds the
 dataclasses from plain data and checks them. Rules across fields live in `RunSpec.validate`; those
 that need the task (metric names, directions) run after the spec is built, as a step of their own
-(runner/spec/metric_names.py: `with_task_declarations`).
+(runner/specs/metric_names.py: `with_task_declarations`).
 
 Callers take `RunSpec` and `SpecError` from here, a group's spec from its module.
 """
@@ -21,23 +21,23 @@ from typing import Any, Literal
 
 import yaml
 
-from runner.spec import composition
-from runner.spec.accumulation import AccumulationSpec, check_accum_shorthand
-from runner.spec.dataset import DatasetSpec, check_dataset
-from runner.spec.fields import SpecError, build, did_you_mean, flat_keys, opt, to_plain
-from runner.spec.model import ModelSpec
-from runner.spec.modes import EvalSpec, PredictSpec, WeightsSpec, check_mode
-from runner.spec.objective import ObjectiveSpec
-from runner.spec.optimizer import OptimizerSpec
-from runner.spec.peer_names import peer_option_hint
-from runner.spec.parallelism import ParallelismSpec, PlanSpec, check_parallelism
-from runner.spec.precision import PrecisionSpec
-from runner.spec.scheduler import SchedulerSpec
-from runner.spec.task import TaskSpec
-from runner.spec.tracking import TrackingSpec
-from runner.spec.trainer import CallbackSpec, TrainerSpec, callbacks_refusal, check_cross_validation, check_trainer
-from runner.spec.trial import TrialSpec
-from runner.spec.tune import TuneSpec, check_tune
+from runner.specs import composition
+from runner.specs.accumulation import AccumulationSpec, check_accum_shorthand
+from runner.specs.dataset import DatasetSpec, check_dataset
+from runner.specs.fields import SpecError, build, did_you_mean, flat_keys, opt, to_plain
+from runner.specs.model import ModelSpec
+from runner.specs.modes import EvalSpec, PredictSpec, WeightsSpec, check_mode
+from runner.specs.objective import ObjectiveSpec
+from runner.specs.optimizer import OptimizerSpec
+from runner.specs.peer_names import peer_option_hint
+from runner.specs.parallelism import ParallelismSpec, PlanSpec, check_parallelism
+from runner.specs.precision import PrecisionSpec
+from runner.specs.scheduler import SchedulerSpec
+from runner.specs.task import TaskSpec
+from runner.specs.tracking import TrackingSpec
+from runner.specs.trainer import CallbackSpec, TrainerSpec, callbacks_refusal, check_cross_validation, check_trainer
+from runner.specs.trial import TrialSpec
+from runner.specs.tune import TuneSpec, check_tune
 
 __all__ = ["SpecError", "RunSpec", "OPTION_GROUPS", "COMPONENT_GROUPS", "check_option"]
 
@@ -125,7 +125,7 @@ COMPONENT_GROUPS = ("model", "dataset", "task", "optimizer", "scheduler")
 
 def check_option(group: str, value: Any, key: str | None = None, searchpath: tuple[str, ...] = ()) -> None:
     """Refuse an option of a config group that has no <group>/<value>.yaml in conf/ or on the search path."""
-    from runner.spec import registry  # late: the registry lists conf/, which only this check needs
+    from runner.specs import registry  # late: the registry lists conf/, which only this check needs
 
     allowed = registry.options(group, searchpath)
     if value not in allowed:

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from runner.spec import registry
-from runner.spec.metric_names import evaluation_metrics, produced_metrics, with_task_declarations
-from runner.spec.optimizer import OptimizerSpec
-from runner.spec.run import OPTION_GROUPS, RunSpec, SpecError, check_option
-from runner.spec.tracking import TrackingSpec
+from runner.specs import registry
+from runner.specs.metric_names import evaluation_metrics, produced_metrics, with_task_declarations
+from runner.specs.optimizer import OptimizerSpec
+from runner.specs.run import OPTION_GROUPS, RunSpec, SpecError, check_option
+from runner.specs.tracking import TrackingSpec
 from tests.conftest import compose_spec
 
 
@@ -42,7 +42,7 @@ def test_every_option_of_every_group_composes_into_a_valid_spec(tmp_path: Path, 
 
 @pytest.mark.parametrize("group", ["task", "optimizer", "scheduler"])
 def test_every_option_of_the_training_parts_resolves_against_its_callable(tmp_path: Path, group: str) -> None:
-    from runner.spec import components
+    from runner.specs import components
 
     for option in registry.options(group):
         spec = components.resolved_spec(compose_spec([f"{group}={option}"], tmp_path / "run"))
@@ -132,7 +132,7 @@ def test_produced_metrics_follow_the_splits_the_precision_and_the_evaluation_sch
 def test_produced_metrics_does_not_import_torch(tmp_path: Path) -> None:
     import subprocess
 
-    code = ("import sys; from runner.spec.metric_names import produced_metrics; from runner.spec.run import RunSpec; "
+    code = ("import sys; from runner.specs.metric_names import produced_metrics; from runner.specs.run import RunSpec; "
             "produced_metrics(RunSpec()); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mlflow', 'optuna')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 from runner.engine import fit_checks
 
-from runner.spec import metric_names
-from runner.spec.fields import SpecError, convert, did_you_mean
-from runner.spec.run import RunSpec
-from runner.spec.task import TaskSpec
+from runner.specs import metric_names
+from runner.specs.fields import SpecError, convert, did_you_mean
+from runner.specs.run import RunSpec
+from runner.specs.task import TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ def hints(fn: Callable) -> dict[str, Any]:
 
 
 def _convert_param(tp: Any, value: Any, key: str) -> Any:
-    """A value converted by its annotation; what runner.spec.fields does not type (Any, dicts, unions of
+    """A value converted by its annotation; what runner.specs.fields does not type (Any, dicts, unions of
     several types, no annotation) is passed as given."""
     tp = yaml_type(tp)
     if tp is None or tp is Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.spec.run import SpecError
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec, run_cli
 
 

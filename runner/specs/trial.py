@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from runner.spec.fields import opt
+from runner.specs.fields import opt
 
 
 @dataclass(frozen=True)

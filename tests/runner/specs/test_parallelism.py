@@ -1,4 +1,4 @@
-"""The parallelism group's rules (runner/spec/parallelism.py): how many processes a spec starts (single with
+"""The parallelism group's rules (runner/specs/parallelism.py): how many processes a spec starts (single with
 model-parallel degrees included), the degrees against those processes, the tensor/pipeline/context keys
 that need their dimension, and context parallelism's refusals (runner/engine/parallel/context.py). The
 one-line CLI refusals (exit 2, nothing made) are cases of tests/runner/test_bad_input.py."""
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.spec.parallelism import ParallelismSpec, PlanSpec, check_parallelism, nominal_world
-from runner.spec.run import SpecError
+from runner.specs.parallelism import ParallelismSpec, PlanSpec, check_parallelism, nominal_world
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec
 
 GPT = ["model=gpt", "dataset=synthetic_tokens", "task=language_modeling", "dataset.vocab_size=64",

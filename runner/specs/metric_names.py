@@ -16,11 +16,11 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from runner import tasks
-from runner.spec.fields import SpecError, did_you_mean
-from runner.spec.objective import ObjectiveSpec
+from runner.specs.fields import SpecError, did_you_mean
+from runner.specs.objective import ObjectiveSpec
 
 if TYPE_CHECKING:
-    from runner.spec.run import RunSpec
+    from runner.specs.run import RunSpec
 
 
 def task_class(target: str) -> type[tasks.Task]:

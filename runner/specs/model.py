@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from runner.spec.fields import Component, SpecError, build, component_dict, opt
+from runner.specs.fields import Component, SpecError, build, component_dict, opt
 
 
 @dataclass(frozen=True)
 class ModelSpec(Component):
     """A model named by `_target_` (a class or function returning an nn.Module) and its own arguments,
-    checked against its signature by runner/spec/components.py (conf/model/<name>.yaml)."""
+    checked against its signature by runner/specs/components.py (conf/model/<name>.yaml)."""
 
     target: str = "runner.models.mlp.MLP"
     params: dict = field(default_factory=dict)

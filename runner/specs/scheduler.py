@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from runner.spec.fields import Component, build, component_dict, opt
+from runner.specs.fields import Component, build, component_dict, opt
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import typing
 from dataclasses import field, fields
 from typing import Any, Literal
 
-from runner.spec.peer_names import peer_hint
+from runner.specs.peer_names import peer_hint
 
 
 class SpecError(ValueError):
@@ -54,7 +54,7 @@ def convert(tp: Any, value: Any, key: str, meta: Any = None) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):  # parsed already (components: runner/spec/run.py)
+        if isinstance(value, tp):  # parsed already (components: runner/specs/run.py)
             return value
         return build(tp, value if value is not None else {}, key + ".")
     if origin is typing.Union:  # Optional[X]
@@ -204,7 +204,7 @@ def component_dict(data: Any, key: str) -> dict:
 
 class Component:
     """What every spec named by `_target_` shares (its dataclass has `target` and `params` fields): a
-    callable's dotted path and its own arguments, which runner/spec/components.py checks against the
+    callable's dotted path and its own arguments, which runner/specs/components.py checks against the
     callable's signature once it can be imported."""
 
     params: dict

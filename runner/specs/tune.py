@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from runner.spec.fields import SpecError, opt
+from runner.specs.fields import SpecError, opt
 
 
 @dataclass(frozen=True)

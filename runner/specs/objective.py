@@ -2,7 +2,7 @@
 sweeps and ranks its weights by, and which way is better.
 
 The direction is the task's declaration for the metric (runner/tasks: never guessed from a name); it is
-filled in after the spec is built (runner/spec/metric_names.py: `with_task_declarations`), and a typed
+filled in after the spec is built (runner/specs/metric_names.py: `with_task_declarations`), and a typed
 one that contradicts the declaration is refused there. Everything that ranks runs or weights (the
 monitor's best, the best weights, early stopping's objective, the MLflow views, an Optuna study, PBT,
 compare, a grid's best job) reads the resolved value, never a default.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from runner.spec.fields import opt
+from runner.specs.fields import opt
 
 
 @dataclass(frozen=True)

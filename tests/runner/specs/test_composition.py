@@ -1,4 +1,4 @@
-"""The composition table (runner/spec/composition.py): README states it, every built cell names a test that
+"""The composition table (runner/specs/composition.py): README states it, every built cell names a test that
 exists, each built cell that needs processes runs on 2 gloo processes against one process (one run per
 composition, every feature of the cells at once), and a refused composition is one line, exit 2, before any
 run directory or worker exists.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.spec import composition
-from runner.spec.run import SpecError
+from runner.specs import composition
+from runner.specs.run import SpecError
 from tests.conftest import compose_spec, run_cli
 from tests.runner.engine.test_parallel import assert_same, final_weights, metric_history
 
@@ -46,7 +46,7 @@ COMPARED = ("train/loss", "val/loss", "val/ema/loss", "test/loss", "test/ema/los
 def test_readme_states_the_codes_table() -> None:
     """README's Model parallelism section holds markdown_table()'s text as it is (regenerate it from the code)."""
     readme = (ROOT / "README.md").read_text()
-    assert composition.markdown_table() in readme, ("README's composition table differs from runner/spec/composition.py; "
+    assert composition.markdown_table() in readme, ("README's composition table differs from runner/specs/composition.py; "
                                                     "paste composition.markdown_table() into it")
 
 
@@ -70,8 +70,8 @@ def test_the_model_parallelism_sections_commands_are_accepted_as_written(tmp_pat
     """Every `python -m runner ...` of README's Model parallelism section passes the checks preflight makes (the
     spec, the composition table, the model's and dataset's arguments against each other): they named model=gpt on
     the default digits data and were refused as written."""
-    from runner.spec import components
-    from runner.spec.resume import typed_keys
+    from runner.specs import components
+    from runner.specs.resume import typed_keys
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Model parallelism"):readme.index("## Where things go")]

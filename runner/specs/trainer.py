@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from runner.spec.fields import Component, SpecError, component_dict, opt
+from runner.specs.fields import Component, SpecError, component_dict, opt
 
 
 @dataclass(frozen=True)

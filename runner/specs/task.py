@@ -1,12 +1,12 @@
 """The task group (conf/task/<name>.yaml): what the loss and metrics are, a task class named by `_target_`
 (runner/tasks' or a user's) and its own arguments. The metric names and directions the class declares
-are read after the spec is built (runner/spec/metric_names.py)."""
+are read after the spec is built (runner/specs/metric_names.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.spec.fields import Component, component_dict
+from runner.specs.fields import Component, component_dict
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import yaml
 
 from runner.engine import checkpoint
 from runner.engine.parallel import nominal_world, resolve_dims
-from runner.spec.fields import set_dotted
-from runner.spec.run import COMPONENT_GROUPS, RunSpec, SpecError
+from runner.specs.fields import set_dotted
+from runner.specs.run import COMPONENT_GROUPS, RunSpec, SpecError
 
 log = logging.getLogger(__name__)
 

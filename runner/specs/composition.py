@@ -6,7 +6,7 @@ use instead). `check` refuses a spec whose features meet a refused cell, and the
 not built, before any run directory or worker exists (RunSpec.validate calls it). What needs the model
 (BatchNorm layers) is `check_model`, called by the launcher on the model built on the meta device; what
 the spec does not hold (a PBT sweep) is `check_feature`, called by the one who knows. README's Model
-parallelism section holds `markdown_table()`'s text (tests/runner/spec/test_composition.py compares them).
+parallelism section holds `markdown_table()`'s text (tests/runner/specs/test_composition.py compares them).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from runner.spec.fields import SpecError
-from runner.spec.parallelism import ParallelismSpec, nominal_world, pp_microbatches, resolve_degrees
+from runner.specs.fields import SpecError
+from runner.specs.parallelism import ParallelismSpec, nominal_world, pp_microbatches, resolve_degrees
 
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 DIMENSION_NAMES = {"dp_replicate": "dp_replicate (ddp)", "dp_shard": "dp_shard (fsdp)", "tp": "tp", "pp": "pp",
@@ -83,8 +83,8 @@ FEATURES: dict[str, Feature] = {
     "fp16": Feature("fp16", lambda s: "precision=fp16" if s.precision.name == "fp16" else None),
 }
 
-CELLS = "tests/runner/spec/test_composition.py::test_a_built_cell_trains_like_one_process"
-SLOW_CELLS = "tests/runner/spec/test_composition.py::test_a_slow_cell_trains_like_one_process"
+CELLS = "tests/runner/specs/test_composition.py::test_a_built_cell_trains_like_one_process"
+SLOW_CELLS = "tests/runner/specs/test_composition.py::test_a_slow_cell_trains_like_one_process"
 CP_PARTS = ("tests/runner/engine/test_context_parallel.py::"
             "test_tokens_labels_and_positions_are_sharded_alike_and_the_shares_gradients_and_losses_add_up")
 CP_NOTE = "CUDA only; its parts are tested on CPU, no GPU run yet"
@@ -155,7 +155,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "pbt": {dim: _no(PBT_WHY) for dim in DIMENSIONS},
     "optuna": {
-        "dp_replicate": _built("tests/runner/spec/test_composition.py::test_an_optuna_trial_under_ddp_reports_like_one_process",
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::test_an_optuna_trial_under_ddp_reports_like_one_process",
                                "each trial's run starts its own workers; rank 0 reports to the study"),
         **{dim: _no("Optuna trials under sharding or model parallelism are not tested; search with ddp or one "
                     "process") for dim in ("dp_shard", "tp", "pp", "cp")},
