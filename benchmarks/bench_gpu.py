@@ -132,12 +132,13 @@ def bench_gpt_hand(gpu: bool, steps: int, warmup: int, batch: int | None, workdi
     from runner.engine.optim import build_optimizer
     from runner.engine.rng import seed_everything
     from runner.specs import components
+    from runner.engine.run_data import build_data
     from runner.tasks import IGNORE
 
     spec = workload_spec(gpt_overrides(gpu, batch), warmup + steps, workdir)
     seed_everything(spec.seed, False)
     device = pick_device(spec.trainer.device)
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(spec, data).to(device)
     optimizer = build_optimizer(spec.optimizer, model, device)
     size, length, vocab = spec.dataset.batch_size, spec.dataset.get("block_size"), spec.dataset.get("vocab_size")

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.engine.engine import Engine
 from runner.engine.loader import make_loader, on_device
 from runner.engine.optim import build_optimizer
@@ -73,7 +74,7 @@ def hand_steps(spec: RunSpec) -> Iterator[None]:
     and a schedule, with no tracking and no checks. Yields after each optimizer step."""
     seed_everything(spec.seed, False)
     device = pick_device(spec.trainer.device)
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(spec, data).to(device)
     if spec.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -179,7 +180,7 @@ def phase_table(spec: RunSpec, skip: int = 20, clock: Callable[[], int] = time.p
 
     def hand_loop() -> Iterator[None]:
         seed_everything(spec.seed, False)
-        data = components.build_data(spec)
+        data = build_data(spec)
         model = components.build_model(spec, data)
         optimizer = build_optimizer(spec.optimizer, model, torch.device("cpu"))
         loader = make_loader(data.train, spec.dataset.batch_size, seed=spec.seed, shuffle=True, num_workers=0,

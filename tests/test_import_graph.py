@@ -143,22 +143,14 @@ def test_the_stop_lives_with_the_add_on_protocol_and_every_add_on_in_addons() ->
     assert {name for name in addons if not name.startswith(("runner.addons", "runner.search"))} == set()
 
 
-# Reach-ups still to move out of the spec (issue 35 section 3): the data builder's k-fold cut and label check
-# (components.build_data -> search.folds, engine.fit_checks) and resume's checkpoint reading and mesh degrees
-# (engine.checkpoint, engine.parallel; sharded checkpoints are changing both). Nothing may be added here.
-SPEC_REACHES_UP_TODAY = {
-    "runner.specs.components": ["runner.engine", "runner.engine.fit_checks", "runner.search", "runner.search.folds"],
-    "runner.specs.resume": ["runner.engine", "runner.engine.checkpoint", "runner.engine.parallel",
-                           "runner.engine.parallel.nominal_world", "runner.engine.parallel.resolve_dims"],
-}
-
-
 def test_the_spec_imports_nothing_from_the_engine_addons_cli_or_search() -> None:
-    """The spec is data: the checks that need a built part run in preflight or the engine's build."""
+    """The spec is data: the checks that need a built part run in preflight or the engine's build (the run's
+    data and its k-fold cut: runner/engine/run_data.py, folds.py; reading what trainer.resume names:
+    runner/engine/resume_source.py)."""
     wrong = {name: sorted(m for m in imported if m.startswith(("runner.engine", "runner.addons", "runner.cli",
                                                                 "runner.search")))
              for name, imported in all_imports().items() if name.startswith("runner.specs")}
-    assert {name: found for name, found in wrong.items() if found} == SPEC_REACHES_UP_TODAY
+    assert {name: found for name, found in wrong.items() if found} == {}
 
 
 def test_tracking_does_not_import_the_optuna_plugins_storage() -> None:

@@ -18,11 +18,12 @@ import yaml
 
 from runner.specs import components, resume
 
-from runner.engine import checkpoint, preemption
+from runner.engine import checkpoint, preemption, resume_source
 
 from runner.cli import lifetime, process_state, rendezvous, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
+from runner.engine.run_data import build_data
 from runner.cli.run_dir import latest_run
 from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
@@ -92,7 +93,7 @@ def _run(spec: RunSpec, start_state: dict) -> RunResult:
     if spec.trainer.resume and (run_lock.decides(spec.parallelism) or (Path(spec.trainer.resume) / "spec.yaml").exists()
                                 or Path(spec.trainer.resume).is_file() or checkpoint.is_folder(spec.trainer.resume)):
         # the callbacks typed now with their defaults filled in, as the saved spec holds them: like with like
-        spec = resume.plan(components.resolved_callbacks(spec))
+        spec = resume_source.plan(components.resolved_callbacks(spec))
     # the model's and dataset's arguments checked against their callables, defaults filled in: spec.yaml
     # is then the fully resolved record
     spec = components.resolved_spec(spec, resume.typed_keys(spec.overrides))
@@ -279,7 +280,7 @@ def check_parallel(spec: RunSpec) -> None:
     """What can be known before any worker starts."""
     par = spec.parallelism
     if spec.trainer.resume and run_lock.decides(par):
-        resume.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
+        resume_source.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
     device = pick_device(spec.trainer.device)
     nproc = nominal_world(par) // par.nnodes
     if device.type == "cuda" and nproc > torch.cuda.device_count():
@@ -291,7 +292,7 @@ def check_parallel(spec: RunSpec) -> None:
     check_context_parallel(spec, device)
     # what the model decides, on the meta device: fsdp's blocks, cp's attention, tp's plan, pp's stages
     if par.dp_shard != 1 or dims.cp > 1 or dims.tp > 1 or dims.pp > 1:
-        data = components.build_data(spec)
+        data = build_data(spec)
         with torch.device("meta"):
             model = components.build_model(spec, data)
         composition.check_model(spec, model)  # its BatchNorm layers, in a dimension that does not build them

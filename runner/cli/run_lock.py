@@ -146,7 +146,7 @@ def check_at_start(resume: str | None, dir_key: str, run_dir: str, parallelism: 
 
         resume = str(latest_run())
     if resume:
-        from runner.specs.resume import check_source  # imports torch; a resumed run needs it next anyway
+        from runner.engine.resume_source import check_source  # imports torch; a resumed run needs it next anyway
 
         check_source(resume)
         if Path(resume).is_dir():

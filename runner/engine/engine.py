@@ -45,8 +45,10 @@ from runner.engine.optim import build_optimizer
 from runner.engine.parallel import DistEnv, pick_device
 from runner.engine.parallel import context, tensor as tensor_parallel
 from runner.engine.precision import Precision
+from runner.engine.resume_source import starts_over
+from runner.engine.run_data import build_data
 from runner.engine.schedule import build_scheduler
-from runner.specs.resume import starts_over, typed_keys
+from runner.specs.resume import typed_keys
 from runner.engine.rng import seed_everything
 from runner.specs.run import RunSpec, SpecError
 from runner.tracking.tracker import NullTracker, Tracker
@@ -91,7 +93,7 @@ class Engine:
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 
-        data = fit_checks.check_data(spec, components.build_data(spec))
+        data = fit_checks.check_data(spec, build_data(spec))
         data = debugging.limit_data(spec, data, self.env.dp_degree)  # trainer.limit_*, overfit_batches, max_eval_batches
         self.split_sizes = {split: len(getattr(data, split)) for split in ("train", "val", "test")}
         if spec.dataset.batch_size * self.env.dp_degree > self.split_sizes["train"]:

@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from runner.engine import checkpoint, run_weights
+from runner.engine.run_data import build_data
 from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
@@ -86,7 +87,7 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
     if not weights.spec:
         raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
     spec = RunSpec.from_yaml(weights.spec)
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(spec, data)
     weights.load_into(model)
     model.eval()

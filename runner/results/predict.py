@@ -21,7 +21,7 @@ import torch
 
 from runner.files import atomic_write
 from runner.results.source import load_engine, source_spec, tracked
-from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.specs.fields import SpecError
 from runner.tasks import batches
 
@@ -90,7 +90,7 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
     """Batches of the folder's images, decoded and transformed as the data's val split decodes its own."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    val = components.build_data(spec).val
+    val = build_data(spec).val
     decode, transform = getattr(val, "decode", None), getattr(val, "transform", None)
     if decode is None or transform is None:
         raise SpecError(f"predict.input: {str(folder)!r} is a folder of images, but dataset {spec.dataset.target} does "
@@ -112,7 +112,7 @@ def image_batches(spec, folder: Path) -> Iterator[tuple[list[str], tuple]]:
 def text_batches(spec, file: Path) -> Iterator[tuple[list[int], dict]]:
     """Batches of the file's lines (one text a line; blank lines skipped, ids are line numbers), encoded as
     the dataset encodes its own texts (its `encode_texts`: its tokenizer, its [CLS] prefix, its max_length)."""
-    data = components.build_data(spec)
+    data = build_data(spec)
     encode_texts = getattr(data, "encode_texts", None)
     if encode_texts is None:
         raise SpecError(f"predict.input: {str(file)!r} is a file; a classifier of dataset {spec.dataset.target} reads "
@@ -130,7 +130,7 @@ def text_batches(spec, file: Path) -> Iterator[tuple[list[int], dict]]:
 
 
 def generated(engine, spec, file: Path) -> Iterator[dict]:
-    data = components.build_data(spec)
+    data = build_data(spec)
     tokenizer = data.tokenizer
     generator = torch.Generator(engine.device).manual_seed(spec.seed)
     context = getattr(engine.module, "max_length", None) or data.max_length

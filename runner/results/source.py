@@ -112,7 +112,7 @@ def tracked(spec, source: Source, verb: str):
 def check_at_start(spec) -> None:
     """The CLI's check before the run starts: the source exists (a run id is looked up when the run starts,
     as it needs the MLflow store) and predict.input names something to read."""
-    from runner.specs.resume import check_source
+    from runner.engine.resume_source import check_source
 
     given = spec.predict.input
     if spec.mode == "predict" and given is not None and not Path(given).exists():

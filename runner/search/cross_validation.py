@@ -4,7 +4,7 @@ The K-fold run owns its run directory: spec.yaml, its MLflow run (the parent of 
 `cross_validation.yaml`, the results of the folds that finished. Fold k is an ordinary run in
 `<run dir>/fold-<k>` (its own spec.yaml, checkpoints and MLflow child run), started the way this run
 would have been (in this process, or torchrun workers for ddp/fsdp). Its spec differs only in
-`trainer.cross_validation.fold`, from which the data builder hands it its fold (runner/search/folds.py).
+`trainer.cross_validation.fold`, from which the data builder hands it its fold (runner/engine/folds.py).
 
 The value the K-fold run returns (to a `-m` grid or an Optuna study) is the mean of the folds'
 objectives; the parent MLflow run logs the mean, the standard deviation (of the K values, ddof=0 as
@@ -37,9 +37,8 @@ from typing import Any, Callable
 
 import yaml
 
-from runner.specs import components
-
-from runner.search import folds
+from runner.engine import folds
+from runner.engine.run_data import build_data
 
 from runner.cli import run_lock
 from runner.files import atomic_write
@@ -104,7 +103,7 @@ def run_folds(spec: RunSpec, run_dir: Path, run_one: Callable[[RunSpec], RunResu
                         "`python -m runner parallelism=ddp parallelism.nproc_per_node=N ...` without torchrun: it "
                         "starts each fold's workers itself")
     # a finder with several processes: refused while the spec was built (runner/specs/composition.py)
-    size, val_sizes, stratified = folds.plan(components.build_data(spec), cv.folds, cv.seed)  # refusals come now
+    size, val_sizes, stratified = folds.plan(build_data(spec), cv.folds, cv.seed)  # refusals come now
     done = read_record(run_dir)
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     tracker = build_tracker(spec, parent_run_id=parent_run_id(spec))

@@ -21,8 +21,6 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from runner.engine import fit_checks
-
 from runner.specs import metric_names
 from runner.specs.fields import SpecError, convert, did_you_mean
 from runner.specs.run import RunSpec
@@ -269,20 +267,14 @@ def complaint(group: str, fn: Callable, error: Exception, keys: list[str]) -> st
     return f"{where}: {getattr(fn, '__qualname__', fn)} refuses it ({first})"
 
 
-def build_data(spec: RunSpec) -> Any:
-    """The dataset's splits, refused in one line where the model cannot read them or the task cannot
-    learn from their labels; a builder that declares token data is refused before it runs."""
+def build_dataset(spec: RunSpec) -> Any:
+    """The dataset's splits as its builder returns them, its complaint one line naming the key. A run's data
+    (a k-fold run's fold, checked against the model and the task) is runner/engine/run_data.py's build_data."""
     builder = load_target("dataset", spec.dataset.target)
     try:
-        data = _call("dataset", builder, spec.dataset.params)
+        return _call("dataset", builder, spec.dataset.params)
     except SpecError as e:
         raise SpecError(_as_model_path(spec, str(e))) from None
-    from runner.search import folds  # late: torch and scikit-learn, which the spec checks before the run do without
-
-    data = folds.for_run(spec, data)  # a k-fold run's fold: its own train and val, the same test
-    check_model_reads(spec, "token ids" if getattr(data, "vocab_size", None) is not None else "tensors")
-    fit_checks.check_task_labels(spec, data)
-    return data
 
 
 def _as_model_path(spec: RunSpec, message: str) -> str:

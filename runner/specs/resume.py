@@ -15,17 +15,13 @@ Where the run goes on:
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import yaml
 
-from runner.engine import checkpoint
-from runner.engine.parallel import nominal_world, resolve_dims
 from runner.specs.fields import set_dotted
+from runner.specs.parallelism import nominal_world, resolve_degrees
 from runner.specs.run import COMPONENT_GROUPS, RunSpec, SpecError
-
-log = logging.getLogger(__name__)
 
 # What an override given with a resume may change: how long, where it runs, where it logs.
 MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trainer.progress_bar",
@@ -37,11 +33,11 @@ MAY_CHANGE = ("trainer.max_steps", "trainer.max_epochs", "trainer.device", "trai
 BATCH_KEYS = ("dataset.batch_size", "accumulation.steps")
 
 
-def plan(spec: RunSpec) -> RunSpec:
-    """The spec a resume runs: the saved spec with the allowed typed overrides of `spec` applied."""
-    target = Path(spec.trainer.resume)
-    in_place = target.is_dir() and not checkpoint.is_folder(target)  # a run directory, not one checkpoint's folder
-    saved = _saved_spec(target)
+def resumed_spec(spec: RunSpec, saved: RunSpec, target: Path, in_place: bool) -> RunSpec:
+    """The spec a resume of `target` runs: `saved`, the spec the run was trained with, with the allowed typed
+    overrides of `spec` applied; one line naming the key for an override that changes what is trained.
+    `in_place`: the resume goes on in `target`, a run directory (else in this invocation's). Reading `saved`
+    from the run directory or checkpoint is runner/engine/resume_source.py's plan."""
     typed = typed_keys(spec.overrides)
     new_flat, saved_flat = spec.flat(), saved.flat()
     merged = saved.to_dict()
@@ -61,17 +57,6 @@ def plan(spec: RunSpec) -> RunSpec:
     merged["trainer"]["resume"] = str(target)
     resumed = RunSpec.from_yaml(yaml.safe_dump(merged))
     _check_global_batch(saved, resumed)
-    cv = saved.trainer.cross_validation
-    k_fold = cv.folds is not None and cv.fold is None  # its folds hold the checkpoints; it says what they do
-    fold = cv.fold if cv.folds is not None else None  # one fold of a k-fold run, resumed by that run
-    log.info("%s %s", ("continuing the k-fold run in" if k_fold else f"continuing fold {fold} in" if fold is not None
-                       else "continuing the run in") if in_place else "starting a new run from", target)
-    if starts_over(target) and not k_fold:  # the engine then loads no checkpoint
-        if fold is not None:  # the k-fold run goes on at this fold, the folds before it kept
-            log.info("fold %d holds no checkpoint yet: it starts over from its step 0 (the k-fold run goes on at "
-                     "fold %d)", fold, fold)
-        else:
-            log.info("%s holds no checkpoint yet: the run starts over from step 0", target)
     return resumed
 
 
@@ -96,44 +81,9 @@ def _typed(key: str, typed: set[str]) -> bool:
     return key in typed or any(t.endswith(".") and key.startswith(t) for t in typed)
 
 
-def check_source(target: str | Path, training: bool = True) -> None:
-    """What `trainer.resume` names, checked without loading anything: one line when it cannot be resumed
-    (training: a file of a run's weights alone, such as its best-step-N.pt, holds nothing to train on from)."""
-    if not starts_over(Path(target)):
-        path, kind = checkpoint.verify_kind(target)
-        if training:
-            _refuse_weights_only(path, kind)
-
-
-def _refuse_weights_only(path: Path, kind: str) -> None:
-    if kind == checkpoint.WEIGHTS:
-        raise SpecError(f"trainer.resume: {path} holds a run's weights only, not its training state; train from "
-                        f"them with model.weights={path}, or evaluate them with mode=eval")
-
-
-def starts_over(target: Path) -> bool:
-    """A run directory whose run was stopped before its first checkpoint: its resume starts it over in
-    place (its spec.yaml, its MLflow run), rather than leaving it unresumable."""
-    return (target.is_dir() and not checkpoint.is_folder(target) and not checkpoint.has_checkpoint(target)
-            and (target / "spec.yaml").is_file())
-
-
-def _saved_spec(target: Path) -> RunSpec:
-    if starts_over(target):
-        return RunSpec.from_yaml((target / "spec.yaml").read_text())
-    path, kind = checkpoint.verify_kind(target)
-    _refuse_weights_only(path, kind)  # a resume trains on from the file: a best-step-N.pt cannot be one
-    text = checkpoint.read_spec(path)
-    if text is None:  # a checkpoint written before checkpoints held their spec: the run's spec.yaml
-        spec_file = path.parent.parent / "spec.yaml"
-        if not spec_file.is_file():
-            raise SpecError(f"trainer.resume: {path} holds no run spec and no spec.yaml lies beside its run directory")
-        text = spec_file.read_text()
-    return RunSpec.from_yaml(text)
-
-
 def _dp_degree(spec: RunSpec) -> int:
-    return resolve_dims(spec.parallelism, nominal_world(spec.parallelism)).dp
+    degrees = resolve_degrees(spec.parallelism, nominal_world(spec.parallelism))
+    return degrees["dp_replicate"] * degrees["dp_shard"]  # the replicas that split each global batch
 
 
 def _check_global_batch(saved: RunSpec, resumed: RunSpec) -> None:

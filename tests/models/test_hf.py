@@ -207,6 +207,7 @@ def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(
     from tokenizers import Tokenizer
 
     from runner.specs import components
+    from runner.engine.run_data import build_data
     from tests.conftest import compose_spec
 
     model_dir, reviews = pretrained_dir(tmp_path / "distilbert"), write_reviews(tmp_path / "reviews.csv")
@@ -214,7 +215,7 @@ def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(
             f"dataset.root={tmp_path / 'datasets'}", "dataset.max_length=32"]
     spec = components.resolved_spec(compose_spec(args, tmp_path / "run"))
     assert spec.dataset.params["tokenizer"] == str(model_dir)  # the default follows model.path, and is logged so
-    data = components.build_data(spec)
+    data = build_data(spec)
     own = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = [data.train[i]["input_ids"].tolist() for i in range(len(data.train))]
     assert own.encode(REVIEWS[0][0]).ids in ids  # [CLS] ... [SEP] in the model's own vocabulary
@@ -223,7 +224,7 @@ def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(
     # ids of a tokenizer trained on the reviews are not the pretrained embeddings' ids: one line, naming the key
     trained = components.resolved_spec(compose_spec([*args, "dataset.tokenizer=null"], tmp_path / "run"))
     with pytest.raises(SpecError) as info:
-        components.build_model(trained, components.build_data(trained))
+        components.build_model(trained, build_data(trained))
     assert str(info.value).startswith(f"dataset.tokenizer: the data's token ids are not those of the pretrained model "
                                       f"at {model_dir} (the data's tokenizer has ")
     assert str(info.value).endswith(f"allowed: the model's own tokenizer, tokenizer={model_dir}")

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.specs.registry import CONF_DIR
 from runner.specs.run import SpecError
 from tests.conftest import compose_spec
@@ -60,16 +61,16 @@ def test_a_components_plain_errors_are_one_line_under_its_group(tmp_path: Path) 
     spec = compose_spec(["dataset._target_=tests.models.user_net.rows", f"+dataset.path={tmp_path}/none.csv"], tmp_path)
     spec = components.resolved_spec(spec, {"dataset._target_", "dataset.path"})
     with pytest.raises(SpecError, match=rf"^dataset: rows could not open {tmp_path}/none.csv \(No such file or directory\)$"):
-        components.build_data(spec)
+        build_data(spec)
     digits = compose_spec([], tmp_path)
-    data = components.build_data(digits)
+    data = build_data(digits)
     fussy = components.resolved_spec(compose_spec(["model._target_=tests.models.user_net.fussy_net"], tmp_path),
                                      {"model._target_"})
     with pytest.raises(SpecError, match=r"^model: the widths do not add up$"):
         components.build_model(fussy, data)
     with pytest.raises(SpecError, match=r"^dataset.val_fraction: val_fraction 0.5 \+ test_fraction 0.4999 leave no "
                                         r"training samples out of 1797"):  # data/splits.py's plain ValueError
-        components.build_data(compose_spec(["dataset.val_fraction=0.5", "dataset.test_fraction=0.4999"], tmp_path))
+        build_data(compose_spec(["dataset.val_fraction=0.5", "dataset.test_fraction=0.4999"], tmp_path))
 
 
 def test_a_size_the_data_must_decide_is_never_advised_as_a_config_key(tmp_path: Path) -> None:
@@ -79,4 +80,4 @@ def test_a_size_the_data_must_decide_is_never_advised_as_a_config_key(tmp_path: 
     with pytest.raises(SpecError, match=r"^model.pad_token_id: tests.models.user_net.needs_padding needs it and the "
                                         r"dataset \(tests.user_pkg.tokens.build\) does not provide it; choose a dataset "
                                         r"that does$"):  # not "set +model.pad_token_id", which is then refused
-        components.build_model(spec, components.build_data(spec))
+        components.build_model(spec, build_data(spec))

@@ -710,10 +710,11 @@ class Places:
     def nan_weights(self) -> Path:
         """The default model's state dict, every value NaN."""
         from runner.specs import components
+        from runner.engine.run_data import build_data
         from tests.conftest import compose_spec
 
         spec = compose_spec([], self.tmp / "weights_run")
-        model = components.build_model(spec, components.build_data(spec))
+        model = components.build_model(spec, build_data(spec))
         return self._save("nan_weights.pt", {k: v.float().fill_(float("nan")) for k, v in model.state_dict().items()})
 
     def readonly_run(self) -> Path:

@@ -13,6 +13,7 @@ import torch
 from mlflow import MlflowClient
 
 from runner.specs import components
+from runner.engine.run_data import build_data
 
 from runner.engine import checkpoint
 from runner.results import export
@@ -166,7 +167,7 @@ def test_a_huggingface_model_of_named_inputs_is_logged_pickled_and_loads_back(tm
                          f"dataset.root={tmp_path / 'datasets'}", "dataset.max_length=32", "tracking.log_model=last"],
                         tmp_path / "run", store)
     spec = components.resolved_spec(spec)
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(spec, data).eval()
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("hf", artifact_location=str(tmp_path / "art"))).info.run_id

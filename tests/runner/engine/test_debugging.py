@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runner.engine.engine import Engine
-from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.engine import monitor
 from runner.engine.monitor import Diverged
 from tests.conftest import compose_spec
@@ -85,7 +85,7 @@ def test_overfit_on_gpt_memorises_one_batch(tmp_path: Path, caplog) -> None:
                          ids=["digits", "gpt"])
 def test_limit_uses_the_first_tenth_of_each_split(tmp_path: Path, run: list[str], sizes: dict) -> None:
     e = engine(["debug=limit", *run], tmp_path / "run")
-    full = components.build_data(e.spec)
+    full = build_data(e.spec)
     assert {split: len(getattr(full, split)) // 10 or 1 for split in sizes} == sizes
     assert e.split_sizes == sizes and e.train_loader.batch_sampler.size == sizes["train"]
     for split, loader in (("train", e.train_loader), *e.eval_loaders.items()):  # each split's first samples

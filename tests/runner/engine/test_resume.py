@@ -14,7 +14,8 @@ import torch
 from runner.cli import launch
 from runner.engine import checkpoint
 
-from runner.specs import components, resume
+from runner.engine import resume_source
+from runner.specs import components
 from runner.engine.engine import Engine
 from runner.specs.run import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
@@ -31,7 +32,7 @@ def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def plan(overrides: list[str], run_dir: Path):
-    return resume.plan(compose_spec(overrides, run_dir))
+    return resume_source.plan(compose_spec(overrides, run_dir))
 
 
 def test_a_resume_continues_the_runs_own_spec_not_todays_defaults(saved_run: Path, tmp_path: Path) -> None:

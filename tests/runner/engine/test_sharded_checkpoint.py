@@ -13,6 +13,7 @@ import torch
 from runner.engine import checkpoint, run_weights
 from runner.results.export import export_checkpoint
 from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.specs.run import RunSpec, SpecError
 from tests.runner.engine.test_pipeline_parallel import assert_same, run_one, run_two, weights
 from tests.runner.engine.test_resume import migrated, mlflow_record
@@ -79,7 +80,7 @@ def test_each_rank_writes_its_share_and_the_checkpoint_resumes_at_another_mesh_a
     out = export_checkpoint(tmp_path / "two", tmp_path / "export", program=False, which="last", average="none")
     saved = checkpoint.load(tmp_path / "two" / "checkpoints" / "last.pt")
     spec = RunSpec.from_yaml(saved["spec"])
-    model = components.build_model(spec, components.build_data(spec))
+    model = components.build_model(spec, build_data(spec))
     load_model(model, str(out / "model.safetensors"))  # safetensors' own reader: the tied lm head from its metadata
     assert all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
 
@@ -123,6 +124,6 @@ def test_a_one_file_checkpoint_of_an_older_run_still_resumes_and_evaluates(tmp_p
     # a reader's one function: the weights of either layout into a plain module in this process
     spec = RunSpec.from_yaml(state["spec"])
     for source in (old, one_process / "run" / "checkpoints" / "step-00000003.pt"):
-        module = components.build_model(spec, components.build_data(spec))
+        module = components.build_model(spec, build_data(spec))
         run_weights.read(source).load_into(module)
         assert all(torch.equal(v, state["model"][k]) for k, v in module.state_dict().items())

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from runner.engine import checkpoint
 
 from runner.specs import components
+from runner.engine.run_data import build_data
 from runner.cli.launch import run
 from runner.tasks.language_modeling import generate
 from runner.results.source import resolve_source
@@ -88,7 +89,7 @@ def test_predict_on_the_test_split_is_the_argmax_of_the_models_forward(trained: 
     run(spec)
     rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
     # by hand: the model built from the spec, the checkpoint's weights, one forward over the whole split
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(components.resolved_spec(spec), data)
     model.load_state_dict(checkpoint.load(checkpoint.verify(src))["model"])
     model.eval()
@@ -118,7 +119,7 @@ def test_predict_for_a_language_model_at_temperature_0_is_the_greedy_continuatio
     rows = [json.loads(line) for line in (tmp_path / "pred" / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [0, 2]  # line numbers; the blank line is no prompt
     source = compose_spec(GPT, tmp_path / "gpt")
-    data = components.build_data(source)
+    data = build_data(source)
     model = components.build_model(components.resolved_spec(source), data)
     model.load_state_dict(checkpoint.load(checkpoint.verify(tmp_path / "gpt"))["model"])
     model.eval()
@@ -225,7 +226,7 @@ def at_step(uri: str, run_id: str, step: int, prefix: str) -> dict[str, float]:
 
 
 def model_with(spec, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    data = components.build_data(spec)
+    data = build_data(spec)
     model = components.build_model(components.resolved_spec(spec), data)
     model.load_state_dict(weights)
     return model.eval()
@@ -257,7 +258,7 @@ def test_eval_and_predict_of_a_run_directory_take_the_weights_the_run_tested_not
     run(spec)
     rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
     source = compose_spec(BEST_NOT_LAST, src)
-    data = components.build_data(source)
+    data = build_data(source)
     x = torch.stack([data.test[i][0] for i in range(len(data.test))])
     with torch.no_grad():
         best = model_with(source, checkpoint.load(src / "checkpoints" / "best-step-00000002.pt")["model"])(x).argmax(-1)
@@ -271,7 +272,7 @@ def test_a_best_file_is_a_runner_checkpoint_that_eval_and_export_take_and_a_trai
     """Defect: best-step-N.pt was refused as "not a valid runner checkpoint"; a run directory exported its last
     weights."""
     from runner.results.export import export_checkpoint, load_exported
-    from runner.specs.resume import check_source
+    from runner.engine.resume_source import check_source
     from runner.specs.run import SpecError
 
     src, uri = best_not_last
@@ -330,7 +331,7 @@ def test_an_ema_run_is_evaluated_with_its_averages_and_exported_and_predicted_wi
     assert all(torch.equal(as_raw[k], raw[k]) for k in raw)
 
     source = compose_spec(EMA, src)
-    data = components.build_data(source)
+    data = build_data(source)
     x = torch.stack([data.test[i][0] for i in range(len(data.test))])
     for average, weights in (("auto", ema), ("none", raw)):
         run(compose_spec(["mode=predict", f"trainer.resume={src}", f"weights.average={average}"], tmp_path / average))
@@ -360,7 +361,7 @@ def test_predict_on_a_regression_run_writes_the_predicted_values_and_the_real_ta
     run(spec)
     rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
     source = compose(train, tmp_path / "src")
-    data = components.build_data(source)
+    data = build_data(source)
     x, y = (torch.stack(t) for t in zip(*[data.val[i] for i in range(len(data.val))]))
     with torch.no_grad():
         predicted = model_with(source, checkpoint.load(checkpoint.verify(tmp_path / "src"))["model"])(x)

@@ -1,4 +1,4 @@
-"""k-fold cross-validation (runner/search/folds.py, runner/search/cross_validation.py): the folds partition train+val and
+"""k-fold cross-validation (runner/engine/folds.py, runner/search/cross_validation.py): the folds partition train+val and
 keep the test split, classification folds keep the class proportions, a K-fold run is one MLflow parent
 with a child per fold and returns the folds' mean (to a study too, with the running mean as the trial's
 intermediate values), and a K-fold run stopped in a fold resumes at that fold."""
@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner.specs import components
-
-from runner.search import folds
+from runner.engine import folds
+from runner.engine.run_data import build_data
 
 from runner.cli import launch
 from runner.search.cross_validation import RECORD, read_record
@@ -51,7 +50,7 @@ def children(db: Path, parent: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory: pytest.TempPathFactory):
     spec = compose_spec([], tmp_path_factory.mktemp("digits") / "run")
-    return components.build_data(spec)
+    return build_data(spec)
 
 
 @pytest.mark.parametrize("k", [2, 5])
@@ -109,7 +108,7 @@ def test_regression_folds_are_plain_and_augmented_train_splits_are_refused() -> 
 def test_a_fold_run_builds_its_fold_through_the_spec(digits, tmp_path: Path) -> None:
     spec = compose_spec(["trainer.cross_validation.folds=4", "trainer.cross_validation.fold=2",
                          "trainer.cross_validation.seed=9"], tmp_path / "run")
-    data = components.build_data(spec)
+    data = build_data(spec)
     expected = folds.fold_data(digits, 4, 2, seed=9)
     assert torch.equal(data.val.tensors[0], expected.val.tensors[0])
     assert torch.equal(data.train.tensors[1], expected.train.tensors[1])

@@ -71,6 +71,7 @@ def test_the_model_parallelism_sections_commands_are_accepted_as_written(tmp_pat
     spec, the composition table, the model's and dataset's arguments against each other): they named model=gpt on
     the default digits data and were refused as written."""
     from runner.specs import components
+    from runner.engine.run_data import build_data
     from runner.specs.resume import typed_keys
 
     readme = (ROOT / "README.md").read_text()
@@ -81,7 +82,7 @@ def test_the_model_parallelism_sections_commands_are_accepted_as_written(tmp_pat
     for i, command in enumerate(commands):
         spec = components.resolved_spec(compose_spec(command.split(), tmp_path / f"run{i}"), typed_keys(command.split()))
         if repr(spec.dataset) not in built:  # the data against the model and the task, as the run builds them
-            components.build_data(spec)
+            build_data(spec)
             built.add(repr(spec.dataset))
 
 

@@ -5,6 +5,10 @@ tests on the same samples. Classification folds are stratified (StratifiedKFold:
 a fold differs from its count in another fold by at most one), other tasks get plain KFold. Both
 shuffle with the fold seed (trainer.cross_validation.seed), so the folds depend on the data and that
 seed only, never on the run's seed, and a fold's run rebuilds the same fold in any process.
+
+A fold's run is an ordinary run whose data is its fold's: the cut is part of building a run's data
+(runner/engine/run_data.py); the K-fold run that plans the folds and runs them is
+runner/search/cross_validation.py.
 """
 from __future__ import annotations
 
