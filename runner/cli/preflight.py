@@ -125,7 +125,7 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     if spec.tracking.name == "mlflow":
         from runner.tracking.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 
-        check_tracking(spec.tracking)
+        check_tracking(spec.tracking, for_the_run=dir_key == "hydra.run.dir")
         start_tracking_early(spec, multirun=dir_key == "hydra.sweep.dir")
     # last, as it imports the model's and dataset's modules (torch): their keys against their signatures
     from runner.specs import components
