@@ -29,16 +29,16 @@ def test_a_plain_run_imports_no_heavy_module_it_does_not_use_before_its_first_st
     assert {m for m in imported if m.startswith(NOT_BY_THE_FIRST_STEP)} == set()
 
 
-# the main process's write probes of the store (runner/tracking/mlflow_store.py), counted
+# the main process's write probes (runner/tracking/mlflow_store.py: a file written and synced), counted
 COUNT_PROBES = """
 import atexit, runpy, sys
 from runner.tracking import mlflow_store
-check, probes = mlflow_store._check_tracking, []
-def counted(tracking):
-    probes.append(tracking.uri)
-    return check(tracking)
-mlflow_store._check_tracking = counted
-atexit.register(lambda: print(f"store probes: {len(probes)}"))
+probe, probed = mlflow_store._check_writable, []
+def counted(directory, *args):
+    probed.append(str(directory))
+    return probe(directory, *args)
+mlflow_store._check_writable = counted
+atexit.register(lambda: print(f"store probes: {len(probed)}"))
 sys.argv = ["runner", *sys.argv[1:]]
 runpy.run_module("runner", run_name="__main__")
 """
@@ -46,8 +46,8 @@ runpy.run_module("runner", run_name="__main__")
 
 def test_a_single_run_probes_its_store_once_before_it_starts(tmp_path: Path, store: str) -> None:
     """preflight's check of the store is the run's: its launch and its tracker, moments later, do not write
-    probe files into the store's and the artifacts' folders again."""
+    probe files into the store's and the artifacts' folders again (two probes, not six)."""
     proc = subprocess.run([sys.executable, "-c", COUNT_PROBES, "trainer.max_steps=1", f"tracking.uri={store}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "store probes: 1\n" in proc.stdout, proc.stdout[-800:]
+    assert "store probes: 2\n" in proc.stdout, proc.stdout[-800:]
