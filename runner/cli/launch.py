@@ -11,7 +11,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import yaml
@@ -20,12 +20,11 @@ from runner.specs import components, resume
 
 from runner.engine import checkpoint, preemption, resume_source
 
-from runner.cli import lifetime, process_state, rendezvous, run_lock
+from runner.cli import lifetime, process_state, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.engine.run_data import build_data
 from runner.cli.run_dir import latest_run
-from runner.search import cross_validation
 from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
 from runner.engine.parallel import pipeline, tensor as tensor_parallel
 from runner.specs import composition
@@ -34,6 +33,9 @@ from runner.engine.parallel.context import check_context_parallel, check_model
 from runner.specs.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
+
+if TYPE_CHECKING:
+    from runner.cli import rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     if spec.tracking.name != "none" and os.environ.get("RANK", "0") == "0":
         check_tracking(spec.tracking)  # a store that cannot answer: one line now, before torch builds anything
     if spec.trainer.cross_validation.folds and spec.trainer.cross_validation.fold is None:
+        from runner.search import cross_validation
+
         return cross_validation.run_folds(spec, run_dir, run_one=run)  # K runs, each started as this one would be
     par = spec.parallelism
     # single with tp/pp/cp > 1 is one model replica on tp x pp x cp processes: started as ddp/fsdp's are
@@ -193,6 +197,8 @@ def launch_workers(spec: RunSpec) -> RunResult:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from runner.cli import rendezvous  # torch's elastic rendezvous: imported only by a run that starts workers
 
     check_parallel(spec)
     spec = spec.replace(parallelism=on_cluster(spec.parallelism))
@@ -326,6 +332,8 @@ class WorkersFailed(RuntimeError):
 
 
 def _describe_failure(error: Exception) -> str:
+    from runner.cli import rendezvous
+
     failures = getattr(error, "failures", {})
     parts = []
     for rank, failure in sorted(failures.items()):
@@ -340,6 +348,8 @@ def _group_failure(spec: RunSpec, error: Exception) -> str:
     """The line for workers that failed with no restart left. On several nodes, workers that only lost a peer
     (PEER_GONE_EXIT) say nothing about their own node: the roll call (runner/cli/rendezvous.py) tells which node
     was lost, or whose workers failed by themselves; workers that failed by themselves tell the other nodes."""
+    from runner.cli import rendezvous
+
     own = _describe_failure(error)
     roll_call = rendezvous.current.roll_call if spec.parallelism.nnodes > 1 and rendezvous.current else None
     if roll_call is None:

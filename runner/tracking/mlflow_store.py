@@ -59,12 +59,26 @@ _READ_ONLY = {errno.EACCES, errno.EPERM, errno.EROFS}
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 PID_TAG, HOST_TAG, STARTED_TAG = "runner.pid", "runner.host", "runner.pid_started"  # see owner_tags
 _cleaned: set[str] = set()  # stores whose orphaned runs this process has ended
+_checked_for_run: tuple[str, str, str] | None = None  # (uri, artifact_root, cwd): see check_tracking's for_the_run
 
 
-def check_tracking(tracking: TrackingSpec) -> None:
-    """Raise SpecError (one line) unless runs can be logged to tracking.uri and tracking.artifact_root."""
+def check_tracking(tracking: TrackingSpec, for_the_run: bool = False) -> None:
+    """Raise SpecError (one line) unless runs can be logged to tracking.uri and tracking.artifact_root.
+    for_the_run: this is the check of the one run this process starts now (preflight's, before a single run);
+    the same store's checks by that run's launch and tracker, moments later, then pass without probing it again
+    (each probe is a write and an fsync: 5-10 ms of a run's start-up apiece)."""
+    global _checked_for_run
     if tracking.name == "none":
         return
+    checked = (tracking.uri, tracking.artifact_root, os.getcwd())  # relative paths are the working directory's
+    if checked == _checked_for_run:
+        return
+    _check_tracking(tracking)
+    if for_the_run:
+        _checked_for_run = checked
+
+
+def _check_tracking(tracking: TrackingSpec) -> None:
     uri = tracking.uri
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
     if scheme in ("http", "https"):
