@@ -391,6 +391,7 @@ class MlflowTracker:
         elif isinstance(self.store, sqlite_store.SqliteStore) and ended:
             self.store.close()
         if not ended:
+            writer.end_said = True  # the writer, still trying, says nothing more of it
             waiting, first, whats = writer.left()
             values = f"{waiting} metric values (from step {first}), " if waiting else ""
             others = "".join(f"{what}, " for what in dict.fromkeys(whats) if what != "the run's end")

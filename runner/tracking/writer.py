@@ -60,6 +60,7 @@ class StoreWriter:
         self._warned_memory = False
         self._said = threading.Lock()  # the main thread (no answer) and the writer (an error) may both see an outage
         self._closed = False
+        self.end_said = False  # the tracker said, as the run ended, what the store still lacks and where it is kept
         self.gone: str | None = None  # the tracking process died: what reached no store stays in the journal
         for name in _NOISY:
             logging.getLogger(name).addFilter(_not_from_writer)
@@ -176,9 +177,12 @@ class StoreWriter:
                 self.call_started = None
                 if getattr(e, "process_gone", False):  # runner/tracking/store_process.py's StoreGone
                     self.gone = str(e)
-                    log.warning("MLflow: %s (seen at step %d); training goes on, %s holds every metric and call, and "
-                                "`trainer.resume` of this run or the next runner command on this store (on this host) "
-                                "completes the MLflow run from it", e, self.last_step, self.journal)
+                    if self._closed:  # the run has ended (this process stops its tracking process as it exits)
+                        self._said_after_the_end(first_line(e))
+                    else:
+                        log.warning("MLflow: %s (seen at step %d); training goes on, %s holds every metric and call, "
+                                    "and `trainer.resume` of this run or the next runner command on this store (on "
+                                    "this host) completes the MLflow run from it", e, self.last_step, self.journal)
                     return False
                 if refused(e):
                     self.refusals.append(e)
@@ -200,8 +204,25 @@ class StoreWriter:
             if self.outage_step is not None:
                 return
             self.outage_step, self.outage_began = self.call_step, self.call_started or time.monotonic()
+        if self._closed:
+            self._said_after_the_end(reason)
+            return
         log.warning("MLflow at %s unreachable since step %d (%s); retrying, training goes on", self.where,
                     self.outage_step, reason)
+
+
+    def _said_after_the_end(self, reason: str) -> None:
+        """The store failed after the run ended: training is over, so what it lacks is said plainly, once (the
+        tracker's line at the run's end said it already where the store was out then)."""
+        if self.end_said:
+            return
+        self.end_said = True
+        waiting, first, calls = self.left()
+        lacking = [f"{waiting} metric values (from step {first})"] * bool(waiting) + list(dict.fromkeys(calls))
+        log.warning("MLflow at %s: the run has finished, but %s could not be written (%s); %s holds them, and "
+                    "`trainer.resume` of this run or the next runner command on this store (on this host) completes "
+                    "the MLflow run from it", self.where, ", ".join(lacking) or "what it logged last", reason,
+                    self.journal)
 
 
 # Within a call, MLflow's HTTP client retries and urllib3 says so each time; MLflow's sqlite store logs a
