@@ -71,3 +71,29 @@ def test_a_tracking_process_lost_after_the_run_ended_is_said_plainly_not_as_trai
             "MLflow at http://store.invalid: the run has finished, but 2 metric values (from step 7), the run's end "
             "could not be written (the tracking process (pid "), said
         assert f"(killed by signal 9)); {tmp_path / 'journal'} holds them" in said[0]
+
+
+def test_a_store_a_user_made_read_only_with_chmod_is_one_line_exit_2_and_nothing_is_made(tmp_path: Path,
+                                                                                        store: str) -> None:
+    """Issue 35, item 13 (a read-only store gave 801 lines of SQLAlchemy's tracebacks): `chmod a-w mlflow.db`, as a
+    user types it, then a run. Root writes through permission bits, so as root the run drops the capability that
+    lets it (a user's process has none)."""
+    import shutil
+    import subprocess
+    import sys
+
+    db = Path(store.removeprefix("sqlite:///"))
+    db.chmod(0o444)
+    command = [sys.executable, "-m", "runner", f"tracking.uri={store}", f"hydra.run.dir={tmp_path / 'run'}",
+               "trainer.max_steps=1"]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root writes through permission bits, and setpriv is not here to drop that")
+        command = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                   "--bounding-set=-dac_override,-dac_read_search", *command]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (f"error: tracking.uri: the MLflow store {db} is read-only; make it writable or "
+                                   "point tracking.uri at another file"), proc.stderr[-3000:]
+    assert not proc.stdout.strip() and not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
