@@ -9,10 +9,12 @@ install: $(VENV)/.installed
 
 # runner requires the Optuna sweeper (sweeper/, its own distribution) by name: naming its folder
 # installs it from this checkout
+# setuptools says "Editable installation ... be careful with folders in your working directory" (11 lines)
+# for each editable package it builds, whatever it is told; that note is dropped, its other warnings are kept
 $(VENV)/.installed: pyproject.toml sweeper/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
-	$(PY) -m pip install -q -c constraints.txt -e ./sweeper -e '.[dev,postgres,cluster]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c constraints.txt -e ./sweeper -e '.[dev,postgres,cluster]'
 	touch $@
 
 run: install            ## train the default run; pass overrides as ARGS="optimizer=adamw +accum=4"

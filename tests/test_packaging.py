@@ -88,3 +88,23 @@ def test_an_installed_wheel_runs_from_anywhere(wheels: dict[str, Path], tmp_path
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list((elsewhere / "outputs" / "runs").glob("*/*/spec.yaml")), proc.stdout[-2000:]
+
+
+def test_make_installs_editable_packages_without_setuptools_note_on_each(tmp_path: Path) -> None:
+    """Issue 35, item 13 (the install printed about 160 warning lines): besides the machine's own pip settings,
+    setuptools printed an 11-line "Editable installation ... be careful with folders in your working directory"
+    note for each editable package `make install` builds. The install's environment (PYTHONWARNINGS, read from
+    the Makefile's recipe) drops that note: an editable build of the sweeper as pip runs it prints nothing."""
+    import re
+
+    recipe = (REPO / "Makefile").read_text()
+    match = re.search(r'PYTHONWARNINGS="([^"]+)" \$\(PY\) -m pip install -q -c constraints.txt -e ./sweeper', recipe)
+    settings = {"PYTHONWARNINGS": match.group(1)} if match else {}
+    shutil.copytree(REPO / "sweeper", tmp_path / "sweeper", ignore=NOT_SOURCE)
+    build = ("import sys; from setuptools import build_meta; "
+             "build_meta.build_editable(sys.argv[1], config_settings={'editable_mode': 'lenient'})")
+    proc = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=tmp_path / "sweeper",
+                          capture_output=True, text=True, env={**os.environ, **settings})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Editable installation" not in proc.stderr, proc.stderr[-3000:]
+    assert list((tmp_path / "dist").glob("*.whl"))

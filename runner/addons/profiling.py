@@ -157,6 +157,14 @@ class WindowProfiler(AddOn):
             self.start_step = self.view.progress.step
             remaining = max(self.view.total_steps - self.start_step, 0)
             self.skip = min(self.asked_skip, max(remaining - self.want, 0))  # a short run is still profiled, at its end
+            if self.skip < self.asked_skip and remaining and self.env.is_main:  # said as the run starts, not only in the report
+                first, last = self.start_step + self.skip + 1, self.start_step + min(self.skip + self.want, remaining)
+                asked = (f"trainer.profile_skip_steps={self.asked_skip} is past the {remaining} steps this run has left"
+                         if self.asked_skip >= remaining else
+                         f"trainer.profile_skip_steps={self.asked_skip} and trainer.profile_steps={self.want} do not "
+                         f"both fit the {remaining} steps this run has left")
+                log.warning("%s: profiling steps %d-%d, its last, instead; lower trainer.profile_skip_steps or train "
+                            "longer to leave the warm-up out", asked, first, last)
         it = iter(groups)
         try:
             while True:

@@ -202,7 +202,7 @@ def launch_workers(spec: RunSpec) -> RunResult:
 
     check_parallel(spec)
     spec = spec.replace(parallelism=on_cluster(spec.parallelism))
-    for note in (PRUNED_FILE, DIVERGED_FILE, RESULT_FILE):  # a resumed run directory: the last attempt's notes
+    for note in (PRUNED_FILE, DIVERGED_FILE, RESULT_FILE, run_lock.REFUSED_FILE):  # a resumed run directory: the last attempt's notes
         (Path(spec.run_dir) / note).unlink(missing_ok=True)
     par = spec.parallelism
     # node 0's is the run's spec.yaml; another node's workers read their own copy (a shared run directory has one
@@ -238,12 +238,16 @@ def launch_workers(spec: RunSpec) -> RunResult:
     log.info("starting %d workers on this node (%d node%s), parallelism=%s: %s", nproc, par.nnodes,
              "s" if multi_node else "", par.name, mesh)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
+        with _refusals_left_to_the_launcher(spec.run_dir):
+            elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
     except ChildFailedError as e:
         end_left_running(spec, "FAILED")
         diverged = Path(spec.run_dir) / DIVERGED_FILE
         if diverged.exists():
             raise Diverged(diverged.read_text()) from None
+        refused = Path(spec.run_dir) / run_lock.REFUSED_FILE
+        if refused.exists():  # input a worker refused (found where the engine is built): one line, exit 2, as in one process
+            raise SpecError(refused.read_text()) from None
         raise WorkersFailed(_group_failure(spec, e)) from None
     except KeyboardInterrupt:
         end_left_running(spec, "KILLED")
@@ -280,6 +284,25 @@ def launch_workers(spec: RunSpec) -> RunResult:
     if not result_file.exists():  # global rank 0 ran on another node
         return RunResult(math.nan, {}, {}, {}, 0, 0.0)
     return RunResult(**yaml.safe_load(result_file.read_text()))
+
+
+@contextlib.contextmanager
+def _refusals_left_to_the_launcher(run_dir: str) -> Iterator[None]:
+    """torch's agent logs how a failed worker group ends ("failed (exitcode: 2) local_rank: 0 (pid ...)", "Sending
+    process ... closing signal SIGTERM" to the other workers). A group ended by a worker's refusal of the run's
+    input is said by the launcher in the refusal's own line, so those lines are left out for it; any other
+    failure keeps them."""
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    refused = Path(run_dir) / run_lock.REFUSED_FILE
+
+    def not_after_a_refusal(record: logging.LogRecord) -> bool:
+        return not refused.exists()
+
+    agent_log.addFilter(not_after_a_refusal)
+    try:
+        yield
+    finally:
+        agent_log.removeFilter(not_after_a_refusal)
 
 
 def check_parallel(spec: RunSpec) -> None:

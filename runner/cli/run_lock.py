@@ -23,6 +23,7 @@ from typing import Iterator
 from runner.specs.run import SpecError
 
 LOCK_FILE = ".runner.lock"
+REFUSED_FILE = "refused"  # a worker's one-line refusal of the run's input, for the launcher to say (runner/cli/worker.py)
 # what makes a directory a run's: the spec is written first, before its MLflow run exists
 RUN_FILES = ("spec.yaml", "mlflow_run_id", "checkpoints")
 
@@ -86,8 +87,8 @@ def holds_run(run_dir: Path) -> bool:
 
 
 # what a refused run leaves in its new directory: Hydra's record of the command and its log, the spec, the
-# process state, the lock and error.txt; a directory holding anything else is not removed
-REFUSED_RUN_LEFTOVERS = {".hydra", "spec.yaml", "process_state.yaml", LOCK_FILE, "error.txt"}
+# process state, the lock, error.txt and a worker's refusal; a directory holding anything else is not removed
+REFUSED_RUN_LEFTOVERS = {".hydra", "spec.yaml", "process_state.yaml", LOCK_FILE, "error.txt", REFUSED_FILE}
 
 
 def remove_refused(run_dir: Path) -> bool:

@@ -20,6 +20,7 @@ from runner.engine.engine import pick_device
 from runner.cli import lifetime
 from runner.cli.launch import DIVERGED_FILE, PRUNED_FILE, run_in_process
 from runner.cli.rendezvous import PEER_GONE_EXIT
+from runner.cli.run_lock import REFUSED_FILE
 from runner.engine.monitor import Diverged
 from runner.engine.parallel import broadcast_object, gather_objects, init_process_group
 from runner.specs.run import RunSpec, SpecError
@@ -53,9 +54,9 @@ def main(spec_path: str) -> None:
         exit_before_teardown()
     except preemption.Stopped as e:  # the agent forwarded SIGTERM/SIGHUP: exit as the signal would
         sys.exit(e.exit_code)
-    except SpecError as e:
+    except SpecError as e:  # refused input: rank 0's line is the launcher's to say, once, as a refusal (exit 2)
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            (Path(spec.run_dir) / REFUSED_FILE).write_text(str(e))
         sys.exit(2)
     except Diverged as e:  # every rank stops at the same step; the launcher tells the user in one line
         if rank == 0:

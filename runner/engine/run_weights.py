@@ -119,8 +119,9 @@ class RunWeights:
             else:
                 self._stream_into(module)
         except (RuntimeError, KeyError, ValueError) as e:
+            reason = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # a KeyError's str is quoted
             raise SpecError(f"trainer.resume: the weights of {self.path} do not fit this model "
-                            f"({str(e).splitlines()[0]})") from None
+                            f"({str(reason).splitlines()[0]})") from None
 
 
     @torch.no_grad()

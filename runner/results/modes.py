@@ -49,7 +49,7 @@ def evaluate(spec):
 
     started = time.perf_counter()
     spec, source = source_spec(spec)
-    engine = load_engine(spec, source.weights, averages=True)  # what can be refused is, before this run's records exist
+    engine = load_engine(spec, source, averages=True)  # what can be refused is, before this run's records exist
     path, step = source.path, source.weights.step
     tracker = tracked(spec, source, "evaluated")
     try:

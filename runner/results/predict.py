@@ -30,7 +30,7 @@ def run(spec):
     from runner.engine.engine import RunResult
 
     spec, source = source_spec(spec)
-    engine = load_engine(spec, source.weights)  # what can be refused is, before this run's records exist
+    engine = load_engine(spec, source)  # what can be refused is, before this run's records exist
     path, step = source.path, source.weights.step
     rows = predictions(engine, spec)
     tracker = tracked(spec, source, "predicted")

@@ -6,6 +6,7 @@ A run id is looked up in this invocation's tracking store: the run's `run_dir` t
 names the directory whose checkpoints hold the weights; MLflow itself holds no checkpoint."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from pathlib import Path
@@ -59,7 +60,7 @@ def source_spec(spec) -> tuple:
     from runner.specs.run import RunSpec
 
     source = resolve_source(spec)
-    merged = source.spec
+    merged = copy.deepcopy(source.spec)  # source.spec stays the trained run's (misfit names its values)
     now, typed = spec.to_dict(), typed_keys(spec.overrides)
     for key in typed:
         if key.endswith("."):  # a group choice (dataset=imagefolder): the whole option, not a mix of two
@@ -76,24 +77,67 @@ def source_spec(spec) -> tuple:
     return RunSpec.from_yaml(yaml.safe_dump(merged, sort_keys=False)), source
 
 
-def load_engine(spec, weights: RunWeights, tracker=None, averages: bool = False):
-    """An Engine of spec holding the chosen weights (nothing else of the run's training state). averages:
-    the raw weights in the model and the run's averages in the engine's (mode=eval evaluates each)."""
+def load_engine(spec, source: Source, tracker=None, averages: bool = False):
+    """An Engine of spec holding the source's chosen weights (nothing else of the run's training state). averages:
+    the raw weights in the model and the run's averages in the engine's (mode=eval evaluates each). Weights that
+    do not fit the model are refused under the key typed now that changed the model (or its data's shape)."""
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException: DCP's read of a mismatch
+
     from runner.engine.engine import Engine
 
+    weights = source.weights
     # the weights are loaded here: the engine must not resume the optimizer, schedule or data position
     engine = Engine(spec.replace(trainer=dataclasses.replace(spec.trainer, resume=None)), tracker)
-    if averages:  # the raw weights and the averages' values in one read, whatever mesh wrote them
-        from runner.engine import parallel
+    try:
+        if averages:  # the raw weights and the averages' values in one read, whatever mesh wrote them
+            from runner.engine import parallel
 
-        source = parallel.flat_full_state(weights.state) if "model" in weights.state else weights.path
-        parallel.load_sharded(engine.module, None, source, extra=engine.averages.sharded_state(),
-                              optional=(parallel.AVERAGES,))
-        engine.averages.load_state_dict(weights.averages)
-    else:
-        weights.load_into(engine.module)
+            state = parallel.flat_full_state(weights.state) if "model" in weights.state else weights.path
+            parallel.load_sharded(engine.module, None, state, extra=engine.averages.sharded_state(),
+                                  optional=(parallel.AVERAGES,))
+            engine.averages.load_state_dict(weights.averages)
+        else:
+            weights.load_into(engine.module)
+    except (RuntimeError, KeyError, ValueError, SpecError, CheckpointException) as e:
+        raise SpecError(misfit(spec, source, e)) from None
     engine.model.eval()
     return engine
+
+
+def misfit(spec, source: Source, error: BaseException) -> str:
+    """The line for a source's weights that do not fit the model built now: it names the key typed on this
+    command line that made the model (or the data's shape) differ from the one the run trained, its value and
+    the trained run's; trainer.resume when nothing typed explains it (the checkpoint then holds other weights)."""
+    from runner.specs.resume import typed_keys
+
+    if type(error).__name__ == "CheckpointException":  # DCP's: each rank's own error and its traceback
+        error = next((failure[0] for failure in error.failures.values()), error)
+    detail = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    detail = str(detail).splitlines()[0] if str(detail).strip() else type(error).__name__
+    if isinstance(error, SpecError):  # load_into's own line: its reason, in parentheses at its end
+        detail = detail.partition(" do not fit this model (")[2].removesuffix(")") or detail
+    holds = f"the weights of {source.path} do not fit ({detail})"
+    now, trained, typed = spec.to_dict(), source.spec, typed_keys(spec.overrides)
+    for group in ("model", "dataset"):  # the model's own keys first: they decide its shapes
+        if f"{group}." in typed:  # a group choice typed now (model=cnn): the whole option
+            option = next((o.partition("=")[2] for o in spec.overrides if o.lstrip("+").partition("=")[0] == group), "")
+            was = trained.get(group, {}).get("_target_", "?")
+            return (f"{group}: {option} builds a model {holds}; that run was trained with {group} {was}; allowed: the "
+                    f"run's own {group} (leave {group}={option} out)")
+        for key in sorted(k for k in typed if k.startswith(f"{group}.")):
+            value, was = _lookup(now, key), _lookup(trained, key)
+            if value != was:
+                return (f"{key}: {value} builds a model {holds}; that run was trained with {key}={was}; allowed: "
+                        f"{key}={was}, or leave {key} out")
+    return f"trainer.resume: the weights of {source.path} do not fit this model ({detail})"
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
 
 
 def tracked(spec, source: Source, verb: str):

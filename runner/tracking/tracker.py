@@ -391,13 +391,14 @@ class MlflowTracker:
         elif isinstance(self.store, sqlite_store.SqliteStore) and ended:
             self.store.close()
         if not ended:
+            writer.end_said = True  # the writer, still trying, says nothing more of it
             waiting, first, whats = writer.left()
             values = f"{waiting} metric values (from step {first}), " if waiting else ""
             others = "".join(f"{what}, " for what in dict.fromkeys(whats) if what != "the run's end")
-            log.warning("MLflow at %s is still unreachable at the end of the run: %s%sthe run's end (%s) are not "
+            log.warning("MLflow at %s is still %s at the end of the run: %s%sthe run's end (%s) are not "
                         "stored; %s holds them (and the files they name), and `trainer.resume` of this run or the next "
                         "runner command on this store (on this host) completes the MLflow run from it", self.uri,
-                        values, others, ending, writer.journal)
+                        writer.state, values, others, ending, writer.journal)
         if refusals and status == "FINISHED":
             raise refusals[0]  # a run whose metrics are lost did not finish; an ending failure keeps its own error
 

@@ -56,10 +56,12 @@ class StoreWriter:
         self.call_started: float | None = None  # monotonic start of the store call in flight
         self.call_step = 0                      # the training's step when that call began
         self.outage_step: int | None = None     # set while an announced outage lasts
+        self.outage_reason = ""                 # its first error, as said
         self.outage_began = 0.0
         self._warned_memory = False
         self._said = threading.Lock()  # the main thread (no answer) and the writer (an error) may both see an outage
         self._closed = False
+        self.end_said = False  # the tracker said, as the run ended, what the store still lacks and where it is kept
         self.gone: str | None = None  # the tracking process died: what reached no store stays in the journal
         for name in _NOISY:
             logging.getLogger(name).addFilter(_not_from_writer)
@@ -93,6 +95,15 @@ class StoreWriter:
     def unreachable(self) -> bool:
         """An outage has been said and has not ended."""
         return self.outage_step is not None
+
+    @property
+    def state(self) -> str:
+        """What the store is while it takes nothing, in words a user can act on: a local sqlite file cannot be
+        unreachable (its calls wait on another process's lock, or on a loaded machine: it is busy) but may have
+        turned read-only; a server is unreachable."""
+        if "readonly" in self.outage_reason or "read-only" in self.outage_reason:
+            return "read-only"
+        return "busy" if self.where.startswith("sqlite:") else "unreachable"
 
     def send_now(self) -> None:
         self._wake.set()
@@ -176,9 +187,12 @@ class StoreWriter:
                 self.call_started = None
                 if getattr(e, "process_gone", False):  # runner/tracking/store_process.py's StoreGone
                     self.gone = str(e)
-                    log.warning("MLflow: %s (seen at step %d); training goes on, %s holds every metric and call, and "
-                                "`trainer.resume` of this run or the next runner command on this store (on this host) "
-                                "completes the MLflow run from it", e, self.last_step, self.journal)
+                    if self._closed:  # the run has ended (this process stops its tracking process as it exits)
+                        self._said_after_the_end(first_line(e))
+                    else:
+                        log.warning("MLflow: %s (seen at step %d); training goes on, %s holds every metric and call, "
+                                    "and `trainer.resume` of this run or the next runner command on this store (on "
+                                    "this host) completes the MLflow run from it", e, self.last_step, self.journal)
                     return False
                 if refused(e):
                     self.refusals.append(e)
@@ -200,8 +214,27 @@ class StoreWriter:
             if self.outage_step is not None:
                 return
             self.outage_step, self.outage_began = self.call_step, self.call_started or time.monotonic()
-        log.warning("MLflow at %s unreachable since step %d (%s); retrying, training goes on", self.where,
-                    self.outage_step, reason)
+            self.outage_reason = reason
+        if self._closed:
+            self._said_after_the_end(reason)
+            return
+        fix = "; make it writable again, and what waits is written" if self.state == "read-only" else ""
+        log.warning("MLflow at %s: %s since step %d (%s); retrying, training goes on, and %s holds every metric%s",
+                    self.where, self.state, self.outage_step, reason, self.journal, fix)
+
+
+    def _said_after_the_end(self, reason: str) -> None:
+        """The store failed after the run ended: training is over, so what it lacks is said plainly, once (the
+        tracker's line at the run's end said it already where the store was out then)."""
+        if self.end_said:
+            return
+        self.end_said = True
+        waiting, first, calls = self.left()
+        lacking = [f"{waiting} metric values (from step {first})"] * bool(waiting) + list(dict.fromkeys(calls))
+        log.warning("MLflow at %s: the run has finished, but %s could not be written (%s); %s holds them, and "
+                    "`trainer.resume` of this run or the next runner command on this store (on this host) completes "
+                    "the MLflow run from it", self.where, ", ".join(lacking) or "what it logged last", reason,
+                    self.journal)
 
 
 # Within a call, MLflow's HTTP client retries and urllib3 says so each time; MLflow's sqlite store logs a
@@ -239,6 +272,14 @@ def refused(error: BaseException) -> bool:
     return "Operational" not in type(error).__name__ and "Timeout" not in type(error).__name__
 
 
+# SQLAlchemy's lines around an error's own: a hint on how the failed statement was issued, and a link. A store
+# turned read-only failed with "(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush
+# block ...)" as its first line, which named the hint as the cause; the cause is "attempt to write a readonly database".
+_SQLALCHEMY_ASIDES = ("(raised as a result of", "(Background on this error")
+
+
 def first_line(error: object) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
+    """The line of an error that says what went wrong (SQLAlchemy's asides left out), at most 300 characters."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith(_SQLALCHEMY_ASIDES)] or lines
+    return said[0][:300] if said else type(error).__name__

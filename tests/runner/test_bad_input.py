@@ -868,6 +868,38 @@ def test_the_corrected_command_runs_in_the_directory_a_refused_run_named(
     assert (run_dir / "spec.yaml").exists() and list((run_dir / "checkpoints").glob("*.pt"))
 
 
+# Input the workers refuse as the engine is built (the model, the schedule, the data): found only once the model, the
+# loader and the schedule exist, so after the launcher wrote spec.yaml and started them (issue 35, item 13: "refused
+# cases still leave spec.yaml"). Before: rank 0's line, torch's agent's "failed (exitcode: 2)" line and "workers
+# failed: rank 0 (exit code 2), ...", exit 1, and the run directory with its spec.yaml left, so the corrected
+# command was refused as "already holds a run".
+# A launcher and two workers cost 10-30 s: CI runs the model's case, the schedule's and the data's are slow.
+WORKER_REFUSALS = [
+    pytest.param("model.hidden=[0,128]", "error: model.hidden: [0, 128] is not allowed; every width must be > 0",
+                 id="model"),
+    pytest.param("scheduler=warmup_cosine scheduler.warmup=100000", "error: scheduler.warmup: 100000 (100000 steps) is "
+                 "not allowed; the warmup must be shorter than the run's 200 optimizer steps", id="schedule",
+                 marks=pytest.mark.slow),
+    pytest.param("dataset.batch_size=5000 trainer.max_steps=2", "error: dataset.batch_size: 5000 x 2 rank(s) is more "
+                 "than the training split holds", id="data", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("args, expected", WORKER_REFUSALS)
+def test_input_the_workers_refuse_is_one_line_exit_2_and_leaves_no_run_directory(args: str, expected: str, store: Path,
+                                                                                 tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    runs_before = mlflow_runs(store)
+    proc = run_cli(["parallelism=ddp", "parallelism.nproc_per_node=2", *args.split(), f"tracking.uri=sqlite:///{store}",
+                    f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not run_dir.exists()
+    assert mlflow_runs(store) == runs_before
+
+
 @pytest.mark.slow  # five runs; in CI the matrix asserts no refused run leaves a directory, and
 # tests/runner/addons/test_best_weights.py that latest passes over an eval/predict run's spec.yaml
 def test_resume_latest_goes_on_with_the_newest_training_run_past_predict_eval_and_refused_runs_and_says_which(

@@ -198,3 +198,32 @@ def test_a_window_past_the_runs_end_profiles_what_there_is_and_says_so(tmp_path:
     assert report.startswith("profile of 4 optimizer step(s) (steps 1-4")
     assert "(skipped the first 0 steps, not trainer.profile_skip_steps=5: the run has too few steps)" in report
     assert "(profiled 4 steps, not trainer.profile_steps=10: the run ended first)" in report
+
+
+@pytest.mark.parametrize("skip, steps, said", [
+    (5, 10, "trainer.profile_skip_steps=5 is past the 4 steps this run has left: profiling steps 1-4, its last, instead; "
+            "lower trainer.profile_skip_steps or train longer to leave the warm-up out"),
+    (2, 3, "trainer.profile_skip_steps=2 and trainer.profile_steps=3 do not both fit the 4 steps this run has left: "
+           "profiling steps 2-4, its last, instead;"),
+])
+def test_a_window_that_does_not_fit_is_said_in_one_line_as_the_run_starts(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                          skip: int, steps: int, said: str) -> None:
+    """Issue 35, item 13: a profile_skip_steps past the run's end was accepted without a word until the report at
+    the run's end. The window still moves to the run's last steps (issue 26's choice, tested above); the run says
+    so as it starts, before its first step."""
+    spec = compose_spec(["model.hidden=[8]", "trainer.max_steps=4", "trainer.profile=true",
+                         f"trainer.profile_skip_steps={skip}", f"trainer.profile_steps={steps}", *FAST], tmp_path / "run")
+    with caplog.at_level("INFO"):
+        Engine(spec, NullTracker()).fit()
+    messages = [r.getMessage() for r in caplog.records]
+    warned = [i for i, m in enumerate(messages) if m.startswith(said)]
+    first_step = next(i for i, m in enumerate(messages) if m.startswith(("profile of", "epoch 0 step")))
+    assert len(warned) == 1 and warned[0] < first_step, messages
+
+
+def test_a_window_that_fits_says_nothing_before_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spec = compose_spec(["model.hidden=[8]", "trainer.max_steps=4", "trainer.profile=true", "trainer.profile_skip_steps=1",
+                         "trainer.profile_steps=3", *FAST], tmp_path / "run")
+    with caplog.at_level("INFO"):
+        Engine(spec, NullTracker()).fit()
+    assert not any("trainer.profile_skip_steps" in r.getMessage() for r in caplog.records)

@@ -436,3 +436,29 @@ def test_predict_names_a_corrupt_or_truncated_image_and_writes_no_file(tmp_path:
         assert str(refused.value).startswith(f"predict.input: 'b.png' in '{folder}' is not an image that can be read (")
         assert str(refused.value).endswith("); remove or replace it") and "\n" not in str(refused.value)
         assert not (tmp_path / f"pred_{name}" / "predictions.csv").exists()
+
+
+@pytest.mark.parametrize("mode", ["eval", "predict"])
+def test_weights_of_another_shape_are_refused_under_the_key_typed_now_with_the_trained_value(
+        trained: tuple, tmp_path: Path, mode: str) -> None:
+    """Issue 35, item 13: eval of a run with another model.hidden ended in DCP's traceback (a CheckpointException,
+    exit 1), and predict's refusal named trainer.resume, which the user had typed right. The line names the key
+    that changed the model, its value and the trained run's; a group choice names the option and the run's own."""
+    src, _ = trained
+    path = checkpoint.verify(src)
+    cases = {
+        "model.hidden=[32]": f"model.hidden: [32] builds a model the weights of {path} do not fit (",
+        "model=cnn": f"model: cnn builds a model the weights of {path} do not fit (the checkpoint has no 0.weight); "
+                     "that run was trained with model runner.models.mlp.MLP; allowed: the run's own model (leave "
+                     "model=cnn out)",
+    }
+    for i, (typed, message) in enumerate(cases.items()):
+        with pytest.raises(SpecError) as refused:
+            run(compose_spec([f"mode={mode}", f"trainer.resume={src}", typed], tmp_path / f"run{i}"))
+        assert str(refused.value).startswith(message), str(refused.value)
+        assert not (tmp_path / f"run{i}").exists()  # refused before the run's records exist
+    assert str(refused.value).count("\n") == 0
+    hidden = str(pytest.raises(SpecError, run, compose_spec([f"mode={mode}", f"trainer.resume={src}",
+                                                              "model.hidden=[32]"], tmp_path / "again")).value)
+    assert hidden.endswith("that run was trained with model.hidden=[256, 128]; allowed: model.hidden=[256, 128], or "
+                           "leave model.hidden out")
