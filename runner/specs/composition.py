@@ -143,7 +143,8 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "activation_checkpointing": _cells(),
     "finders": {
-        "dp_replicate": _built("tests/runner/test_tune.py::test_ddp_ranks_agree_on_one_suggestion_and_train_with_it"),
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::"
+                               "test_the_lr_finder_under_ddp_finds_one_processs_lr_and_every_rank_trains_with_it"),
         **{dim: _no("the finders under sharding or model parallelism are not tested yet; run the finder with ddp or "
                     "one process and give its suggestion to this run") for dim in ("dp_shard", "tp", "pp", "cp")},
     },

@@ -103,7 +103,7 @@ def _marked_slow(path: str, name: str, param: str) -> bool:
 # one joins silently and a cell given a fast test leaves the list (tens of seconds each on 2 CPU cores)
 SLOW_ONLY = {
     ("compile", "dp_replicate"), ("compile", "dp_shard"), ("compile", "tp"),  # dynamo traces the model on each rank
-    ("finders", "dp_replicate"), ("kfold", "dp_replicate"),  # the CLI's 2 workers, started per run (per fold)
+    ("kfold", "dp_replicate"),  # the CLI's 2 workers, started for each fold
     # FSDP2's fp16 parameters compute otherwise than one process's autocast: not equal at this file's tolerance
     ("fp16", "dp_shard"),
 }
@@ -378,3 +378,41 @@ def test_an_optuna_study_in_a_dimension_the_table_refuses_is_one_line_before_its
     assert proc.stderr.strip() == ("error: hydra/sweeper=runner_optuna with parallelism.tp=2: Optuna trials under "
                                    "sharding or model parallelism are not tested; search with ddp or one process")
     assert not (tmp_path / "sweep").exists()
+
+
+# --- the finders under ddp: rank 0 finds, every rank trains with its answer ------------------------------------
+
+FINDER = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=320", "dataset.val_fraction=0.1",
+          "model=mlp", "model.hidden=[16]", "optimizer=sgd", "trainer.max_steps=2",
+          "trainer.progress_bar=off", "trainer.eval_every_epoch=false", "trainer.memory_estimate=false",
+          "dataset.test_fraction=0.1", "tune=lr_find", "tune.steps=20", "tune.apply=true"]
+
+
+def _find_and_train(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
+    """As the CLI's run_in_process: the finder, then the engine built with its answer, trained."""
+    from runner import tune
+    from runner.cli import launch
+    from runner.engine.parallel import DistEnv
+    from runner.tracking.tracker import build_tracker
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    env = DistEnv(rank, world, rank)
+    spec = compose_spec(overrides, Path(run_dir))
+    spec, tracker = tune.run_finder(spec, env, build_tracker(spec, rank))
+    engine = launch.build_engine(spec, tracker, env)
+    engine.fit()
+    module = getattr(engine.module, "module", engine.module)  # DDP's wrapped model
+    return {"lr": spec.optimizer.lr, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def test_the_lr_finder_under_ddp_finds_one_processs_lr_and_every_rank_trains_with_it(tmp_path: Path, two_ranks) -> None:
+    """The finders x dp_replicate cell: 2 ranks at half the batch find the lr one process finds on the global
+    batch, both train with it, and their weights are one process's."""
+    from tests.runner.engine.test_parallel import assert_same
+
+    one = _find_and_train(0, 1, [*FINDER, "dataset.batch_size=32"], str(tmp_path / "one"))
+    two = two_ranks.run(_find_and_train, [*FINDER, "dataset.batch_size=16", "parallelism=ddp",
+                                          "parallelism.nproc_per_node=2"], str(tmp_path / "two"))
+    assert two[0]["lr"] == two[1]["lr"] == pytest.approx(one["lr"], rel=1e-6)
+    assert_same(two[0]["weights"], two[1]["weights"], rtol=0)
+    assert_same(two[0]["weights"], one["weights"], rtol=1e-4)
