@@ -149,7 +149,8 @@ TABLE: dict[str, dict[str, Cell]] = {
                     "one process and give its suggestion to this run") for dim in ("dp_shard", "tp", "pp", "cp")},
     },
     "kfold": {
-        "dp_replicate": _built("tests/runner/search/test_cross_validation.py::test_ddp_folds_equal_single_process_folds",
+        # the folds' workers as the launcher starts them: test_cross_validation.py's slow test_ddp_folds_equal_single_...
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::test_k_fold_folds_under_ddp_train_like_one_processs_folds",
                                "each fold's run starts its own workers"),
         **{dim: _no("k-fold's folds under sharding or model parallelism are not tested; use ddp, or run one fold "
                     "with trainer.cross_validation.fold=k") for dim in ("dp_shard", "tp", "pp", "cp")},

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.specs import composition
 from runner.specs.run import SpecError
@@ -103,7 +104,6 @@ def _marked_slow(path: str, name: str, param: str) -> bool:
 # one joins silently and a cell given a fast test leaves the list (tens of seconds each on 2 CPU cores)
 SLOW_ONLY = {
     ("compile", "dp_replicate"), ("compile", "dp_shard"), ("compile", "tp"),  # dynamo traces the model on each rank
-    ("kfold", "dp_replicate"),  # the CLI's 2 workers, started for each fold
     # FSDP2's fp16 parameters compute otherwise than one process's autocast: not equal at this file's tolerance
     ("fp16", "dp_shard"),
 }
@@ -416,3 +416,39 @@ def test_the_lr_finder_under_ddp_finds_one_processs_lr_and_every_rank_trains_wit
     assert two[0]["lr"] == two[1]["lr"] == pytest.approx(one["lr"], rel=1e-6)
     assert_same(two[0]["weights"], two[1]["weights"], rtol=0)
     assert_same(two[0]["weights"], one["weights"], rtol=1e-4)
+
+
+# --- k-fold under ddp: each fold's run on 2 ranks is one process's fold -----------------------------------------
+
+KFOLD = ["dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.size=200", "model=mlp", "model.hidden=[16]",
+         "optimizer=sgd", "trainer.cross_validation.folds=2", "trainer.max_steps=4", "trainer.progress_bar=off",
+         "trainer.memory_estimate=false", "trainer.eval_every_epoch=false"]
+
+
+def _train_folds(rank: int, world: int, overrides: list[str], run_dir: str) -> list[dict]:
+    """Each fold's run as run_folds hands it to the launcher (cross_validation.fold_spec), trained on this rank."""
+    from runner.engine.engine import Engine
+    from runner.engine.parallel import DistEnv
+    from runner.search.cross_validation import fold_spec
+
+    spec = compose_spec(overrides, Path(run_dir))
+    out = []
+    for k in range(spec.trainer.cross_validation.folds):
+        engine = Engine(fold_spec(spec, k, None), env=DistEnv(rank, world, rank))
+        engine.fit()
+        module = getattr(engine.module, "module", engine.module)
+        out.append({n: v.detach().clone() for n, v in module.state_dict().items()})
+    return out
+
+
+def test_k_fold_folds_under_ddp_train_like_one_processs_folds(tmp_path: Path, two_ranks) -> None:
+    """The k-fold x dp_replicate cell: each fold (its own training and validation rows) trained by 2 ranks at half
+    the batch ends at one process's weights, and the folds differ (each trained on its own rows)."""
+    from tests.runner.engine.test_parallel import assert_same
+
+    one = _train_folds(0, 1, [*KFOLD, "dataset.batch_size=32"], str(tmp_path / "one"))
+    two = two_ranks.run(_train_folds, [*KFOLD, "dataset.batch_size=16", "parallelism=ddp",
+                                       "parallelism.nproc_per_node=2"], str(tmp_path / "two"))
+    for k in (0, 1):
+        assert_same(two[0][k], one[k], rtol=1e-4)
+    assert any(not torch.equal(one[0][n], one[1][n]) for n in one[0])
