@@ -124,11 +124,6 @@ def test_a_refused_cell_is_one_line_exit_2_before_anything_exists(feature: str, 
 
 # cells whose command an earlier check refuses in its own words, before the table's is asked
 FIRST_REFUSED_ELSEWHERE = {
-    # check_parallelism (runner/specs/parallelism.py), while the spec is built: the table's reason, its own wording
-    ("sync_batchnorm", "tp"): "error: parallelism.sync_batchnorm: true with parallelism.tp=2 is not supported "
-                              "(SyncBatchNorm syncs over every process",
-    ("sync_batchnorm", "pp"): "error: parallelism.sync_batchnorm: true with parallelism.pp=2 is not supported "
-                              "(SyncBatchNorm syncs over every process",
     # on this CPU machine the launcher refuses cp itself first (test_batchnorm_under_cp_is_refused_by_the_table)
     ("batchnorm", "cp"): "error: parallelism.cp: 2, but context parallelism needs CUDA",
 }
