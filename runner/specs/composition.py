@@ -115,7 +115,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     "swa": _cells(),
     "batchnorm": {
         "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone",
+                               "test_two_ddp_ranks_train_a_batchnorm_model_like_one_process_with_sync_batchnorm",
                                "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options",
@@ -129,7 +129,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "sync_batchnorm": {
         "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone"),
+                               "test_two_ddp_ranks_train_a_batchnorm_model_like_one_process_with_sync_batchnorm"),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options"),
         **{dim: _no("SyncBatchNorm syncs over every process, and the ranks of one model replica hold the same "
@@ -143,12 +143,14 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "activation_checkpointing": _cells(),
     "finders": {
-        "dp_replicate": _built("tests/runner/test_tune.py::test_ddp_ranks_agree_on_one_suggestion_and_train_with_it"),
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::"
+                               "test_the_lr_finder_under_ddp_finds_one_processs_lr_and_every_rank_trains_with_it"),
         **{dim: _no("the finders under sharding or model parallelism are not tested yet; run the finder with ddp or "
                     "one process and give its suggestion to this run") for dim in ("dp_shard", "tp", "pp", "cp")},
     },
     "kfold": {
-        "dp_replicate": _built("tests/runner/search/test_cross_validation.py::test_ddp_folds_equal_single_process_folds",
+        # the folds' workers as the launcher starts them: test_cross_validation.py's slow test_ddp_folds_equal_single_...
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::test_k_fold_folds_under_ddp_train_like_one_processs_folds",
                                "each fold's run starts its own workers"),
         **{dim: _no("k-fold's folds under sharding or model parallelism are not tested; use ddp, or run one fold "
                     "with trainer.cross_validation.fold=k") for dim in ("dp_shard", "tp", "pp", "cp")},

@@ -215,11 +215,7 @@ def check_model_parallel_options(par: ParallelismSpec, batch_size: Optional[int]
     if par.cp != 1 and device == "cpu":
         raise SpecError(f"parallelism.cp: {par.cp}, but context parallelism needs CUDA (torch's context-parallel "
                         "attention runs on GPUs) and trainer.device=cpu; use trainer.device=cuda or parallelism.cp=1")
-    if par.sync_batchnorm and (par.tp != 1 or par.pp != 1):
-        key = "tp" if par.tp != 1 else "pp"
-        raise SpecError(f"parallelism.sync_batchnorm: true with parallelism.{key}={getattr(par, key)} is not supported "
-                        "(SyncBatchNorm syncs over every process, and the ranks of one tensor or pipeline group hold "
-                        "the same samples); use it with ddp, fsdp or hsdp alone")
+    # sync_batchnorm under tp, pp or cp: the composition table's cells (runner/specs/composition.py)
 
 
 def pp_stages_per_rank(par: ParallelismSpec) -> int:

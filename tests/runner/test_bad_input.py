@@ -585,8 +585,8 @@ CASES = [
     case("parallelism.sequence_parallel=false", "error: parallelism.sequence_parallel: false, but parallelism.tp=1 "
          "splits no layer"),
     case("parallelism.loss_parallel=false", "error: parallelism.loss_parallel: false, but parallelism.tp=1 splits no layer"),
-    case("parallelism=ddp parallelism.tp=2 parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm: true "
-         "with parallelism.tp=2 is not supported"),
+    case("parallelism=ddp parallelism.tp=2 parallelism.sync_batchnorm=true", "error: parallelism.sync_batchnorm=true "
+         "with parallelism.tp=2: SyncBatchNorm syncs over every process"),
     case("model=gpt dataset=synthetic_tokens task=language_modeling parallelism.cp=2 trainer.device=cpu", "error: "
          "parallelism.cp: 2, but context parallelism needs CUDA (torch's context-parallel attention runs on GPUs) and "
          "trainer.device=cpu"),

@@ -71,3 +71,31 @@ def test_a_sigkilled_launcher_of_two_workers_leaves_no_worker_and_no_running_run
     """Before: both workers and their tracking process trained on, writing checkpoints, the run RUNNING."""
     launcher = _start_and_wait_for_training(tmp_path, "parallelism=ddp", "parallelism.nproc_per_node=2")
     _kill_and_check(tmp_path, launcher, processes=3)  # two workers and rank 0's tracking process
+
+
+def test_a_pbt_member_ends_when_its_sweep_is_sigkilled(tmp_path: Path) -> None:
+    """A PBT member started as the sweep starts it (population's member subprocess, n_jobs > 1) ends once the
+    sweep process is SIGKILLed. Fast: the member waits on its job file, a FIFO this test holds open without
+    writing, so it runs no training (tests/runner/search/test_pbt.py's slow test trains two members and reads
+    their checkpoints and KILLED runs)."""
+    job = tmp_path / "job.json"
+    os.mkfifo(job)
+    sweep = subprocess.Popen([sys.executable, "-c", "import sys; from runner.search.pbt import population; "
+                              "population._run_subprocess(__import__('pathlib').Path(sys.argv[1]))", str(job)],
+                             cwd=tmp_path, start_new_session=True)
+    writer, member = None, None
+    try:
+        writer = open(job, "w")  # returns once the member has opened its job file: it watches its sweep by then
+        (member,) = descendants(sweep.pid)
+        os.kill(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+        deadline = time.time() + DEADLINE_S
+        while time.time() < deadline and alive(member):
+            time.sleep(0.1)
+        assert not alive(member), "the member outlived its SIGKILLed sweep"
+    finally:
+        for pid in {sweep.pid, *([member] if member else [])}:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if writer is not None:
+            writer.close()

@@ -51,11 +51,13 @@ def assert_equal(a: dict, b: dict, rtol: float = 0.0) -> None:
 
 
 FAST = {
-    # sync_batchnorm with every fsdp memory option at once, and checkpointed BatchNorm blocks; in the slow
-    # test below: ddp's sync_batchnorm, and each fsdp option alone
+    # sync_batchnorm with every fsdp memory option at once, and checkpointed BatchNorm blocks; ddp's
+    # sync_batchnorm (the composition table's BatchNorm and sync_batchnorm cells under dp_replicate); in the slow
+    # test below: ddp without it, and each fsdp option alone
     "fsdp, sync_batchnorm, every memory option": [*CNN, "parallelism=fsdp", "parallelism.sync_batchnorm=true",
                                                   "parallelism.reshard_after_forward=false", "parallelism.cpu_offload=true",
                                                   "trainer.activation_checkpointing=full"],
+    "ddp, sync_batchnorm": [*CNN, "parallelism=ddp", "parallelism.sync_batchnorm=true"],
 }
 
 
@@ -74,6 +76,10 @@ def assert_statistics_of_one_process(two_ranks: dict, one: dict) -> None:
 
 def test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options(runs: dict) -> None:
     assert_statistics_of_one_process(runs["fsdp, sync_batchnorm, every memory option"], runs["one process"])
+
+
+def test_two_ddp_ranks_train_a_batchnorm_model_like_one_process_with_sync_batchnorm(runs: dict) -> None:
+    assert_statistics_of_one_process(runs["ddp, sync_batchnorm"], runs["one process"])
 
 
 @pytest.mark.slow  # in CI: all of them at once in test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_...

@@ -98,8 +98,6 @@ def test_a_torchrun_started_by_hand_decides_its_processes_itself(monkeypatch: py
        "but pp_schedule=zbv_zero_bubble holds exactly 2 stages per rank") for n in (1, 3)],
     ({"pp": 2}, {"pp_microbatches": 9}, "parallelism.pp_microbatches: 9 micro-batches cannot be cut from a batch of 8 "
      "(dataset.batch_size, per data-parallel rank); allowed: 1 to 8"),
-    ({"tp": 2}, {"sync_batchnorm": True}, "parallelism.sync_batchnorm: true with parallelism.tp=2 is not supported"),
-    ({"pp": 2}, {"sync_batchnorm": True}, "parallelism.sync_batchnorm: true with parallelism.pp=2 is not supported"),
 ])
 def test_model_parallel_keys_are_refused_in_one_line(degrees: dict, keys: dict, message: str) -> None:
     par = ParallelismSpec(name="single", **degrees, **keys)
