@@ -32,7 +32,7 @@ class StopVote(AddOn):
         self.voted_at, self.voted_time = 0, time.perf_counter()
 
     def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> Stop | None:
-        signum = self.agreed()
+        signum = self.agreed() if self.distributed else preemption.pending_signal()  # one process: no vote
         return Stop(f"stopped by {signal.Signals(signum).name}", signal=signum) if signum else None
 
     def agreed(self) -> int:

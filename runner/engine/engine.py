@@ -136,8 +136,8 @@ class Engine:
         self.clips = spec.trainer.clip_grad_norm is not None or spec.trainer.clip_grad_value is not None
         self.distributed = self.env.distributed  # one process: the step's unit count is its own, no collective asked
         # tp's vocabulary-sharded loss needs its context around the loss and its backward; otherwise a shared no-op
-        sharded_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
-        self._loss_context = (lambda: tensor_parallel.loss_context(spec.parallelism, self.env)) if sharded_loss \
+        self.shards_loss = tensor_parallel.shards_loss(spec.parallelism, self.env)
+        self._loss_context = (lambda: tensor_parallel.loss_context(spec.parallelism, self.env)) if self.shards_loss \
             else lambda: _NO_CONTEXT
         # what clipping, the grad norm and the FLOP count walk (FSDP's are new: unfreezing sets requires_grad on
         # these); walking the module each step costs ~0.5 ms of host time on GPT-2, while the GPU waits
@@ -326,7 +326,7 @@ class Engine:
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """One optimizer step: this rank's loss sum, units and the grad norm (log steps, or clipping); its
         FLOPs (this rank's) are left in steps.last_step_flops."""
-        step_batches = [batches.split_batch(b) for b in micro_batches]
+        step_batches = list(map(batches.split_batch, micro_batches))
         # samples, or tokens that are not padding; a stand-in for an empty share counts 0
         counts = [0 if b.empty else self._count(b.labels) for b in step_batches]
         # The mean over every unit of the step on all replicas: DDP/FSDP average gradients over the

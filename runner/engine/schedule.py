@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ from runner.specs.run import SpecError
 from runner.specs.scheduler import SchedulerSpec
 
 _FLOATS = {float}  # a constant schedule holds only rates that are plain floats
+_LR = operator.itemgetter("lr")  # a group's lr, read in C (a list comprehension is a Python call each step)
 
 
 class Schedule:
@@ -62,7 +64,7 @@ class Schedule:
         s = self.scheduler
         if self.constant_from is None or type(s) is not LambdaLR or s.last_epoch + 1 < self.constant_from or s._step_count < 2:
             return False
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        lrs = list(map(_LR, self.optimizer.param_groups))
         # floats only (a tensor's comparison would read it, a device sync), tested without a generator
         return set(map(type, lrs)) == _FLOATS and lrs == s.base_lrs == s._last_lr
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
 import torch
 
@@ -67,6 +67,11 @@ class PlainSteps:
         # read once: what the engine decided when it was built
         self.distributed, self.dp_degree, self.cp_mesh = engine.distributed, engine.dp_degree, engine.cp_mesh
         self.clips, self._loss_context = engine.clips, engine._loss_context  # tp's sharded loss, or a shared no-op
+        # whether a training batch is moved, cast or transformed before the model sees it (engine._prepare); on a CPU
+        # with none of these it is ready as the loader gives it
+        self.prepares = engine.moves_batches or engine.precision.casts_batches or engine.batch_transform is not None
+        # whether the layout wraps each micro-step in contexts besides ddp/fsdp's gradient sync (cp, tp's loss)
+        self.wraps_micro_steps = self.cp_mesh is not None or engine.shards_loss
         self.last_step_flops = 0.0  # this rank's FLOPs of the last train_step
         self.flops_per_sample: float | None = None  # engine.fixed_flops: FlopCount's own, once it counted the training shape
 
@@ -79,25 +84,24 @@ class PlainSteps:
                 total = parallel.global_count(total, e.device)  # a device tensor: no host sync here
         scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
         last = len(step_batches) - 1
-        cp_mesh, precision, loss_context = self.cp_mesh, e.precision, self._loss_context
+        precision = e.precision
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
-            with parallel.sync_gradients(e.model, sync=i == last) if last else _NO_CONTEXT:
-                with phase.to_device:
+            with phase.to_device:
+                if self.prepares:
                     batch = e._prepare(batch, train=True)
-                if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
-                    step_flops += self._micro_step_flops(batch)
-                # cp: this rank's share of the sequences (the count, and so the scale, is the whole batch's)
-                with context.for_step(cp_mesh, batch) if cp_mesh is not None else _NO_CONTEXT as share:
-                    share = share or batch
-                    with phase.forward, loss_context():
-                        loss = self._loss_sum(share, count)
-                    with phase.backward, loss_context():
-                        precision.backward(loss, scale)
+            if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
+                step_flops += self._micro_step_flops(batch)
+            with self._layout(batch, sync=i == last, accumulates=last > 0) as share:
+                share = share or batch
+                with phase.forward:
+                    loss = self._loss_sum(share, count)
+                with phase.backward:
+                    precision.backward(loss, scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-        if cp_mesh is not None:
-            context.sum_gradients(e.module, cp_mesh)  # each cp rank's gradient is of its share: summed
-            loss_sum = context.whole_sequence(loss_sum, cp_mesh)
+        if self.cp_mesh is not None:
+            context.sum_gradients(e.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
+            loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
         optimizer = e.optimizer
         with phase.optimizer:
             # the norm is computed where it clips, or is logged
@@ -107,6 +111,25 @@ class PlainSteps:
             optimizer.zero_grad(set_to_none=True)
         self.last_step_flops = step_flops
         return loss_sum, sum(counts), grad_norm
+
+    def _layout(self, batch: tasks.Batch, sync: bool, accumulates: bool) -> ContextManager:
+        """What the parallel layout wraps a micro-step's forward and backward in, entered as the batch this rank
+        computes on (None: the batch itself). One shared no-op where nothing applies (one micro-step a step,
+        no cp, no tp loss): no context is built for it each step."""
+        if not (accumulates or self.wraps_micro_steps):
+            return _NO_CONTEXT
+        return self._layout_contexts(batch, sync, accumulates)
+
+    @contextlib.contextmanager
+    def _layout_contexts(self, batch: tasks.Batch, sync: bool, accumulates: bool) -> Iterator[Any]:
+        # under accumulation ddp/fsdp sync gradients on the last micro-step only; cp: this rank's share of the
+        # sequences (the count, and so the scale, is the whole batch's); tp: the loss on vocabulary-sharded logits,
+        # and its backward
+        cp_mesh = self.cp_mesh
+        with parallel.sync_gradients(self.engine.model, sync=sync) if accumulates else _NO_CONTEXT, \
+                context.for_step(cp_mesh, batch) if cp_mesh is not None else _NO_CONTEXT as share, \
+                self._loss_context():
+            yield share
 
     def _micro_step_flops(self, batch: tasks.Batch) -> float:
         """FLOPs of a training micro-step on a prepared batch (0 where the model cannot be counted); under fixed_flops
@@ -130,7 +153,7 @@ class PlainSteps:
         forward's all-gathers and the backward's reduce-scatters run on every rank in step. Skipping the
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
         e = self.engine
-        model = self._model_for(batch)
+        model = self._model_for(batch) if e.compiled else e.model  # the test first: a call less per step
         with e.precision.autocast():
             output = batches.call_model(model, batch, e.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it
