@@ -47,7 +47,7 @@ class JobInterrupted(Exception):
 
 
 class InterruptsAsErrors:
-    """The app's task function, for a launcher that runs jobs in processes of its own (joblib, submitit):
+    """The app's task function, for a launcher that runs jobs in processes of its own (joblib's workers):
     a KeyboardInterrupt in the job becomes JobInterrupted (above). A class, not a closure: it pickles."""
 
     def __init__(self, task_function: Any):

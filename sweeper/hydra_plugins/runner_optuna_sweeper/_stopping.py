@@ -6,7 +6,7 @@ Where the trials run decides how the signal reaches them:
   Ctrl-C raises KeyboardInterrupt; a trial that trains has its own handler meanwhile (runner's stop at a step
   boundary).
 - in the slots' processes (_workers): the study loop sees the signal and terminates them (_slots.terminate_all).
-- in a launcher's processes on this machine (joblib's workers, submitit_local's jobs): the handler sends the
+- in a launcher's processes on this machine (joblib's workers): the handler sends the
   signal on to this process's children at once, and to any that start while the sweep stops, and the study loop
   launches nothing more. Ctrl-C reaches them through the terminal's process group; a signal sent to the sweep
   alone did not, and the sweep waited for its trials to end by themselves.
