@@ -18,7 +18,7 @@ import torch
 
 def snapshot() -> dict[str, Any]:
     loggers = {name: logger.level for name, logger in list(logging.root.manager.loggerDict.items())
-               if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET}
+               if isinstance(logger, logging.Logger)}
     return {
         "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
@@ -48,17 +48,21 @@ def restore(state: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(state["environ"])
     logging.root.setLevel(state["root_log_level"])
-    # a copy: the tracking store opens on another thread, whose libraries make loggers meanwhile
+    # Only the loggers that were there before the job: one made during it keeps the level its library gave it
+    # on import, as in a fresh process that imported the same library (the module stays imported, so nothing
+    # would set it again). NOTSET undid SQLAlchemy's own WARNING, and under runner's INFO root a joblib
+    # worker's next trial printed every statement of its study's sqlite storage. A copy: the tracking store
+    # opens on another thread, whose libraries make loggers meanwhile.
     for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger):
-            logger.setLevel(state["log_levels"].get(name, logging.NOTSET))
+        if isinstance(logger, logging.Logger) and name in state["log_levels"]:
+            logger.setLevel(state["log_levels"][name])
 
 
 def describe(state: dict[str, Any]) -> dict[str, Any]:
     """The snapshot as a run records it: environment values are hashed (they may hold secrets)."""
     out = {k: v for k, v in state.items() if k not in ("environ", "log_levels")}
     out["environ_sha256"] = {k: hashlib.sha256(v.encode()).hexdigest()[:12] for k, v in sorted(state["environ"].items())}
-    out["log_levels"] = dict(sorted(state["log_levels"].items()))
+    out["log_levels"] = {k: v for k, v in sorted(state["log_levels"].items()) if v != logging.NOTSET}
     return out
 
 

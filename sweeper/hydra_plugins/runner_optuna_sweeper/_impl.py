@@ -35,7 +35,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from . import _bookkeeping as books
-from . import _compose_cache, _slots, _workers
+from . import _compose_cache, _slots, _stopping, _workers
 from ._builders import build_pruner, build_sampler, check_sampler, pruner_config
 from ._checks import check_settings, custom_search_space
 from ._results import write_results
@@ -84,16 +84,28 @@ class OptunaSweeperImpl(Sweeper):
         self.ran: dict[int, TrialState] = {}  # trials this process ran, and how they ended
         self.pruner_name: Optional[str] = None  # the configured pruner, None when it is NopPruner
         self.warned_unreported = False
+        self.stop = _stopping.StopSignals(raise_now=False, send_on=False)  # sweep() installs the real ones
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
         self.hook = load_hook(task_function, config)  # the app's extras, declared by its task function
         self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
                                                                 task_function=task_function)
+        if not isinstance(self.launcher, BasicLauncher) and callable(getattr(self.launcher, "task_function", None)):
+            # jobs in the launcher's processes: an interrupted one is its trial's outcome (_slots.JobInterrupted)
+            self.launcher.task_function = _slots.InterruptsAsErrors(self.launcher.task_function)
 
     # --- the sweep ---------------------------------------------------------------------------
 
     def sweep(self, arguments: list[str]) -> None:
+        # from the start: a stop signal while the study opens is kept for the study loop, which ends the study's
+        # books and the parent run KILLED (before, it killed the sweep process on the spot)
+        here = isinstance(self.launcher, BasicLauncher)
+        self.stop = _stopping.StopSignals(raise_now=False, send_on=not here)
+        with self.stop.installed():
+            self._sweep(arguments, here)
+
+    def _sweep(self, arguments: list[str], here: bool) -> None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self.directions = self._directions()
@@ -138,15 +150,16 @@ class OptunaSweeperImpl(Sweeper):
             "direction": ",".join(d.lower() for d in self.directions), "n_jobs": self.s.n_jobs,
             "n_trials": self.s.n_trials, "sweep_dir": str(sweep_dir),
             "search_space": {k: describe(d) for k, d in self.space.items()}, "fixed": dict(self.fixed)})
+        self.stop.raise_now = here and not self.spawn  # trials in this process: stopped as by Ctrl-C
         status = "FAILED"
         try:
-            with _slots.signals_interrupt():
-                self._run()
+            self._run()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
+            self.stop.raise_now = False  # a second signal must not cut the books short
             results = write_results(self.study, self.storage_url, sweep_dir)
             self.hook.sweep_finished(self.study, status, results)
 
@@ -156,12 +169,13 @@ class OptunaSweeperImpl(Sweeper):
         pool = ThreadPoolExecutor(self.n_jobs, thread_name_prefix="slot") if self.n_jobs > 1 else None
         try:
             while True:
+                self.stop.check()
                 if self.s.heartbeat_interval:
                     books.fail_stale_trials(self.study, self.storage, self.mine,
                                             self.s.grace_period or 2 * self.s.heartbeat_interval, self.s.max_retry,
                                             on_failed=lambda t: self.hook.trial_done(self.study, t, killed=True))
                 stop = self._too_many_failures()
-                while free and not stop and (trial := self._next_trial()) is not None:
+                while free and not stop and not self.stop.signum and (trial := self._next_trial()) is not None:
                     slot = free.pop(0)
                     overrides = self._draw(trial)  # here, in trial-number order: a seed fixes each trial's params
                     if pool is None:
@@ -171,8 +185,7 @@ class OptunaSweeperImpl(Sweeper):
                     else:
                         running[pool.submit(self._run_trial, trial, slot, overrides)] = slot
                 if running:
-                    done, _ = wait(list(running), timeout=self._poll_s(), return_when=FIRST_COMPLETED)
-                    for future in done:
+                    for future in self._first_done(running):
                         free.append(running.pop(future))
                         future.result()
                 elif not stop and self._others_running():
@@ -181,6 +194,9 @@ class OptunaSweeperImpl(Sweeper):
                     break
         except KeyboardInterrupt:
             _slots.terminate_all()
+            while self.stop.signum and self.stop.send_on and not all(f.done() for f in running):
+                self.stop.send_to_children()  # the launcher's processes, those started meanwhile too
+                wait(list(running), timeout=0.5)
             raise
         finally:
             if pool is not None:
@@ -193,6 +209,14 @@ class OptunaSweeperImpl(Sweeper):
                               f"hydra.sweeper.max_failure_rate to go on past failures); last: {self.last_error}")
         if self.ran and all(state == TrialState.FAIL for state in self.ran.values()):
             raise SweepFailed(f"all {len(self.ran)} trials this sweep ran failed; last: {self.last_error}")
+
+    def _first_done(self, running: dict[Future, int]) -> set[Future]:
+        """The trials that ended within a poll (or none), back at once when a stop signal comes."""
+        deadline = time.monotonic() + self._poll_s()
+        done: set[Future] = set()
+        while not done and not self.stop.signum and (left := deadline - time.monotonic()) > 0:
+            done, _ = wait(list(running), timeout=min(left, 0.5), return_when=FIRST_COMPLETED)
+        return done
 
     def _next_trial(self) -> Optional[optuna.Trial]:
         trials = self.study.get_trials(deepcopy=False)
@@ -222,6 +246,8 @@ class OptunaSweeperImpl(Sweeper):
             with books.heartbeat(self.storage, trial._trial_id, self.s.heartbeat_interval):
                 if isinstance(overrides, Exception):
                     raise overrides
+                if self.stop.signum:  # handed out as the sweep was stopped: it would start after the signal went
+                    raise _slots.JobInterrupted("not started: the sweep is stopping")
                 # the hook's overrides reach the job but not its "#N : ..." line: that shows what the user swept
                 internal = self.hook.trial_overrides(self.storage_url, self.study.study_name, trial.number)
                 if self.workers is not None:  # a slot's process runs trial after trial
@@ -235,12 +261,18 @@ class OptunaSweeperImpl(Sweeper):
         except KeyboardInterrupt:
             killed = True
             raise
+        except _slots.JobInterrupted as e:  # stopped in a launcher's process: killed, as on Ctrl-C in this one
+            killed = True
+            log.warning(f"trial {trial.number}: {e}")
         except (Exception, SystemExit) as e:  # noqa: BLE001 - a failed trial must not end the sweep
-            killed = isinstance(e, _slots.JobDied) and e.killed
-            where = f" (traceback in {e.job_log})" if getattr(e, "job_log", None) else ""
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            self.last_error = f"trial {trial.number}: {type(e).__name__}: {first_line}{where}"
-            log.warning(f"{self.last_error.replace(':', ' failed:', 1)}")
+            killed = isinstance(e, _slots.JobDied) and e.killed or bool(self.stop.signum)
+            if self.stop.signum:  # its process ended by the signal sent on (joblib: a worker still starting)
+                log.warning(f"trial {trial.number}: stopped with the sweep ({type(e).__name__})")
+            else:
+                where = f" (traceback in {e.job_log})" if getattr(e, "job_log", None) else ""
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                self.last_error = f"trial {trial.number}: {type(e).__name__}: {first_line}{where}"
+                log.warning(f"{self.last_error.replace(':', ' failed:', 1)}")
         finally:
             self._tell(trial, state, values)
             self.ran[trial.number] = state

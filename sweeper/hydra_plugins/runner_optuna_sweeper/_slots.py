@@ -39,6 +39,27 @@ live: set[multiprocessing.process.BaseProcess] = set()
 _preload: list[str] = []
 
 
+class JobInterrupted(Exception):
+    """The job was interrupted in a process of the launcher's own (the sweep's stop signal sent on, a
+    preemption): its KeyboardInterrupt, raised there as an Exception so that Hydra's job returns it as the
+    job's outcome. Raised through joblib as a KeyboardInterrupt, it made joblib end every worker of its pool
+    at once, the other slots' trials included, in the midst of their own stop."""
+
+
+class InterruptsAsErrors:
+    """The app's task function, for a launcher that runs jobs in processes of its own (joblib's workers):
+    a KeyboardInterrupt in the job becomes JobInterrupted (above). A class, not a closure: it pickles."""
+
+    def __init__(self, task_function: Any):
+        self.task_function = task_function
+
+    def __call__(self, cfg: Any) -> Any:
+        try:
+            return self.task_function(cfg)
+        except KeyboardInterrupt as e:
+            raise JobInterrupted(str(e) or "interrupted") from None
+
+
 class JobDied(RuntimeError):
     """The job's process ended without a result: killed by a signal, or exited."""
 
@@ -63,7 +84,7 @@ def _value(ret: JobReturn) -> Any:
     if ret.status == JobStatus.COMPLETED:
         return ret.return_value
     error = ret._return_value
-    if type(error).__name__ != "TrialPruned":
+    if type(error).__name__ != "TrialPruned" and not isinstance(error, JobInterrupted):
         try:
             error.job_log = _log_traceback(ret, error)
         except Exception:  # noqa: BLE001 - a log that cannot be written must not hide the job's error
@@ -191,40 +212,6 @@ def run_job_here(launcher: Launcher, overrides: list[str], idx: int, hidden: Seq
         return cloudpickle.dumps(result)
     except Exception:  # an exception that does not pickle: send its text
         return cloudpickle.dumps(("error", RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
-
-
-def interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}: the sweep is gone")
-
-
-class SweepStopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP to the sweep: it stops as on Ctrl-C (its trials stopped, the study's books and parent
-    run ended KILLED), and the process exits with 128 + the signal's number (`exit_code`)."""
-
-    def __init__(self, signum: int):
-        self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-
-
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """While the study runs, SIGTERM and SIGHUP interrupt it as Ctrl-C does; without this, the sweep process
-    died on the spot (trials in slot processes were left to notice, the parent run RUNNING). A trial run in
-    this process installs its own handlers while it runs (runner's checkpoint at a step boundary). Signal
-    handlers belong to the main thread: elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SweepStopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def die_with_parent(sig: int, parent_pid: int, sweep_pid: int | None = None) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 from hydra.core.singleton import Singleton
 from hydra.plugins.launcher import Launcher
 
-from . import _slots
+from . import _slots, _stopping
 
 # torch's global switches in a new process, for a slot process that imports torch only in a trial
 _TORCH_DEFAULTS = {"deterministic": False, "benchmark": False, "cudnn_deterministic": False, "matmul": "highest",
@@ -156,13 +156,23 @@ class SlotProcesses:
 
 
 def _serve(start: Any, conn: Any, inherited: list[Any]) -> None:
+    # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: see _slots. Before or
+    # between trials there is no trial to end: the process leaves without a word (it printed the traceback of
+    # whatever import the signal interrupted).
+    try:
+        with _stopping.resent_when_dropped():
+            _serve_trials(start, conn, inherited)
+    except KeyboardInterrupt:
+        os._exit(130)
+
+
+def _serve_trials(start: Any, conn: Any, inherited: list[Any]) -> None:
     import cloudpickle
 
     for other in inherited:
         other.close()
     launcher, env, sweep_pid, singleton_state, preload = start if isinstance(start, tuple) else cloudpickle.loads(start)
-    # SIGTERM (the sweep's death, or terminate_all) interrupts the job as Ctrl-C would: see _slots
-    signal.signal(signal.SIGTERM, _slots.interrupt)
+    signal.signal(signal.SIGTERM, _stopping.slot_interrupt)
     _slots.die_with_parent(signal.SIGTERM, os.getppid(), sweep_pid)
     os.environ.clear()
     os.environ.update(env)  # before CUDA initializes: CUDA_VISIBLE_DEVICES picks this slot's GPU

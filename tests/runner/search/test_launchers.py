@@ -76,3 +76,26 @@ def test_an_optuna_study_under_joblib_prints_no_sql_and_no_internal_overrides(tm
     assert "runner: 4 jobs in " in proc.stdout
     _, (parent,), children = runs(store)
     assert len(children) == 4 and parent.data.metrics["trials_complete"] == 4
+
+
+# SQLAlchemy's statement log as the console shows it (runner's console format is the message alone)
+_SQL_LINE = re.compile(r"^(BEGIN \(implicit\)|COMMIT|ROLLBACK|SELECT |INSERT |UPDATE |DELETE |PRAGMA |FROM |WHERE |"
+                       r"\[(raw sql|generated in|cached since|no key))")
+
+
+@pytest.mark.slow  # a minute: each loky worker imports torch and runner (the cause has a fast test in test_process_state)
+@pytest.mark.cluster
+def test_a_study_in_a_sqlite_storage_under_joblib_prints_no_sql(tmp_path: Path) -> None:
+    """Issue 35 item 12: with the joblib launcher and a sqlite study storage, 204 of 279 console lines were
+    SQLAlchemy's statements: the worker's first job imported SQLAlchemy (its trial opens the storage), and the
+    job's end put every logger made meanwhile to NOTSET, SQLAlchemy's own WARNING included, so the worker's
+    next job logged each statement under the INFO root. Two workers, three trials: one worker runs two."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="Hydra's joblib launcher is not installed")
+    proc = run_cli(["-m", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", "hydra/launcher=joblib",
+                    "hydra.launcher.n_jobs=2", f"hydra.sweeper.storage=sqlite:///{tmp_path / 'optuna.db'}",
+                    "trainer.max_steps=2", "trainer.progress_bar=off", "tracking=none",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert "runner: 3 jobs in " in proc.stdout  # every trial ran, and said so
+    assert [line for line in console if _SQL_LINE.match(line)] == [], f"{len(console)} console lines"
