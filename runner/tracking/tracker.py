@@ -450,12 +450,27 @@ def experiment_id(client: Any, name: str, uri: str, artifact_root: str) -> str:
     return open_experiment(client, name, uri, artifact_root)
 
 
-def run_exists(client: Any, run_id: str) -> bool:
-    try:
-        client.get_run(run_id)
-        return True
-    except Exception:
-        return False
+# the store's answers that mean "there is no such run"; anything else (a sqlite store locked past its 20 s busy
+# timeout under load, a server briefly down) says nothing about the run
+_NO_SUCH_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def run_exists(client: Any, run_id: str, attempts: int = 5) -> bool:
+    """Whether the store holds run_id. Only the store's "no such run" is False: a sweep that read a busy store
+    as "gone" opened a second parent run for one study. A store that stays busy is asked again, then raises."""
+    attempt = 1
+    while True:
+        try:
+            client.get_run(run_id)
+            return True
+        except Exception as e:
+            if getattr(e, "error_code", None) in _NO_SUCH_RUN:
+                return False
+            if attempt == attempts:
+                raise
+            log.debug("the store did not say whether run %s exists (%s); asking again", run_id, first_line(e))
+            time.sleep(min(2.0 ** attempt, 10.0))
+            attempt += 1
 
 
 def _parent_key(spec: RunSpec) -> str:

@@ -6,6 +6,7 @@ import http.server
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -468,3 +469,26 @@ def test_a_sqlite_store_in_a_folder_that_does_not_exist_is_refused_but_the_defau
         check_tracking(TrackingSpec())
     finally:
         os.chdir(cwd)
+
+
+def test_a_run_is_not_taken_for_gone_while_its_sqlite_store_is_locked_past_the_busy_timeout(tmp_path: Path) -> None:
+    """Issue 35 item 12: a sweep asks whether its study's parent run still exists before it reopens it; a store
+    locked by other writers for longer than MLflow's 20 s sqlite busy timeout answered "no", and the sweep opened a
+    second parent run for the study. Only the store's "no such run" may mean gone."""
+    from runner.tracking.tracker import run_exists
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("sweep")).info.run_id
+    assert not run_exists(client, "0" * 32)
+
+    holder = sqlite3.connect(tmp_path / "mlflow.db", isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")  # what four racing sweeps' writes do to a reader under load, for 22 s
+    release = threading.Timer(22.0, lambda: holder.execute("ROLLBACK"))
+    release.start()
+    try:
+        assert run_exists(client, run_id)
+        assert not release.is_alive()  # the answer came after the lock, not from around it
+    finally:
+        release.cancel()
+        release.join()
+        holder.close()
