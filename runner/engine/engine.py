@@ -89,7 +89,7 @@ class Engine:
         self.device = pick_device(spec.trainer.device, self.env.local_rank)
         self.env = parallel.place(self.env, spec.parallelism, self.device)  # its parallel dimensions and device mesh
         sharded = self.env.dims.dp_shard > 1
-        self.precision = Precision(spec.precision, self.device, sharded)
+        self.precision = Precision(spec.precision, self.device, sharded, self.env.dp_degree)
         resume_state = self._read_checkpoint(spec.trainer.resume) if spec.trainer.resume else None
         seed_everything(spec.seed, spec.trainer.deterministic)
 

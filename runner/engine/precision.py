@@ -29,7 +29,7 @@ class Precision:
     autocast, no master copy). fp8: float8 matmuls through torchao on GPUs of compute capability 8.9+.
     """
 
-    def __init__(self, spec: PrecisionSpec, device: torch.device, sharded: bool = False):
+    def __init__(self, spec: PrecisionSpec, device: torch.device, sharded: bool = False, dp_degree: int = 1):
         self.name = spec.name
         self.device = device
         _check_supported(spec.name, device)
@@ -41,7 +41,13 @@ class Precision:
         if spec.name == "fp16":
             # FSDP2 too: its gradients are DTensors, whose inf check is reduced across ranks, so
             # torch.amp's GradScaler (not FSDP1's ShardedGradScaler) is the one to use (torchtitan's docs)
-            self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale)
+            # Each rank's loss is scaled by dp_degree / units, as DDP and FSDP average the ranks' gradients: its
+            # fp16 backward carries dp_degree x the scaler's scale, and would overflow (and skip a step) where
+            # one process does not. The scaler holds scale / dp_degree, so the backward sees one process's
+            # values (the same overflows, skips and backoffs) and unscaling still leaves the true gradient;
+            # checkpoints hold the scale in one process's units, so a resume on another dp degree keeps it.
+            self._dp_degree = dp_degree
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=spec.init_scale / dp_degree)
         self.skipped_steps = 0
         self.casts_batches = spec.name in ("bf16_true", "fp8")  # whether prepare_batch changes a batch
         self._scale: float | None = None  # the scaler's scale as the last step left it (read once a step)
@@ -135,11 +141,19 @@ class Precision:
         return stepped
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict() if self.scaler else None, "skipped_steps": self.skipped_steps}
+        scaler = None
+        if self.scaler:
+            scaler = self.scaler.state_dict()
+            if "scale" in scaler:  # absent before the scaler's first scale()
+                scaler["scale"] *= self._dp_degree
+        return {"scaler": scaler, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+            scaler = dict(state["scaler"])
+            if "scale" in scaler:
+                scaler["scale"] /= self._dp_degree
+            self.scaler.load_state_dict(scaler)
             self._scale = None
         self.skipped_steps = state.get("skipped_steps", 0)
 

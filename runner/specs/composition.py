@@ -175,8 +175,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     "callbacks": _cells(),
     "fp16": {
         "dp_replicate": _built(f"{SLOW_CELLS}[ddp-fp16]", "GradScaler"),
-        "dp_shard": _built("tests/runner/engine/test_parallel.py::test_fsdp_mixed_precision_trains_a_model_with_batchnorm[fp16]",
-                           "ShardedGradScaler"),
+        "dp_shard": _built(f"{SLOW_CELLS}[fsdp-fp16]", "GradScaler over the sharded gradients (inf checks all-reduced)"),
         "tp": _no("fp16's loss scaling over tensor-parallel shards is not tested; use precision=bf16 or fp32"),
         "pp": _no("fp16's loss scaling is not built into the pipeline schedules; use precision=bf16 or fp32"),
         "cp": _no("fp16's loss scaling under cp is not tested; use precision=bf16 or fp32"),
