@@ -195,7 +195,8 @@ class GPT(nn.Module):
             x = block(x)
         if self.lm_head is None:  # an earlier pipeline stage: the hidden state goes on to the next
             return x
-        return self.lm_head(self.ln_f(x))
+        # a later pipeline stage holds the head without the embedding: its weight is used once there
+        return self.lm_head(self.ln_f(x), embedded=self.wte is not None)
 
     def _embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -221,9 +222,6 @@ class GPT(nn.Module):
             stage.wte = stage.wpe = None
         if stage_index < num_stages - 1:
             stage.ln_f = stage.lm_head = None
-        elif stage.wte is None:  # the head's weight is used once in this stage: its gradient needs no copy
-            stage.lm_head = _shallow_copy(self.lm_head)
-            stage.lm_head.tied = False
         return stage
 
 
@@ -232,12 +230,11 @@ class TiedLinear(nn.Linear):
     head's, then the embedding's) before the weight's own accumulation, in place only when the first is a tensor
     of its own; the head's is a view (a transpose of the product's), so the sum is a third whole tensor: for
     GPT-2 one more 50257 x 768 copy (147 MiB) at the backward pass's peak. The head's gradient is made a tensor
-    of its own here (its values copied: the sum, and so every result, stays the same bit for bit)."""
+    of its own here (its values copied: the sum, and so every result, stays the same bit for bit).
+    embedded: whether this forward pass used the weight as the embedding too (not in a pipeline's last stage)."""
 
-    tied = True  # False where the embedding is elsewhere (a pipeline's last stage): then nothing is copied
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.tied:
+    def forward(self, x: torch.Tensor, embedded: bool = True) -> torch.Tensor:
+        if not embedded:
             return super().forward(x)
         return F.linear(x, _OwnGradient.apply(self.weight), self.bias)
 
