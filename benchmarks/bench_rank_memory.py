@@ -13,7 +13,10 @@ checkpoint, the test), in its own processes:
   0.1 s over the whole run and read once more as the process exits (benchmarks/peak_hook).
 - On CUDA, torch.cuda.max_memory_allocated of each rank, written as the rank exits (the same hook).
 - The fixed cost: the peak of the same case on the tiny gpt (2 x 128, a 64-token vocabulary: 6 MiB of state): what
-  the interpreter, torch, the data and the process group hold whatever the model.
+  the interpreter, torch, the data and the process group hold whatever the model. Of it, torch's own share is
+  printed first: the peak of a process that only imports torch and joins a gloo group (torch's CUDA build maps
+  its CUDA libraries on a CPU too), and of one that also imports what FSDP2's hooks and DTensor import
+  (torch._dynamo, sympy, triton: FSDP2 wraps each hook in torch._dynamo.disable).
 - The training state: parameters x (4 parameter + 4 gradient + 8 AdamW) bytes; the ideal is that / ranks + the
   fixed cost. The issue's targets (34): each rank at most 0.65x one process under fsdp on 2 ranks, 0.45x on 4,
   0.7x under tp=2 and pp=2.
@@ -71,6 +74,25 @@ class Peaks:
     ranks: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     kind: str = "resident"  # or "cuda allocated"
+
+
+TORCH_ALONE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+if os.environ.get("RUNNER_BENCH_FSDP_IMPORTS"):
+    import torch._dynamo, torch.distributed.fsdp, torch.distributed.tensor, torch.distributed.checkpoint
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def torch_alone(fsdp_imports: bool) -> int:
+    """The resident peak of a process that imports torch and joins a one-rank gloo group (and imports what FSDP2
+    and DTensor import at their first use): torch's own part of every rank's fixed cost."""
+    env = {**os.environ, "RUNNER_BENCH_FSDP_IMPORTS": "1" if fsdp_imports else ""}
+    done = subprocess.run([sys.executable, "-c", TORCH_ALONE + "print(next(l for l in open('/proc/self/status') "
+                           "if l.startswith('VmHWM')).split()[1])"], env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) * 1024
 
 
 def parameter_count(model_overrides: list[str]) -> int:
@@ -235,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
 
     fixed: dict[str, int] = {}
     if not args.no_fixed_cost:
+        print(f"torch alone (import torch, a gloo group): {torch_alone(False) / MiB:.0f} MiB; with what FSDP2's hooks "
+              f"and DTensor import (torch._dynamo, sympy, triton): {torch_alone(True) / MiB:.0f} MiB", flush=True)
         for key in cases:
             fixed[key] = max(measure([*COMMON, *FIXED_COST_MODEL, *CASES[key].overrides], args.timeout).ranks.values())
             print(f"fixed cost, {CASES[key].label}: {fixed[key] / MiB:.0f} MiB (the tiny gpt's peak)", flush=True)

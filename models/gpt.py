@@ -111,7 +111,7 @@ class GPT(nn.Module):
         # a ModuleList: the engine's FSDP wrapping shards each child of it as its own unit
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head = TiedLinear(n_embd, vocab_size, bias=False)
         # tying saves vocab*n_embd parameters (38.6M of GPT-2's 124M) and is how GPT-2 was trained
         self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
@@ -195,7 +195,8 @@ class GPT(nn.Module):
             x = block(x)
         if self.lm_head is None:  # an earlier pipeline stage: the hidden state goes on to the next
             return x
-        return self.lm_head(self.ln_f(x))
+        # a later pipeline stage holds the head without the embedding: its weight is used once there
+        return self.lm_head(self.ln_f(x), embedded=self.wte is not None)
 
     def _embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -222,6 +223,32 @@ class GPT(nn.Module):
         if stage_index < num_stages - 1:
             stage.ln_f = stage.lm_head = None
         return stage
+
+
+class TiedLinear(nn.Linear):
+    """The lm head, whose weight is also the token embedding's. Autograd sums the weight's two gradients (the
+    head's, then the embedding's) before the weight's own accumulation, in place only when the first is a tensor
+    of its own; the head's is a view (a transpose of the product's), so the sum is a third whole tensor: for
+    GPT-2 one more 50257 x 768 copy (147 MiB) at the backward pass's peak. The head's gradient is made a tensor
+    of its own here (its values copied: the sum, and so every result, stays the same bit for bit).
+    embedded: whether this forward pass used the weight as the embedding too (not in a pipeline's last stage)."""
+
+    def forward(self, x: torch.Tensor, embedded: bool = True) -> torch.Tensor:
+        if not embedded:
+            return super().forward(x)
+        return F.linear(x, _OwnGradient.apply(self.weight), self.bias)
+
+
+class _OwnGradient(torch.autograd.Function):
+    """The identity whose backward hands on a copy of the gradient (a tensor of its own, not a view)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
 def stage_blocks(blocks: int, stage_index: int, num_stages: int) -> tuple[int, int]:

@@ -39,6 +39,75 @@ def test_lm_head_shares_the_token_embedding_storage() -> None:
     assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()
 
 
+# each backward pass's peak resident memory above its start, its model's lm head copying its gradient or not; every
+# tensor of 64 KiB and more mapped and unmapped as it is made and freed, so that the peak is the tensors' own
+_TIED_PEAKS = """
+import json, torch
+from torch import nn
+from runner.models.gpt import GPT
+
+class PlainHead(nn.Linear):  # the head as nn.Linear is, on the same weight
+    def forward(self, x, embedded=True):
+        return super().forward(x)
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+torch.set_num_threads(1)
+ids = torch.randint(0, 16384, (2, 8), generator=torch.Generator().manual_seed(0))
+peaks = {}
+for tied in (False, True, False, True):  # each twice: the second is measured warm
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16384, max_length=8, n_embd=256, n_head=2, n_layer=1)
+    if not tied:
+        model.lm_head = PlainHead(256, 16384, bias=False)
+        model.lm_head.weight = model.wte.weight
+    loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the resident high-water mark starts again from here
+    loss.backward()
+    peaks[str(tied)] = status("VmHWM:") - before
+print(json.dumps(peaks))
+"""
+
+
+class _PlainHead(nn.Linear):
+    """The lm head as nn.Linear is, on the same weight."""
+
+    def forward(self, x: torch.Tensor, embedded: bool = True) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_the_tied_weights_two_gradients_are_summed_without_a_third_whole_copy_bit_for_bit() -> None:
+    """Autograd sums the head's and the embedding's gradients of the tied weight out of place (a third
+    whole-size tensor at the backward pass's peak) when the first is a view, as a linear layer's weight gradient
+    is: the head hands on a copy of its own instead, and the sum is the same bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, "-c", _TIED_PEAKS], env=env, capture_output=True, text=True, check=True)
+    peaks = json.loads(done.stdout.splitlines()[-1])
+    weight = 16384 * 256 * 4
+    assert peaks["True"] <= peaks["False"] - 0.75 * weight, peaks
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, max_length=8, n_embd=32, n_head=2, n_layer=1)
+        if not tied:
+            model.lm_head = _PlainHead(32, 64, bias=False)
+            model.lm_head.weight = model.wte.weight
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        grads[tied] = {name: p.grad for name, p in model.named_parameters()}
+    assert all(torch.equal(grads[True][name], grads[False][name]) for name in grads[False])
+
+
 def test_gpt2_size_has_gpt2_small_parameter_count() -> None:
     with torch.device("meta"):  # no memory and no init time for 124M parameters
         model = GPT(vocab_size=50257, max_length=1024, size="gpt2")
