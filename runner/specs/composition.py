@@ -84,9 +84,12 @@ FEATURES: dict[str, Feature] = {
 }
 
 CELLS = "tests/runner/specs/test_composition.py::test_a_built_cell_trains_like_one_process"
+FP16_CELLS = "tests/runner/specs/test_composition.py::test_fp16s_loss_scaling_trains_like_one_process"
 SLOW_CELLS = "tests/runner/specs/test_composition.py::test_a_slow_cell_trains_like_one_process"
 CP_PARTS = ("tests/runner/engine/test_context_parallel.py::"
             "test_tokens_labels_and_positions_are_sharded_alike_and_the_shares_gradients_and_losses_add_up")
+DDP_BATCHNORM = ("tests/runner/engine/test_parallel_memory.py::"
+                 "test_ddp_trains_like_one_process_with_sync_batchnorm_and_keeps_each_ranks_statistics_without")
 CP_NOTE = "CUDA only; its parts are tested on CPU, no GPU run yet"
 
 
@@ -114,9 +117,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     "ema": _cells(),
     "swa": _cells(),
     "batchnorm": {
-        "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone",
-                               "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
+        "dp_replicate": _built(DDP_BATCHNORM, "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options",
                            "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
@@ -128,8 +129,7 @@ TABLE: dict[str, dict[str, Cell]] = {
         "cp": _no("a sequence split across ranks changes BatchNorm's statistics; use ddp or fsdp"),
     },
     "sync_batchnorm": {
-        "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_ddp_sync_batchnorm_and_each_fsdp_memory_option_alone"),
+        "dp_replicate": _built(DDP_BATCHNORM),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options"),
         **{dim: _no("SyncBatchNorm syncs over every process, and the ranks of one model replica hold the same "
@@ -172,9 +172,9 @@ TABLE: dict[str, dict[str, Cell]] = {
     "profiler": _cells(),
     "callbacks": _cells(),
     "fp16": {
-        "dp_replicate": _built(f"{SLOW_CELLS}[ddp-fp16]", "GradScaler"),
-        "dp_shard": _built("tests/runner/engine/test_parallel.py::test_fsdp_mixed_precision_trains_a_model_with_batchnorm[fp16]",
-                           "ShardedGradScaler"),
+        "dp_replicate": _built(f"{FP16_CELLS}[ddp-fp16]", "GradScaler"),
+        "dp_shard": _built(f"{FP16_CELLS}[fsdp-fp16]", "GradScaler over FSDP2's sharded gradients; the parameters cast "
+                           "to fp16 for the forward (MixedPrecisionPolicy): close to one process, not equal"),
         "tp": _no("fp16's loss scaling over tensor-parallel shards is not tested; use precision=bf16 or fp32"),
         "pp": _no("fp16's loss scaling is not built into the pipeline schedules; use precision=bf16 or fp32"),
         "cp": _no("fp16's loss scaling under cp is not tested; use precision=bf16 or fp32"),

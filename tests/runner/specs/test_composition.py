@@ -215,16 +215,58 @@ def test_a_built_cell_trains_like_one_process(name: str, tmp_path: Path, one_pro
         assert re.search(r"\(last@step \d+\)$", tags.get("runner.logged_model", "")), tags
 
 
-# --- cells whose runs take longer: compile (dynamo's tracing, on torch's eager backend: the same guards and
-# graphs, no code generation) and fp16's loss scaling ----------------------------------------------------------
+# --- cells without the other features: fp16's loss scaling, and compile (dynamo's tracing, on torch's eager
+# backend: the same guards and graphs, no code generation) --------------------------------------------------------
+
+PLAIN = [o for o in GPT if not o.startswith(("trainer.ema", "trainer.swa", "trainer.activation", "+trainer.callbacks"))]
+
+
+def _one_and_two_ranks(tmp_path: Path, two_ranks, overrides: list[str], keys: list[str], batch: int,
+                       fit=None) -> tuple[dict, dict]:
+    """One process on the global batch of 8 and 2 ranks of `batch` rows each, both from `overrides`: their metrics."""
+    from runner.engine.engine import Engine
+    from runner.tracking.tracker import build_tracker
+
+    spec = compose_spec([*overrides, "dataset.batch_size=8"], tmp_path / "one", tracking_uri=f"sqlite:///{tmp_path / 'one.db'}")
+    Engine(spec, build_tracker(spec)).fit()
+    two_ranks.run(fit or _fit_on_rank, [*overrides, *keys, f"dataset.batch_size={batch}"], str(tmp_path / "two"),
+                  str(tmp_path / "two.db"))
+    return metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
+
+
+def _assert_losses_alike(one: dict, two: dict, rel: float) -> None:
+    for key in ("train/loss", "val/loss", "test/loss"):
+        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        for (_, a), (_, b) in zip(one[key], two[key]):
+            assert b == pytest.approx(a, rel=rel, abs=1e-6), key
+
+
+# ddp: autocast on every rank, as one process: weights and losses alike. fsdp: FSDP2's MixedPrecisionPolicy casts
+# the parameters to fp16 for the forward and reduces the gradients in fp32, another rounding than one process's
+# autocast: its losses are close (1e-3; 1e-4 seen), its weights off by more than 1e-4 of their largest value
+FP16 = {
+    "ddp-fp16": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 1e-4),
+    "fsdp-fp16": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(FP16))
+def test_fp16s_loss_scaling_trains_like_one_process(name: str, tmp_path: Path, two_ranks) -> None:
+    """GradScaler on 2 ranks (unscaled before the clipped norm, a step skipped on every rank or none): the steps it
+    skipped and every loss are one process's on the same global batch."""
+    keys, rtol = FP16[name]
+    one, two = _one_and_two_ranks(tmp_path, two_ranks, [*PLAIN, "precision=fp16"], keys, 4)
+    _assert_losses_alike(one, two, rtol)
+    assert two["fp16/skipped_steps"] == one["fp16/skipped_steps"]
+    if name == "ddp-fp16":
+        assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), rtol=rtol)
+
 
 SLOW = {
-    "ddp-compile": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 4, ["trainer.compile=true"]),
-    "fsdp-compile": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 4, ["trainer.compile=true"]),
-    "tp-compile": (["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.tp=2"], 8, ["trainer.compile=true"]),
-    "ddp-fp16": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 4, ["precision=fp16"]),
+    "ddp-compile": (["parallelism=ddp", "parallelism.nproc_per_node=2"], 4),
+    "fsdp-compile": (["parallelism=fsdp", "parallelism.nproc_per_node=2"], 4),
+    "tp-compile": (["parallelism=ddp", "parallelism.nproc_per_node=2", "parallelism.tp=2"], 8),
 }
-PLAIN = [o for o in GPT if not o.startswith(("trainer.ema", "trainer.swa", "trainer.activation", "+trainer.callbacks"))]
 
 
 def _fit_eager(rank: int, world: int, overrides: list[str], run_dir: str, db: str) -> None:
@@ -238,21 +280,12 @@ def _fit_eager(rank: int, world: int, overrides: list[str], run_dir: str, db: st
 @pytest.mark.parametrize("name", list(SLOW))
 def test_a_slow_cell_trains_like_one_process(name: str, tmp_path: Path, two_ranks, monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.engine import compiling
-    from runner.engine.engine import Engine
-    from runner.tracking.tracker import build_tracker
 
-    keys, batch, extra = SLOW[name]
+    keys, batch = SLOW[name]
     monkeypatch.setattr(compiling, "BACKEND", "eager")
-    spec = compose_spec([*PLAIN, *extra, "dataset.batch_size=8"], tmp_path / "one", tracking_uri=f"sqlite:///{tmp_path / 'one.db'}")
-    Engine(spec, build_tracker(spec)).fit()
-    two_ranks.run(_fit_eager, [*PLAIN, *extra, *keys, f"dataset.batch_size={batch}"], str(tmp_path / "two"),
-                  str(tmp_path / "two.db"))
+    one, two = _one_and_two_ranks(tmp_path, two_ranks, [*PLAIN, "trainer.compile=true"], keys, batch, fit=_fit_eager)
     assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), rtol=1e-4)
-    one, two = metric_history(tmp_path / "one.db"), metric_history(tmp_path / "two.db")
-    for key in ("train/loss", "val/loss", "test/loss"):
-        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
-        for (_, a), (_, b) in zip(one[key], two[key]):
-            assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
+    _assert_losses_alike(one, two, 1e-4)
 
 
 def _trial_on_rank(rank: int, world: int, overrides: list[str], run_dir: str, db: str) -> None:
