@@ -569,9 +569,14 @@ def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spe
     and rotates. Ends with a barrier: every rank returns once the checkpoint is there."""
     import torch.distributed as dist
 
+    from runner.engine import unshared_disks
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA, tmp / RECORD] if rank == 0 else [])
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in own}
+    # rank 0 wrote the record before any shard: a rank that does not see it wrote into its own disk's copy
+    sees_rank0s = rank == 0 or (tmp / RECORD).exists()
+    unshared_disks.send_to_rank0(tmp, own, sees_rank0s)
     if dist.is_initialized():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, files)
@@ -590,6 +595,8 @@ def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spe
             raise _write_error(e, target) from e
     if dist.is_initialized():
         dist.barrier()
+    if not sees_rank0s:  # after the barrier: another rank of this node may still have been sending from it
+        unshared_disks.remove_own_copy(tmp)
     return target
 
 
