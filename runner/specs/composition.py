@@ -143,13 +143,14 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "activation_checkpointing": _cells(),
     "finders": {
-        "dp_replicate": _built("tests/runner/test_tune.py::test_ddp_ranks_agree_on_one_suggestion_and_train_with_it"),
+        "dp_replicate": _built("tests/runner/specs/test_composition.py::"
+                               "test_the_lr_finder_under_ddp_suggests_and_trains_like_one_process"),
         **{dim: _no("the finders under sharding or model parallelism are not tested yet; run the finder with ddp or "
                     "one process and give its suggestion to this run") for dim in ("dp_shard", "tp", "pp", "cp")},
     },
     "kfold": {
-        "dp_replicate": _built("tests/runner/search/test_cross_validation.py::test_ddp_folds_equal_single_process_folds",
-                               "each fold's run starts its own workers"),
+        "dp_replicate": _built("tests/runner/search/test_cross_validation.py::"
+                               "test_folds_on_two_ranks_equal_single_process_folds", "each fold's run starts its own workers"),
         **{dim: _no("k-fold's folds under sharding or model parallelism are not tested; use ddp, or run one fold "
                     "with trainer.cross_validation.fold=k") for dim in ("dp_shard", "tp", "pp", "cp")},
     },

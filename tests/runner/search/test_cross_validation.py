@@ -282,6 +282,32 @@ def test_a_k_fold_run_killed_between_a_folds_record_and_its_logging_logs_it_on_r
     assert [k["metrics"]["cv/fold"] for k in children(db, parent_id)] == [[(0, 0.0)], [(0, 1.0)]]
 
 
+def _fold_on_rank(rank: int, world: int, spec_yaml: str):
+    from runner.engine.parallel import DistEnv
+
+    spec = RunSpec.from_yaml(spec_yaml)
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    return launch.run_in_process(spec, DistEnv(rank, world, rank))
+
+
+def test_folds_on_two_ranks_equal_single_process_folds(tmp_path: Path, two_ranks) -> None:
+    """Each fold's run on the session's 2 gloo ranks with half the batch (the launcher's own workers: the slow test
+    below) trains as one process: each fold's objective and final value, and the mean."""
+    from runner.search import cross_validation
+
+    base = ["trainer.cross_validation.folds=2", "trainer.max_steps=4", "trainer.progress_bar=off",
+            "trainer.memory_estimate=false", "trainer.device=cpu"]
+    single = launch.run(compose_spec([*base, "dataset.batch_size=64"], tmp_path / "single"))
+    spec = compose_spec([*base, "dataset.batch_size=32", "parallelism=ddp", "parallelism.nproc_per_node=2"], tmp_path / "ddp")
+    (tmp_path / "ddp").mkdir()
+    ddp = cross_validation.run_folds(spec, tmp_path / "ddp", run_one=lambda fold: two_ranks.run(_fold_on_rank, fold.to_yaml())[0])
+    one, two = read_record(tmp_path / "single"), read_record(tmp_path / "ddp")
+    for k in (0, 1):
+        assert two[k]["objective"] == pytest.approx(one[k]["objective"], abs=1e-6)
+        assert two[k]["final"] == pytest.approx(one[k]["final"], rel=1e-4)
+    assert ddp.objective == pytest.approx(single.objective, abs=1e-6)
+
+
 @pytest.mark.slow
 def test_ddp_folds_equal_single_process_folds(tmp_path: Path) -> None:
     """Each fold launched as today's runs are: 2 gloo workers with half the batch train as one process."""

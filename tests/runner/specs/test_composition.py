@@ -297,7 +297,6 @@ def _trial_on_rank(rank: int, world: int, overrides: list[str], run_dir: str, db
     launch.build_engine(spec, build_tracker(spec, rank), DistEnv(rank, world, rank)).fit()
 
 
-@pytest.mark.slow  # a study on each side; the ddp run's own equality is the fast cell test's
 def test_an_optuna_trial_under_ddp_reports_like_one_process(tmp_path: Path, two_ranks) -> None:
     """A trial's run on 2 processes reports its validations to the study once, at the steps and values of one
     process's trial."""
@@ -322,6 +321,31 @@ def test_an_optuna_trial_under_ddp_reports_like_one_process(tmp_path: Path, two_
     one, two = reported("one"), reported("two")
     assert one and list(two) == list(one)
     assert list(two.values()) == pytest.approx(list(one.values()), rel=1e-5)
+
+
+def _run_on_rank(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
+    from runner.cli import launch
+    from runner.engine.parallel import DistEnv
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    launch.run_in_process(compose_spec(overrides, Path(run_dir)), DistEnv(rank, world, rank))
+
+
+def test_the_lr_finder_under_ddp_suggests_and_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
+    """tune=lr_find tune.apply=true on 2 processes: the ranks' one suggestion is one process's on the same global
+    batch (its curve is the global batch's loss), and the run trains with it to one process's weights."""
+    import yaml
+
+    finder = [*PLAIN, "tune=lr_find", "tune.steps=12", "tune.apply=true"]
+    _run_on_rank(0, 1, [*finder, "dataset.batch_size=8"], str(tmp_path / "one"))
+    two_ranks.run(_run_on_rank, [*finder, "parallelism=ddp", "parallelism.nproc_per_node=2", "dataset.batch_size=4"],
+                  str(tmp_path / "two"))
+
+    def lr(run: str) -> float:
+        return yaml.safe_load((tmp_path / run / "spec.yaml").read_text())["optimizer"]["lr"]
+
+    assert lr("two") == pytest.approx(lr("one"), rel=1e-6)
+    assert_same(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), rtol=1e-4)
 
 
 @pytest.mark.parametrize("args, message", [
