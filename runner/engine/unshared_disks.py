@@ -100,7 +100,7 @@ def readable_here(folder: Path) -> Iterator[Path]:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, sees)
     lacking = [r for r, seen in enumerate(every) if not seen]
-    if not lacking:
+    if not lacking or box[0] is None:  # rank 0 has no such checkpoint: every rank's reader says so, as it would alone
         yield folder
         return
     copy = None
