@@ -576,11 +576,13 @@ def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spe
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in own}
     # rank 0 wrote the record before any shard: a rank that does not see it wrote into its own disk's copy
     sees_rank0s = rank == 0 or (tmp / RECORD).exists()
-    unshared_disks.send_to_rank0(tmp, own, sees_rank0s)
+    every: list[Any] = [(files, sees_rank0s)]
     if dist.is_initialized():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, files)
-        files = {k: v for part in every for k, v in part.items()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (files, sees_rank0s))
+    unshared_disks.send_to_rank0(tmp, {r: {name: entry["bytes"] for name, entry in part.items()}
+                                       for r, (part, seen) in enumerate(every) if not seen})
+    files = {k: v for part, _ in every for k, v in part.items()}
     if rank == 0:
         manifest = {"format": _FORMAT, "step": step, "spec": spec, "kind": kind,
                     "ranks": dist.get_world_size() if dist.is_initialized() else 1, "files": files}

@@ -50,28 +50,21 @@ def _transfer_group() -> Iterator[Any]:
         dist.destroy_process_group(group)
 
 
-def send_to_rank0(folder: Path, own: list[Path], sees_rank0s: bool) -> None:
+def send_to_rank0(folder: Path, senders: dict[int, dict[str, int]]) -> None:
     """Collective after every rank wrote its files of a checkpoint being saved in `folder`: rank 0 receives, into
-    it, the files `own` of each rank that `sees_rank0s` is False on (they wrote into their own disk's `folder`)."""
+    it, each sender's files (rank -> {name: bytes}: the ranks that wrote into their own disk's `folder`)."""
     import torch.distributed as dist
 
-    if not _distributed():
-        return
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, None if sees_rank0s else [(p.name, p.stat().st_size) for p in own])
-    if all(files is None for files in every):
+    if not senders or not _distributed():
         return
     rank = dist.get_rank()
     with _transfer_group() as group:
-        for sender, files in enumerate(every):
-            if files is None:
-                continue
-            if rank == 0:
-                for name, size in files:
+        for sender, files in sorted(senders.items()):
+            for name, size in sorted(files.items()):
+                if rank == 0:
                     _receive(folder / name, size, sender, group)
-            elif rank == sender:
-                for path in own:
-                    _send(path, 0, group)
+                elif rank == sender:
+                    _send(folder / name, 0, group)
 
 
 def remove_own_copy(folder: Path) -> None:
