@@ -495,12 +495,17 @@ class Checkpointer:
 
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         alone = not dist.is_initialized()  # one process: said, so DCP does not warn that it assumes so
+        # a plain tensor every rank holds is saved once: rank 0's, as the one-file layout did. DCP's default spreads
+        # them over the ranks, and a replica's buffers may differ between ranks (ddp's BatchNorm statistics, each
+        # rank's own; ddp broadcasts rank 0's): a checkpoint then held rank 1's and a resume diverged from the run
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         try:
             if self.async_save:
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group(), no_dist=alone)
+                future = dcp.async_save(tensors, storage_writer=writer, planner=planner, process_group=self._async_group(),
+                                        no_dist=alone)
                 self._pending = lambda: (future.result(), _commit(tmp, target, step, kind, keep, spec))[1]
                 return target
-            dcp.save(tensors, storage_writer=writer, no_dist=alone)
+            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=alone)
         except OSError as e:
             raise _write_error(e, tmp) from e
         return _commit(tmp, target, step, kind, keep, spec)

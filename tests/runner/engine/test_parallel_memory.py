@@ -64,7 +64,8 @@ FAST = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, two_ranks) -> dict[str, dict]:
     where = tmp_path_factory.mktemp("two_ranks")
-    return {**two_rank_runs(FAST, where, two_ranks), "one process": one_process(CNN, where / "one")}
+    return {**two_rank_runs(FAST, where, two_ranks), "one process": one_process(CNN, where / "one"),
+            "ddp checkpoint": where / "ddp" / "checkpoints" / "last.pt"}
 
 
 def assert_statistics_of_one_process(two_ranks: dict, one: dict) -> None:
@@ -83,6 +84,13 @@ def test_ddp_trains_like_one_process_with_sync_batchnorm_and_keeps_each_ranks_st
     # without sync_batchnorm each rank normalises by its own half of the batch: rank 0's statistics differ
     one = runs["one process"]
     assert not all(torch.allclose(runs["ddp"][k], one[k], rtol=1e-3) for k in one if "running" in k)
+    # every tensor a ddp replica holds is saved from rank 0 (ddp broadcasts rank 0's buffers): a mid-run checkpoint
+    # that held rank 1's statistics made a resume diverge from the uninterrupted run (DCP spreads them over the ranks)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    written_by = {k.fqn: v.relative_path for k, v in
+                  FileSystemReader(str(runs["ddp checkpoint"])).read_metadata().storage_data.items()}
+    assert set(written_by.values()) == {"__0_0.distcp"}, written_by
 
 
 @pytest.mark.slow  # in CI: all of them at once in test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_...
