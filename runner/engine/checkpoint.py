@@ -495,12 +495,17 @@ class Checkpointer:
 
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         alone = not dist.is_initialized()  # one process: said, so DCP does not warn that it assumes so
+        # a plain tensor every rank holds is saved once: rank 0's, as the one-file layout did. DCP's default spreads
+        # them over the ranks, and a replica's buffers may differ between ranks (ddp's BatchNorm statistics, each
+        # rank's own; ddp broadcasts rank 0's): a checkpoint then held rank 1's and a resume diverged from the run
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         try:
             if self.async_save:
-                future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group(), no_dist=alone)
+                future = dcp.async_save(tensors, storage_writer=writer, planner=planner, process_group=self._async_group(),
+                                        no_dist=alone)
                 self._pending = lambda: (future.result(), _commit(tmp, target, step, kind, keep, spec))[1]
                 return target
-            dcp.save(tensors, storage_writer=writer, no_dist=alone)
+            dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=alone)
         except OSError as e:
             raise _write_error(e, tmp) from e
         return _commit(tmp, target, step, kind, keep, spec)
@@ -569,13 +574,20 @@ def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spe
     and rotates. Ends with a barrier: every rank returns once the checkpoint is there."""
     import torch.distributed as dist
 
+    from runner.engine import unshared_disks
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     own = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_METADATA, tmp / RECORD] if rank == 0 else [])
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in own}
+    # rank 0 wrote the record before any shard: a rank that does not see it wrote into its own disk's copy
+    sees_rank0s = rank == 0 or (tmp / RECORD).exists()
+    every: list[Any] = [(files, sees_rank0s)]
     if dist.is_initialized():
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, files)
-        files = {k: v for part in every for k, v in part.items()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (files, sees_rank0s))
+    unshared_disks.send_to_rank0(tmp, {r: {name: entry["bytes"] for name, entry in part.items()}
+                                       for r, (part, seen) in enumerate(every) if not seen})
+    files = {k: v for part, _ in every for k, v in part.items()}
     if rank == 0:
         manifest = {"format": _FORMAT, "step": step, "spec": spec, "kind": kind,
                     "ranks": dist.get_world_size() if dist.is_initialized() else 1, "files": files}
@@ -590,6 +602,8 @@ def _commit(tmp: Path, target: Path, step: int, kind: str, keep: int | None, spe
             raise _write_error(e, target) from e
     if dist.is_initialized():
         dist.barrier()
+    if not sees_rank0s:  # after the barrier: another rank of this node may still have been sending from it
+        unshared_disks.remove_own_copy(tmp)
     return target
 
 

@@ -115,7 +115,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     "swa": _cells(),
     "batchnorm": {
         "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_two_ddp_ranks_train_a_batchnorm_model_like_one_process_with_sync_batchnorm",
+                               "test_ddp_trains_like_one_process_with_sync_batchnorm_and_keeps_each_ranks_statistics_without",
                                "each rank's statistics, as DDP's; sync_batchnorm for the global batch's"),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options",
@@ -129,7 +129,7 @@ TABLE: dict[str, dict[str, Cell]] = {
     },
     "sync_batchnorm": {
         "dp_replicate": _built("tests/runner/engine/test_parallel_memory.py::"
-                               "test_two_ddp_ranks_train_a_batchnorm_model_like_one_process_with_sync_batchnorm"),
+                               "test_ddp_trains_like_one_process_with_sync_batchnorm_and_keeps_each_ranks_statistics_without"),
         "dp_shard": _built("tests/runner/engine/test_parallel_memory.py::"
                            "test_two_ranks_train_like_one_process_with_sync_batchnorm_and_fsdps_memory_options"),
         **{dim: _no("SyncBatchNorm syncs over every process, and the ranks of one model replica hold the same "

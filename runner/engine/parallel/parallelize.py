@@ -135,6 +135,8 @@ def parallelize(built: BuiltModel, spec: RunSpec, env: DistEnv, device: torch.de
         model = module
     if built.on_meta:  # every shard in place: only now does this rank allocate its own
         materialise(pipe.stage_modules if pipe is not None else [module], parameter_device(par, env, device), device)
+        if pipe is not None:
+            pipe.materialised()
         if built.seed is not None:
             seed.load(module, built.seed)
             seed.remove(built.seed, env)

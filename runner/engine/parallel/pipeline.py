@@ -184,6 +184,13 @@ class Pipeline:
             if split_input and not stage.is_first:
                 stage.submod.register_forward_pre_hook(_sequence_split_input(tp_mesh))
 
+    def materialised(self) -> None:
+        """After the stages' parameters got their memory (parallelize.materialise): `module` holds the stages' objects
+        again. to_empty gives a stage's own parameters new objects, and a plan's stage that is a shallow copy of the
+        model holds its root's in a dict of its own (vit's class token and positions), which `module` kept on meta:
+        the seed then loaded nothing into the stage's, and a checkpoint met meta tensors."""
+        _rank_part(self.module, self.stage_modules)
+
     def shard_stages(self, spec: ParallelismSpec, env: DistEnv, device: torch.device,
                      param_dtype: torch.dtype | None) -> None:
         """pp x fsdp: each stage fully_shard-ed on dp_shard (its blocks one by one, then the stage as the root,

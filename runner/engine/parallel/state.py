@@ -278,6 +278,18 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, sou
     one-file checkpoint: each rank lays them out as its own). `extra`: more of this rank's tensors to fill
     in place (the averages). Keys under an `optional` prefix the checkpoint lacks are left alone; returns
     those prefixes that it lacked. Raises KeyError naming a missing key, ValueError for a mismatch."""
+    if not isinstance(source, dict):  # a rank on a node without rank 0's disk reads a copy of the folder
+        from pathlib import Path
+
+        from runner.engine.unshared_disks import readable_here
+
+        with readable_here(Path(source)) as here:
+            return _load_sharded(module, optimizer, here, groups, extra, optional)
+    return _load_sharded(module, optimizer, source, groups, extra, optional)
+
+
+def _load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, source: Any,
+                  groups: list[dict] | None, extra: dict[str, torch.Tensor] | None, optional: tuple[str, ...]) -> set[str]:
     state, _ = sharded_state(module, optimizer)
     state.update(extra or {})
     if isinstance(source, dict):
