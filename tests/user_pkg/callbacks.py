@@ -88,3 +88,24 @@ class ReturnsAString(AddOn):
 
     def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> Any:
         return "stop" if step == 2 else None
+
+
+class HoldsForAStopSignal(AddOn):
+    """While the file `hold` exists, holds every step after `after` until this process has a stop signal (SIGTERM,
+    SIGUSR1): a test that signals a run in the middle of its training then never depends on the run being slower
+    than the signal's way to it. Without the file it does nothing, so the run's reference and its resume train as
+    they would without it."""
+
+    name = "holds_for_a_stop_signal"
+
+    def __init__(self, hold: str, after: int) -> None:
+        self.hold, self.after = hold, after
+
+    def on_step_end(self, step: int, loss_sum: torch.Tensor, samples: int) -> None:
+        import os
+        import time
+
+        from runner.engine import preemption
+
+        while step > self.after and os.path.exists(self.hold) and not preemption.pending_signal():
+            time.sleep(0.01)

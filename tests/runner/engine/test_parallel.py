@@ -18,7 +18,7 @@ from runner.engine import checkpoint
 from runner.engine.engine import Engine
 from runner.engine.parallel import DistEnv
 from runner.specs.run import SpecError
-from tests.conftest import compose_spec, run_cli
+from tests.conftest import REPO, compose_spec, run_cli
 from tests.runner.cli.test_cli import assert_run_log
 
 # a train split of even size (800), so 2 ranks see exactly the samples of one process
@@ -317,17 +317,22 @@ def test_only_the_main_rank_writes_run_files(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_a_ddp_launcher_stops_every_rank_at_one_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docker stop / SLURM preemption: the elastic agent forwards SIGTERM to both workers, which agree on one
     step boundary, write its checkpoint and end the MLflow run KILLED; the launcher exits 143."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     args = ["dataset=synthetic", "dataset.size=1000", "dataset.shape=[1,8,8]", "model=mlp", "model.hidden=[32]",
             "dataset.batch_size=16", "optimizer=adamw", "trainer.max_steps=80", "trainer.checkpoint_every_n_steps=10",
             "trainer.keep_checkpoints=20", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=10",
             "trainer.eval_every_epoch=false", "trainer.progress_bar=off", "parallelism=ddp",
-            "parallelism.nproc_per_node=2", f"tracking.artifact_root={tmp_path / 'artifacts'}"]
+            "parallelism.nproc_per_node=2", f"tracking.artifact_root={tmp_path / 'artifacts'}",
+            # the cut run waits for its SIGTERM after step 10's checkpoint: it cannot end before the signal arrives
+            f"trainer.callbacks=[{{_target_: tests.user_pkg.callbacks.HoldsForAStopSignal, hold: '{tmp_path / 'hold'}', "
+            "after: 10}]"]
     ref_db, db = tmp_path / "ref.db", tmp_path / "mlflow.db"
     reference = run_cli([*args, f"hydra.run.dir={tmp_path / 'ref'}", f"tracking.uri=sqlite:///{ref_db}"], cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr
+    (tmp_path / "hold").touch()
     cmd = [sys.executable, "-m", "runner", *args, f"hydra.run.dir={tmp_path / 'cut'}", f"tracking.uri=sqlite:///{db}"]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -351,6 +356,7 @@ def test_sigterm_to_a_ddp_launcher_stops_every_rank_at_one_step_with_its_checkpo
     assert 10 <= stop < 80 and checkpoint.load(tmp_path / "cut")["progress"]["step"] == stop
     assert (tmp_path / "cut" / "checkpoints" / f"step-{stop:08d}.pt").exists()
 
+    (tmp_path / "hold").unlink()
     resumed = run_cli([f"trainer.resume={tmp_path / 'cut'}", f"hydra.run.dir={tmp_path / 'resume'}",
                        f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path / 'artifacts'}"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
