@@ -76,20 +76,19 @@ def remove_own_copy(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def readable_here(folder: Path) -> Iterator[Path]:
+def readable_here(folder: Path, manifest: str) -> Iterator[Path]:
     """Collective: a folder holding rank 0's checkpoint `folder` on this rank's disk (itself where this rank sees
-    it; else a copy received from rank 0, removed on leaving)."""
+    it; else a copy received from rank 0, removed on leaving). `manifest`: the file whose digest names the
+    checkpoint (the checkpoint module's; passed in, as that module imports this one)."""
     import torch.distributed as dist
 
     if not _distributed():
         yield folder
         return
-    from runner.engine.checkpoint import MANIFEST
-
     rank = dist.get_rank()
-    box: list[Any] = [_digest(folder / MANIFEST) if rank == 0 else None]
+    box: list[Any] = [_digest(folder / manifest) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    sees = box[0] is not None and _digest(folder / MANIFEST) == box[0]
+    sees = box[0] is not None and _digest(folder / manifest) == box[0]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, sees)
     lacking = [r for r, seen in enumerate(every) if not seen]

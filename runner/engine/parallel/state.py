@@ -281,9 +281,10 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, sou
     if not isinstance(source, dict):  # a rank on a node without rank 0's disk reads a copy of the folder
         from pathlib import Path
 
+        from runner.engine.checkpoint import MANIFEST
         from runner.engine.unshared_disks import readable_here
 
-        with readable_here(Path(source)) as here:
+        with readable_here(Path(source), MANIFEST) as here:
             return _load_sharded(module, optimizer, here, groups, extra, optional)
     return _load_sharded(module, optimizer, source, groups, extra, optional)
 
