@@ -207,7 +207,16 @@ class Component:
     callable's dotted path and its own arguments, which runner/specs/components.py checks against the
     callable's signature once it can be imported."""
 
+    target: str
     params: dict
+
+    def __to_plain__(self) -> dict:  # a spec with fields of its own besides params adds them
+        return {"_target_": self.target, **self.params}
+
+    @classmethod
+    def parse(cls, data: Any, key: str):
+        data = component_dict(data, key)
+        return cls(target=data.pop("_target_"), params=data)
 
     def with_params(self, params: dict):
         return dataclasses.replace(self, params=dict(params))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
-from runner.specs.fields import Component, SpecError, component_dict, opt
+from runner.specs.fields import Component, SpecError, opt
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,6 @@ class PlanSpec(Component):
 
     target: str = ""
     params: dict = field(default_factory=dict)
-
-    def __to_plain__(self) -> dict:
-        return {"_target_": self.target, **self.params}
-
-    @classmethod
-    def parse(cls, data: Any, key: str) -> "PlanSpec":
-        data = component_dict(data, key)
-        return cls(target=data.pop("_target_"), params=data)
 
 
 # torch.distributed.pipelining's schedules by the name a user types; the multi-stage ones hold

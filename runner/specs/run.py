@@ -139,7 +139,7 @@ def _with_components(cfg: dict) -> dict:
     cfg = dict(cfg)
     for group, spec_class in _COMPONENTS.items():
         if group in cfg:
-            cfg[group] = spec_class.parse(cfg[group])
+            cfg[group] = spec_class.parse(cfg[group], group)
     trainer = cfg.get("trainer")
     if isinstance(trainer, dict) and not isinstance(trainer.get("callbacks", ()), (list, tuple)):
         raise SpecError(callbacks_refusal(trainer["callbacks"]))

@@ -4,9 +4,8 @@ are read after the spec is built (runner/specs/metric_names.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from runner.specs.fields import Component, component_dict
+from runner.specs.fields import Component
 
 
 @dataclass(frozen=True)
@@ -16,11 +15,3 @@ class TaskSpec(Component):
 
     target: str = "runner.tasks.Classification"
     params: dict = field(default_factory=dict)
-
-    def __to_plain__(self) -> dict:
-        return {"_target_": self.target, **self.params}
-
-    @classmethod
-    def parse(cls, data: Any, key: str = "task") -> "TaskSpec":
-        data = component_dict(data, key)
-        return cls(target=data.pop("_target_"), params=data)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from runner.specs.fields import Component, SpecError, component_dict, opt
+from runner.specs.fields import Component, SpecError, opt
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,6 @@ class CallbackSpec(Component):
 
     target: str = ""
     params: dict = field(default_factory=dict)
-
-    def __to_plain__(self) -> dict:
-        return {"_target_": self.target, **self.params}
-
-    @classmethod
-    def parse(cls, data: Any, key: str) -> "CallbackSpec":
-        data = component_dict(data, key)
-        return cls(target=data.pop("_target_"), params=data)
 
 
 @dataclass(frozen=True)
