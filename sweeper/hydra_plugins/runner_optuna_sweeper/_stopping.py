@@ -83,10 +83,12 @@ class StopSignals:
 
     def send_to_children(self) -> None:
         """The stop signal to each child process of this one it has not reached yet. Helpers that must outlive
-        the jobs ignore it (loky's resource tracker, runner's tracking process). Linux's /proc names the
-        children; elsewhere nothing is sent."""
+        the jobs ignore it (loky's resource tracker, runner's tracking process). Only Python interpreters are
+        sent it: a launcher's workers are, and its tools are not (loky runs `pgrep` to find the workers' own
+        children as it kills them; a SIGTERM there raised in loky's thread, whose traceback the user saw).
+        Linux's /proc names the children; elsewhere nothing is sent."""
         for pid in children(os.getpid()):
-            if pid not in self.sent:
+            if pid not in self.sent and runs_this_interpreter(pid):
                 self.sent.add(pid)
                 try:
                     os.kill(pid, self.signum)
@@ -104,6 +106,14 @@ def children(parent: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
     return found
+
+
+def runs_this_interpreter(pid: int) -> bool:
+    """Whether process `pid` runs the same executable as this process (False once it ended)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == os.readlink("/proc/self/exe")
+    except OSError:
+        return False
 
 
 def slot_interrupt(signum: int, frame: Any) -> None:
