@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -54,13 +54,19 @@ def run(spec: RunSpec) -> Path:
     if not spec.trainer.resume:
         raise SpecError("trainer.resume: null; mode=export exports a trained model: "
                         "give trainer.resume=<run dir | checkpoint>")
-    from runner.results.source import resolve_source
+    from runner.results.source import misfit, source_spec
 
-    source = resolve_source(spec)  # a run dir, checkpoint file or MLflow run id; refused before any MLflow run exists
+    # a run dir, checkpoint file or MLflow run id, refused before any MLflow run exists; the model is the trained
+    # run's with what was typed now on top (as eval and predict build it), so a typed model key is used or refused
+    merged, source = source_spec(spec)
+    try:  # loaded before the MLflow run starts: weights that do not fit leave no FAILED run behind
+        exportable = Exportable.of(source.weights, merged)
+    except SpecError as e:
+        raise SpecError(misfit(merged, source, e)) from None
     tracker = build_tracker(spec)
     tracker.start(spec)
     try:
-        out = export_weights(source.weights, Path(spec.run_dir) / "export")
+        out = write_export(exportable, Path(spec.run_dir) / "export")
         info = yaml.safe_load((out / "model.yaml").read_text())["source"]
         tracker.set_tags({"runner.exported_from_checkpoint": str(source.path),
                           "runner.exported_weights": source.weights.source,
@@ -83,14 +89,33 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, program: bool = T
 
 def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program: bool = True) -> Path:
     """Export the model of a trained run's chosen weights into out_dir."""
-    path = weights.path
-    if not weights.spec:
-        raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
-    spec = RunSpec.from_yaml(weights.spec)
-    data = build_data(spec)
-    model = components.build_model(spec, data)
-    weights.load_into(model)
-    model.eval()
+    return write_export(Exportable.of(weights), out_dir, program)
+
+
+class Exportable(NamedTuple):
+    """A trained model with its weights loaded, its spec and data, ready to write."""
+    model: torch.nn.Module
+    spec: RunSpec
+    data: Any
+    weights: run_weights.RunWeights
+
+    @classmethod
+    def of(cls, weights: run_weights.RunWeights, spec: RunSpec | None = None) -> "Exportable":
+        """The model `spec` builds (the run's own spec, by default) holding `weights`; a SpecError where they
+        do not fit."""
+        if spec is None and not weights.spec:
+            raise SpecError(f"trainer.resume: {weights.path} holds no run spec, so its model cannot be rebuilt for "
+                            "export")
+        spec = spec or RunSpec.from_yaml(weights.spec)
+        data = build_data(spec)
+        model = components.build_model(spec, data)
+        weights.load_into(model)
+        return cls(model.eval(), spec, data, weights)
+
+
+def write_export(exportable: Exportable, out_dir: str | Path, program: bool = True) -> Path:
+    """The export's files into out_dir."""
+    model, spec, data, weights = exportable
     inputs = example_inputs(spec, data, model)
     final = Path(out_dir)
     # written into a directory beside it and renamed into place once whole: a kill leaves the earlier export or
@@ -103,7 +128,7 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
         _replace_directory(out, final)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    log.info("exported the %s weights of %s to %s (%s)", weights.source, path, final,
+    log.info("exported the %s weights of %s to %s (%s)", weights.source, weights.path, final,
              ", ".join(sorted(p.name for p in final.iterdir())))
     return final
 

@@ -162,6 +162,21 @@ def test_run_refuses_a_bad_source_before_any_mlflow_run_exists(tmp_path: Path) -
     assert not db.exists()
 
 
+def test_run_refuses_a_typed_model_key_the_weights_do_not_fit_before_any_mlflow_run_exists(mlp_run: tuple,
+                                                                                          tmp_path: Path) -> None:
+    """As eval and predict do: before, export built the trained run's model, ignored model.hidden=[8] and exported
+    the [16] model under a command that asked for another."""
+    db = tmp_path / "mlflow.db"
+    typed = [*(o for o in MLP if o != "model=mlp" and not o.startswith("model.hidden=")), "model.hidden=[8]",
+             f"trainer.resume={mlp_run[0]}"]
+    spec = compose_spec(typed, tmp_path / "run", f"sqlite:///{db}")
+    with pytest.raises(SpecError, match=r"^model.hidden: \[8\] builds a model the weights of .*step-00000001.pt do not "
+                                        r"fit \(.*\); that run was trained with model.hidden=\[16\]; allowed: "
+                                        r"model.hidden=\[16\], or leave model.hidden out$"):
+        export.run(spec)
+    assert not db.exists() and not (tmp_path / "run" / "export").exists()
+
+
 @pytest.mark.slow  # MLflow's start-up; the mlp test keeps what is written, this what reaches MLflow
 def test_run_logs_the_export_as_artifacts_of_a_finished_run_tagged_with_its_source(mlp_run: tuple, tmp_path: Path) -> None:
     import mlflow
