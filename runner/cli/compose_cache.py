@@ -106,6 +106,7 @@ def store(digest: str | None, cfg: Any, config_loader: Any) -> None:
     covers. A cache that cannot be written is no cache: the run goes on."""
     if digest is None or not _search_path_covered(config_loader):
         return
+    temporary = None
     try:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -114,8 +115,9 @@ def store(digest: str | None, cfg: Any, config_loader: Any) -> None:
             pickle.dump(cfg, f, protocol=pickle.HIGHEST_PROTOCOL)
         temporary.replace(folder / f"{digest}.pickle")  # whole or not at all, under concurrent runs too
         _prune(folder)
-    except (OSError, RuntimeError):  # RuntimeError: no home directory to find
-        pass
+    except Exception:  # noqa: BLE001  (no home, a full disk, a value pickle refuses: the run goes on uncached)
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
 
 
 def _prune(folder: Path) -> None:

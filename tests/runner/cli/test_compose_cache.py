@@ -86,6 +86,24 @@ def test_a_cached_config_is_the_composed_one_with_its_interpolations_unresolved(
     assert lazy.get_search_path().get_path()[1].path == loader.get_search_path().get_path()[1].path
 
 
+def test_a_cache_that_cannot_be_written_is_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "not_a_folder").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not_a_folder"))
+    for _ in range(2):
+        cfg, loader = _compose("config", ["seed=5"], ())
+        assert cfg.seed == 5 and not isinstance(loader, compose_cache.LazyConfigLoader)  # composed each time
+
+
+def test_the_most_recently_used_configs_are_kept(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compose_cache, "_KEEP", 2)
+    for seed in (1, 2, 3):
+        _compose("config", [f"seed={seed}"], ())
+        time.sleep(0.01)  # distinct modification times
+    assert len(list(cache.glob("*.pickle"))) == 2
+    assert isinstance(_compose("config", ["seed=3"], ())[1], compose_cache.LazyConfigLoader)  # kept
+    assert not isinstance(_compose("config", ["seed=1"], ())[1], compose_cache.LazyConfigLoader)  # the oldest: gone
+
+
 def _logged(uri: str) -> dict:
     from mlflow.tracking import MlflowClient
 
