@@ -14,7 +14,10 @@ Each case is a fresh process, measured two ways:
 
 The default run's MLflow store is a fresh one for the first (untimed) run and an existing one for the
 rest, as a user's is; what another case builds on its first run (gpt_small's token cache) is built by
-an untimed run first. `--whole` also times whole default runs, paired with Lightning's run of the same
+an untimed run first. The default run's config is composed by that first run and taken from the cache of
+composed configs by the rest, as a user's command run again is (runner/cli/compose_cache.py); a case beside
+it has every run compose afresh. The cases run in turn, one run of each a round, and the default run's first
+step is printed against the hand loop's as the median of their paired ratios (target: 1.1x). `--whole` also times whole default runs, paired with Lightning's run of the same
 work (benchmarks/lightning_default.py) when lightning is importable: their CPU seconds and the ratio.
 """
 from __future__ import annotations
@@ -72,16 +75,21 @@ class Case:
     target_s: float | None
     target_note: str = ""
     command: tuple[str, ...] = ()  # not `python -m runner <args>`: this module instead (a reference)
+    composed_afresh: bool = False  # each run with an empty cache of composed configs (runner/cli/compose_cache.py)
 
 
+DEFAULT_RUN = Case("default run: first optimizer step", (), True, 3.0)
+HAND_LOOP = Case("hand-written loop, same work: first step", (), True, None, "reference",
+                 ("-m", "benchmarks.hand_first_step"))
 CASES = (
     Case("--cfg job", ("--cfg", "job"), False, 1.0),
     Case("a typo: optimzer=adamw (exit 2)", ("optimzer=adamw",), False, 1.0),
-    Case("default run: first optimizer step", (), True, 3.0),
+    DEFAULT_RUN,
+    Case("  the same, its config composed afresh", (), True, None, "no cache", composed_afresh=True),
     Case("experiment=gpt_small: first step", ("experiment=gpt_small",), True, None, "7.3 before"),
-    Case("hand-written loop, same work: first step", (), True, None, "reference",
-         ("-m", "benchmarks.hand_first_step")),
+    HAND_LOOP,
 )
+FIRST_STEP_RATIO = 1.1  # the default run's first step against the hand loop's, at most
 
 
 @dataclass(frozen=True)
@@ -105,11 +113,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def timed(command: list[str], cwd: Path, to_first_step: bool) -> Timing:
-    """Wall and CPU seconds of `command` (run in cwd) to its exit, or to its FirstStep line."""
+def timed(command: list[str], cwd: Path, to_first_step: bool, env: dict[str, str] | None = None) -> Timing:
+    """Wall and CPU seconds of `command` (run in cwd, with env beside the bench's own) to its exit, or to its
+    FirstStep line."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, cwd=cwd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     seen: list[str] = []
     for line in proc.stdout:
@@ -137,29 +147,46 @@ def _each(times: list[float]) -> str:
     return " ".join(f"{t:.2f}" for t in times)
 
 
-def bench_startup(runs: int, whole: int = 0, python: str | None = None) -> None:
-    """Prints the median of `runs` measurements of each case beside its target; `whole` > 0: that many
-    whole default runs, paired with Lightning's when it is importable."""
+def bench_startup(runs: int, whole: int = 0, python: str | None = None, cases: tuple[Case, ...] = CASES) -> None:
+    """Prints the median of `runs` measurements of each case beside its target, the cases in turn in each of
+    `runs` rounds (so a machine's drift reaches them all alike), then the default run's first step against
+    the hand loop's (the median of their paired ratios); `whole` > 0: that many whole default runs, paired
+    with Lightning's when it is importable."""
     print(f"{'start-up (python -m runner ...)':<38} {'wall s':>7} {'CPU s':>7} {'target s':>9}  verdict  "
           f"(each run: wall s / CPU s)")
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         fresh = timed(runner_command((), True), cwd, True)  # creates and migrates outputs/mlflow.db
-        for case in CASES:
-            command = [sys.executable, *case.command] if case.command else runner_command(case.args, case.to_first_step)
+        for case in cases:
             if case.to_first_step and case.args:  # untimed: what a first run builds once (gpt_small's token cache)
                 timed(runner_command(case.args, True), cwd, True)
-            times = [timed(command, cwd, case.to_first_step) for _ in range(runs)]
-            wall, cpu = statistics.median(t.wall for t in times), statistics.median(t.cpu for t in times)
-            target = f"{case.target_s:.1f}" if case.target_s is not None else case.target_note
-            verdict = "" if case.target_s is None else "ok" if wall <= case.target_s else "over"
-            tracking = (f" + tracking {_each([t.tracking_cpu for t in times])}"
-                        if any(t.tracking_cpu for t in times) else "")
-            print(f"{case.what:<38} {wall:>7.2f} {cpu:>7.2f} {target:>9}  {verdict:<7}  "
-                  f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])}{tracking})", flush=True)
+        times: dict[Case, list[Timing]] = {case: [] for case in cases}
+        for round_ in range(runs):
+            for case in cases:
+                command = [sys.executable, *case.command] if case.command else runner_command(case.args, case.to_first_step)
+                env = {"XDG_CACHE_HOME": str(cwd / f"cache-{round_}")} if case.composed_afresh else None
+                times[case].append(timed(command, cwd, case.to_first_step, env))
+        for case in cases:
+            _print_case(case, times[case])
         print(f"{'default run, fresh MLflow store':<38} {fresh.wall:>7.2f} {fresh.cpu:>7.2f} {'':>9}  {'':<7}  (once)")
+        if runs and DEFAULT_RUN in times and HAND_LOOP in times:
+            ours, hand = times[DEFAULT_RUN], times[HAND_LOOP]
+            wall = statistics.median(o.wall / h.wall for o, h in zip(ours, hand))
+            cpu = statistics.median(o.cpu / h.cpu for o, h in zip(ours, hand))
+            print(f"first step, default run / hand loop (median of {runs} paired ratios): wall {wall:.3f}x, CPU "
+                  f"{cpu:.3f}x  target <= {FIRST_STEP_RATIO}x (wall): {'ok' if wall <= FIRST_STEP_RATIO else 'over'}")
         if whole:
             whole_runs(whole, cwd, python)
+
+
+def _print_case(case: Case, times: list[Timing]) -> None:
+    wall, cpu = statistics.median(t.wall for t in times), statistics.median(t.cpu for t in times)
+    target = f"{case.target_s:.1f}" if case.target_s is not None else case.target_note
+    verdict = "" if case.target_s is None else "ok" if wall <= case.target_s else "over"
+    tracking = (f" + tracking {_each([t.tracking_cpu for t in times])}"
+                if any(t.tracking_cpu for t in times) else "")
+    print(f"{case.what:<38} {wall:>7.2f} {cpu:>7.2f} {target:>9}  {verdict:<7}  "
+          f"({_each([t.wall for t in times])} / {_each([t.cpu for t in times])}{tracking})", flush=True)
 
 
 def lightning_python(given: str | None) -> str | None:
@@ -213,12 +240,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lightning-python", default=None,
                         help="an interpreter that imports lightning, for its run (default: this one, where it can)")
     parser.add_argument("--only-whole", action="store_true", help="skip the start-up cases")
+    parser.add_argument("--first-step-only", action="store_true",
+                        help="of the start-up cases, the default run's (both ways) and the hand loop's first step")
     args = parser.parse_args(argv)
     if args.only_whole:
         with tempfile.TemporaryDirectory() as tmp:
             whole_runs(args.whole or 3, Path(tmp), args.lightning_python)
         return
-    bench_startup(args.runs, args.whole, args.lightning_python)
+    cases = tuple(c for c in CASES if c.to_first_step and not c.args) if args.first_step_only else CASES
+    bench_startup(args.runs, args.whole, args.lightning_python, cases)
 
 
 if __name__ == "__main__":

@@ -86,14 +86,16 @@ def expand_accum(argv: list[str]) -> list[str]:
 
 def _check_command_line(args: Any) -> Checked:
     overrides = _parse(args.overrides)
-    _check_groups(overrides)
+    searchpath = _searchpath(overrides)
+    _check_groups(overrides, searchpath)
     if not args.multirun:
         _refuse_sweeps(overrides)
     variants = _variants(overrides) if args.multirun else [[o.input_line for o in overrides]]
     dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     first: tuple[RunSpec, str] | None = None
     for variant in variants:
-        cfg, config_loader = _compose(args.config_name or CONFIG_NAME, variant)
+        cfg, config_loader = _compose(args.config_name or CONFIG_NAME, variant,
+                                      searchpath if not (args.multirun or args.cfg or args.info) else None)
         if args.cfg or args.info:
             return Checked()  # printing the config: the values are the user's to inspect, not to run
         run_dir = str(_select(cfg, dir_key))
@@ -201,10 +203,9 @@ def _parse(lines: list[str]) -> list[Any]:
     return parsed
 
 
-def _check_groups(overrides: list[Any]) -> None:
+def _check_groups(overrides: list[Any], searchpath: tuple[str, ...] | None) -> None:
     """`precision=fp17`: the option check RunSpec.validate uses, before Hydra's multi-line error. Options
     of every group may be the user's own, from YAML on hydra.searchpath."""
-    searchpath = _searchpath(overrides)
     if searchpath is None:
         return  # a search path known only once composed: Hydra looks, and its "could not find" is one line in _compose
     groups = set(registry.groups(searchpath))
@@ -268,20 +269,37 @@ def _variants(overrides: list[Any], limit: int = 32) -> list[list[str]]:
     return variants
 
 
-def _compose(config_name: str, overrides: list[str]) -> tuple[DictConfig, Any]:
+def _compose(config_name: str, overrides: list[str], cache_searchpath: tuple[str, ...] | None = None
+             ) -> tuple[DictConfig, Any]:
     """The config a run of these overrides gets, as Hydra composes it for a job (RUN mode, Hydra's node
-    included), and the config loader that composed it."""
+    included), and the config loader that composed it. With the search path given (a single run's), the
+    composition is kept and reused while nothing it reads changes (runner/cli/compose_cache.py)."""
+    import warnings
+
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
 
-    with initialize_config_dir(config_dir=str(registry.CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-        except (HydraException, OmegaConfBaseException) as e:
-            raise SpecError(_composition_error(e, config_name, overrides)) from None
-        config_loader = GlobalHydra.instance().config_loader()
+    from runner.cli import compose_cache
+
+    digest = compose_cache.key(config_name, overrides, cache_searchpath) if cache_searchpath is not None else None
+    cached = compose_cache.load(digest)
+    if cached is not None:
+        cfg, config_loader = cached
+    else:
+        with initialize_config_dir(config_dir=str(registry.CONF_DIR), version_base=compose_cache.VERSION_BASE):
+            try:
+                with warnings.catch_warnings(record=True) as warned:
+                    cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException) as e:
+                raise SpecError(_composition_error(e, config_name, overrides)) from None
+            finally:
+                for w in warned:  # shown as they would have been; a config composed with a warning is not kept
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+            config_loader = GlobalHydra.instance().config_loader()
+        if not warned:
+            compose_cache.store(digest, cfg, config_loader)  # as composed: nothing has resolved ${now:...} yet
     HydraConfig.instance().set_config(cfg)  # as Hydra does for a job: ${hydra:...} resolves
     return cfg, config_loader
 
