@@ -1,8 +1,8 @@
 """What the model decides about a run that shards it or cuts it (dp_shard, tp, pp or cp above 1), checked on the
 model built on the meta device before any run directory or worker exists: BatchNorm layers in a dimension that
 does not build them (the composition table), blocks for fsdp to shard, cp's attention, a tensor plan and tp
-dividing the heads, every pipeline stage cut as each worker will cut its own, and the stages composing to the
-model (no residual added outside a block).
+dividing the heads, every pipeline stage cut as each worker will cut its own, the stages composing to the
+model (no residual added outside a block), and a user's tensor plan naming only parts the model holds.
 
 One sequence of the engine's own check functions, called by preflight (runner/cli/preflight.py: a single run,
 the first job of a sweep, before Hydra makes a directory) and by the launcher before it starts workers (a
@@ -11,6 +11,7 @@ A run with none of those dimensions imports nothing here (no torch before a sing
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -60,6 +61,8 @@ def check_model_composition(spec: Any, say: Any = None) -> None:
             note = check_stages_compose(model, stages, _sample_inputs(data), spec.model.target)
             if note is not None:
                 (say or _warn)(note)
+        # last: it splits the meta model's parameters as a worker's plan will
+        tensor_parallel.check_user_plan(model, par, dims.tp, spec.model.target)
     _checked.add(key)
 
 
@@ -73,9 +76,10 @@ def _sample_inputs(data: Any) -> Any:
 
 
 def _key(spec: Any) -> str:
-    """What the checks read: the model, the data (and a k-fold run's fold), the task, the degrees, the device."""
-    return repr((spec.model, spec.dataset, spec.task, spec.parallelism, spec.trainer.device,
-                 spec.trainer.cross_validation))
+    """What the checks read (the model, the data and a k-fold run's fold, the task, the degrees, the device), for
+    this run directory: the launcher's check of the run preflight checked finds it."""
+    return repr((os.path.abspath(spec.run_dir), spec.model, spec.dataset, spec.task, spec.parallelism,
+                 spec.trainer.device, spec.trainer.cross_validation))
 
 
 def _warn(line: str) -> None:

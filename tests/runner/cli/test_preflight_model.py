@@ -38,6 +38,10 @@ REFUSED = {
     "fsdp of a model without blocks": (["model._target_=tests.user_pkg.blocks.Flat", "parallelism=fsdp",
                                         "parallelism.nproc_per_node=2"], [
         "error: parallelism: fsdp found no blocks to shard in Flat", "use parallelism=ddp"]),
+    "a tp plan naming a missing part": (["parallelism.tp=2",
+                                         'parallelism.tp_plan={_target_:tests.user_pkg.plans.column_then_row,column:"7"}'], [
+        "error: parallelism.tp_plan: tests.user_pkg.plans.column_then_row names a part runner.models.mlp.MLP does not "
+        "hold (Parallelize plan key '7' could not be resolved", "allowed: the model's own parts"]),
     "a residual outside the block": (["model._target_=tests.user_pkg.residual.OuterResidual", "parallelism.pp=2"], [
         "error: parallelism.pp: tests.user_pkg.residual.OuterResidual cut into 2 stages does not compute its own forward",
         "its block 'blocks.0'", "allowed: a forward that passes only each block's output on", "parallelism.pp=1"]),
