@@ -28,6 +28,7 @@ from runner.engine.run_data import build_data
 from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
+from runner.engine.components import build_model
 from runner.specs import components
 from runner.specs.run import RunSpec, SpecError
 
@@ -88,7 +89,7 @@ def export_weights(weights: run_weights.RunWeights, out_dir: str | Path, program
         raise SpecError(f"trainer.resume: {path} holds no run spec, so its model cannot be rebuilt for export")
     spec = RunSpec.from_yaml(weights.spec)
     data = build_data(spec)
-    model = components.build_model(spec, data)
+    model = build_model(spec, data)
     weights.load_into(model)
     model.eval()
     inputs = example_inputs(spec, data, model)

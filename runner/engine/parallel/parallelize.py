@@ -87,7 +87,7 @@ def build_on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
     """The model built under the meta device (here, and by the checks before any worker starts:
     runner/cli/preflight_model.py), or None and why it cannot be: its constructor raised there, or left
     a parameter or buffer off it (a tensor made from data, say)."""
-    from runner.specs import components
+    from runner.engine import components
 
     try:
         with torch.device("meta"):
