@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from runner.specs import composition
 
@@ -28,10 +28,11 @@ def needs_the_model(spec: Any) -> bool:
     return par.dp_shard != 1 or any(dims[d] > 1 for d in ("tp", "pp", "cp"))
 
 
-def check_model_composition(spec: Any, say: Any = None) -> None:
+def check_model_composition(spec: Any, say: Callable[[str], None] | None = None) -> None:
     """Refuse (SpecError, one line) what the model makes of the run's degrees; `say` gets a line for what cannot
     be checked (a forward the pipeline check cannot trace). The model is built on the meta device by the engine's
-    own builder; one that cannot be built there is left to the engine's build (each check runs there too)."""
+    own builder; one that cannot be built there is not checked here (the engine's build still cuts, plans and
+    shards it with the same functions, which refuse it there, inside the workers)."""
     if not needs_the_model(spec):
         return
     key = _key(spec)
@@ -58,7 +59,8 @@ def check_model_composition(spec: Any, say: Any = None) -> None:
         if dims.pp > 1:  # every stage can be cut (a plan, enough blocks), and the stages make the model
             num_stages = dims.pp * pipeline.stages_per_rank(par)
             stages = [pipeline.cut_stage(model, par.pp_plan, spec.model.target, i, num_stages) for i in range(num_stages)]
-            note = check_stages_compose(model, stages, _sample_inputs(data), spec.model.target)
+            inputs = _sample_inputs(data)
+            note = check_stages_compose(model, stages, inputs, spec.model.target) if inputs is not None else None
             if note is not None:
                 (say or _warn)(note)
         # last: it splits the meta model's parameters as a worker's plan will
@@ -67,10 +69,16 @@ def check_model_composition(spec: Any, say: Any = None) -> None:
 
 
 def _sample_inputs(data: Any) -> Any:
-    """A batch's model inputs as the loader makes them (its first samples, collated as every batch is)."""
+    """A batch's model inputs as the loader makes them (its first samples, collated as every batch is); None
+    where there is none to take (an empty training split, which the run refuses itself; an iterable dataset)."""
     from runner.engine.loader import Collate
     from runner.tasks.batches import split_batch
 
+    try:
+        if len(data.train) == 0:
+            return None
+    except TypeError:  # an iterable dataset without a length: a sample would be drawn from its stream
+        return None
     keyed = bool(getattr(data.train, "takes_sample_seeds", False))
     return split_batch(Collate(data.train, data.collate, keyed).stand_in().stand_in).inputs
 
