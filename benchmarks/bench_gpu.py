@@ -131,7 +131,7 @@ def bench_gpt_hand(gpu: bool, steps: int, warmup: int, batch: int | None, workdi
     import torch.nn.functional as F
     from runner.engine.optim import build_optimizer
     from runner.engine.rng import seed_everything
-    from runner.specs import components
+    from runner.engine import components
     from runner.engine.run_data import build_data
     from runner.tasks import IGNORE
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.specs import components
+from runner.engine import components
 from runner.engine.run_data import build_data
 from runner.engine.engine import Engine
 from runner.engine.loader import make_loader, on_device

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from runner.addons.base import AddOn, EngineView
-from runner.specs import components
+from runner.engine import components
 
 from runner.engine import checkpoint, parallel, run_weights
 

@@ -20,16 +20,14 @@ from runner.specs import components, resume
 
 from runner.engine import checkpoint, preemption, resume_source
 
-from runner.cli import lifetime, process_state, run_lock
+from runner.cli import lifetime, preflight_model, process_state, run_lock
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
-from runner.engine.run_data import build_data
 from runner.cli.run_dir import latest_run
-from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world, resolve_dims, shard_blocks
-from runner.engine.parallel import pipeline, tensor as tensor_parallel
+from runner.engine.parallel import DistEnv, broadcast_object, in_torchrun, init_process_group, nominal_world
 from runner.specs import composition
-from runner.specs.parallelism import ParallelismSpec, world_source
-from runner.engine.parallel.context import check_context_parallel, check_model
+from runner.specs.parallelism import ParallelismSpec
+from runner.engine.parallel.context import check_context_parallel
 from runner.specs.run import RunSpec, SpecError
 from runner.tracking.tracker import Tracker, build_tracker, check_tracking, end_left_running
 from runner.search.trial import open_trial, parent_run_id, pruned
@@ -317,23 +315,9 @@ def check_parallel(spec: RunSpec) -> None:
         key = "nproc_per_node" if par.name != "single" else next(k for k in ("tp", "pp", "cp") if getattr(par, k) > 1)
         raise SpecError(f"parallelism.{key}: {nproc} workers but only {torch.cuda.device_count()} "
                         f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    dims = resolve_dims(par, nominal_world(par), world_source(par))
     check_context_parallel(spec, device)
-    # what the model decides, on the meta device: fsdp's blocks, cp's attention, tp's plan, pp's stages
-    if par.dp_shard != 1 or dims.cp > 1 or dims.tp > 1 or dims.pp > 1:
-        data = build_data(spec)
-        with torch.device("meta"):
-            model = components.build_model(spec, data)
-        composition.check_model(spec, model)  # its BatchNorm layers, in a dimension that does not build them
-        if par.dp_shard != 1:
-            shard_blocks(model)  # raises when the model has nothing to shard
-        if par.cp != 1:
-            check_model(model, spec.model.target)
-        tensor_parallel.check(model, par, dims.tp)  # a plan, and tp dividing the heads
-        if dims.pp > 1:  # every stage can be cut (a plan, enough blocks), as each worker will cut its own
-            num_stages = dims.pp * pipeline.stages_per_rank(par)
-            for index in range(num_stages):
-                pipeline.cut_stage(model, par.pp_plan, spec.model.target, index, num_stages)
+    # what the model decides, on the meta device: preflight's check, done already for the command's own spec
+    preflight_model.check_model_composition(spec, say=log.warning)
 
 
 def on_cluster(par: ParallelismSpec) -> ParallelismSpec:

@@ -133,12 +133,17 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
     from runner.specs import components
     from runner.specs.resume import typed_keys
 
-    components.resolved_spec(spec, typed_keys(spec.overrides))
+    spec = components.resolved_spec(spec, typed_keys(spec.overrides))
     if spec.parallelism.cp != 1:  # the device and torch at hand, and the model's attention (torch is imported by now)
         from runner.engine.parallel import pick_device
         from runner.engine.parallel.context import check_context_parallel
 
         check_context_parallel(spec, pick_device(spec.trainer.device))
+    if not under_torchrun():  # what the model makes of a sharded or cut run (runner/cli/preflight_model.py); under
+        # the user's torchrun every rank's engine checks it as it builds
+        from runner.cli.preflight_model import check_model_composition
+
+        check_model_composition(spec)
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not under_torchrun():
         check_writable(dir_key, run_dir)

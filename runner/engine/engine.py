@@ -25,6 +25,7 @@ from runner.engine.parallel import parallelize
 
 from runner.addons import averaging, profiling
 
+from runner.engine.components import build_callbacks, build_task
 from runner.specs import components, metric_names
 
 from runner import tasks
@@ -100,7 +101,7 @@ class Engine:
             raise SpecError(f"dataset.batch_size: {spec.dataset.batch_size} x {self.env.dp_degree} rank(s) is more than the "
                             f"training split holds ({self.split_sizes['train']} samples); use at most "
                             f"{max(self.split_sizes['train'] // self.env.dp_degree, 1)}")
-        self.task = components.build_task(spec.task, data.num_classes)
+        self.task = build_task(spec.task, data.num_classes)
         metric_names.check_produced(spec, self.task, self.split_sizes)
         self.batch_transform = data.batch_transform
         self.moves_batches = self.device.type != "cpu"
@@ -156,7 +157,7 @@ class Engine:
         self.monitor.flop_rate = flop_rate
         self.steps = steps.build(self, self.pipeline)  # how the model runs: the plain path's, or the pipeline's
         self.view = self._view()
-        own, foreign = self._addons(spec, data), [*components.build_callbacks(spec), *addons]
+        own, foreign = self._addons(spec, data), [*build_callbacks(spec), *addons]
         self.addons = AddOns([*own, *foreign], self.view)
         # FLOPs per sample that no step can change: every sample of a tensor dataset read as it is has one shape, and
         # only another's add-on or unfreezing could change which parameters train. Then the first step's count gives

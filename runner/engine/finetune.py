@@ -367,7 +367,7 @@ def whole_model(spec: RunSpec, data: Any, say: Callable[[str], None]) -> nn.Modu
     parameters. The seed process (parallel/seed.py) and a rank of a run that
     does not shard the model (parallel/parallelize.py) build it so."""
     from runner.engine import fit_checks
-    from runner.specs import components
+    from runner.engine import components
 
     module = fit_checks.check_model(spec, components.build_model(spec, data))
     if spec.model.weights:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.specs.components import build_component, load_target
+from runner.engine.components import build_component
+from runner.specs.components import load_target
 from runner.specs.optimizer import OptimizerSpec
 from runner.specs.run import SpecError
 

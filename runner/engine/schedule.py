@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LinearLR, OneCycleLR, ReduceLROnPlateau, SequentialLR
 
-from runner.specs.components import build_component, complaint, load_target
+from runner.engine.components import build_component, complaint
+from runner.specs.components import load_target
 from runner.specs.run import SpecError
 from runner.specs.scheduler import SchedulerSpec
 

@@ -28,6 +28,7 @@ from runner.engine.run_data import build_data
 from runner.files import fsync_directory
 from runner.tasks.batches import example_inputs  # noqa: F401  (part of this module's API: what export writes)
 
+from runner.engine.components import build_model
 from runner.specs import components
 from runner.specs.run import RunSpec, SpecError
 
@@ -108,7 +109,7 @@ class Exportable(NamedTuple):
                             "export")
         spec = spec or RunSpec.from_yaml(weights.spec)
         data = build_data(spec)
-        model = components.build_model(spec, data)
+        model = build_model(spec, data)
         weights.load_into(model)
         return cls(model.eval(), spec, data, weights)
 

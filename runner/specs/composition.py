@@ -4,7 +4,8 @@ Each cell is built (and then names the test that runs it on 2 processes against 
 no CPU can run it, the test of its parts) or refused (one line naming the keys and values, why, and what to
 use instead). `check` refuses a spec whose features meet a refused cell, and the dimension pairs that are
 not built, before any run directory or worker exists (RunSpec.validate calls it). What needs the model
-(BatchNorm layers) is `check_model`, called by the launcher on the model built on the meta device; what
+(BatchNorm layers) is `check_model`, called on the model built on the meta device before any run directory
+exists (runner/cli/preflight_model.py, by preflight and by the launcher); what
 the spec does not hold (a PBT sweep) is `check_feature`, called by the one who knows. README's Model
 parallelism section holds `markdown_table()`'s text (tests/runner/specs/test_composition.py compares them).
 """
@@ -254,7 +255,7 @@ def check_feature(feature: str, shown: str, spec: Any) -> None:
 
 
 def check_model(spec: Any, model: Any) -> None:
-    """What the model decides (called with the model built on the meta device, before any worker starts):
+    """What the model decides (called with the model built on the meta device, before any run directory exists):
     BatchNorm layers in a dimension that does not build them."""
     from torch.nn.modules.batchnorm import _BatchNorm
 

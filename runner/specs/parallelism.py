@@ -136,7 +136,8 @@ def resolve_degrees(par: ParallelismSpec, world: int, source: str = "") -> dict[
 
 def check_parallelism(par: ParallelismSpec, batch_size: Optional[int] = None, device: Optional[str] = None) -> None:
     """RunSpec.validate's rules across the parallelism keys (with the per-rank batch size and the device
-    where the rule needs them). What needs torch or the model is runner/cli/launch.py's check_parallel."""
+    where the rule needs them). What needs the model is runner/cli/preflight_model.py's check; the devices
+    torch sees, runner/cli/launch.py's check_parallel."""
     check_degrees(par)
     if par.name == "single" and (par.nnodes > 1 or par.nproc_per_node > 1):
         key, value = ("nnodes", par.nnodes) if par.nnodes > 1 else ("nproc_per_node", par.nproc_per_node)

@@ -206,6 +206,7 @@ def pretrained_dir(path: Path) -> Path:
 def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
+    from runner.engine.components import build_model
     from runner.specs import components
     from runner.engine.run_data import build_data
     from tests.conftest import compose_spec
@@ -220,11 +221,11 @@ def test_a_pretrained_model_reads_the_data_through_its_own_tokenizer_by_default(
     ids = [data.train[i]["input_ids"].tolist() for i in range(len(data.train))]
     assert own.encode(REVIEWS[0][0]).ids in ids  # [CLS] ... [SEP] in the model's own vocabulary
     assert (data.vocab_size, data.pad_token_id) == (own.get_vocab_size(), own.token_to_id("[PAD]"))
-    components.build_model(spec, data)  # its own ids: accepted
+    build_model(spec, data)  # its own ids: accepted
     # ids of a tokenizer trained on the reviews are not the pretrained embeddings' ids: one line, naming the key
     trained = components.resolved_spec(compose_spec([*args, "dataset.tokenizer=null"], tmp_path / "run"))
     with pytest.raises(SpecError) as info:
-        components.build_model(trained, build_data(trained))
+        build_model(trained, build_data(trained))
     assert str(info.value).startswith(f"dataset.tokenizer: the data's token ids are not those of the pretrained model "
                                       f"at {model_dir} (the data's tokenizer has ")
     assert str(info.value).endswith(f"allowed: the model's own tokenizer, tokenizer={model_dir}")

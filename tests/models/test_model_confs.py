@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.engine.components import build_model
 from runner.specs import components
 from runner.engine.run_data import build_data
 from runner.specs.registry import CONF_DIR
@@ -67,7 +68,7 @@ def test_a_components_plain_errors_are_one_line_under_its_group(tmp_path: Path) 
     fussy = components.resolved_spec(compose_spec(["model._target_=tests.models.user_net.fussy_net"], tmp_path),
                                      {"model._target_"})
     with pytest.raises(SpecError, match=r"^model: the widths do not add up$"):
-        components.build_model(fussy, data)
+        build_model(fussy, data)
     with pytest.raises(SpecError, match=r"^dataset.val_fraction: val_fraction 0.5 \+ test_fraction 0.4999 leave no "
                                         r"training samples out of 1797"):  # data/splits.py's plain ValueError
         build_data(compose_spec(["dataset.val_fraction=0.5", "dataset.test_fraction=0.4999"], tmp_path))
@@ -80,4 +81,4 @@ def test_a_size_the_data_must_decide_is_never_advised_as_a_config_key(tmp_path: 
     with pytest.raises(SpecError, match=r"^model.pad_token_id: tests.models.user_net.needs_padding needs it and the "
                                         r"dataset \(tests.user_pkg.tokens.build\) does not provide it; choose a dataset "
                                         r"that does$"):  # not "set +model.pad_token_id", which is then refused
-        components.build_model(spec, build_data(spec))
+        build_model(spec, build_data(spec))

@@ -709,7 +709,7 @@ class Places:
         return write_reviews(self.tmp / "reviews.csv")
     def nan_weights(self) -> Path:
         """The default model's state dict, every value NaN."""
-        from runner.specs import components
+        from runner.engine import components
         from runner.engine.run_data import build_data
         from tests.conftest import compose_spec
 

@@ -61,7 +61,7 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
     say = log.info if env.is_main else (lambda *_: None)
     if meta_init(spec, env):
         before = rng.rng_state()
-        module, why = _on_meta(spec, data)
+        module, why = build_on_meta(spec, data)
         rng.set_rng_state(before)  # a constructor on meta may still draw (Python's random, numpy's)
         if module is not None:
             finetune.freeze_for_run(spec, module, say)
@@ -83,10 +83,11 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
     return BuiltModel(finetune.whole_model(spec, data, lambda line: say("%s", line)).to(device))
 
 
-def _on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
-    """The model built under the meta device, or None and why it cannot be: its constructor raised there, or left
+def build_on_meta(spec: RunSpec, data: Any) -> tuple[nn.Module | None, str]:
+    """The model built under the meta device (here, and by the checks before any worker starts:
+    runner/cli/preflight_model.py), or None and why it cannot be: its constructor raised there, or left
     a parameter or buffer off it (a tensor made from data, say)."""
-    from runner.specs import components
+    from runner.engine import components
 
     try:
         with torch.device("meta"):

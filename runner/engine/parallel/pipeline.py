@@ -97,6 +97,14 @@ def cut_stage(module: nn.Module, plan: Any, model_name: str, stage_index: int, n
     except ValueError as e:
         raise SpecError(f"{key}: stage {stage_index} of {num_stages} cannot be cut from {model_name}: "
                         f"{str(e).splitlines()[0]}") from None
+    except (AttributeError, KeyError, IndexError, TypeError) as e:
+        if plan is None:  # the model's own pipeline_stage failing: its traceback is the model's author's to read
+            raise
+        # a user's plan naming what the model does not hold (model.layers of a model whose blocks are `blocks`)
+        parts = ", ".join(name for name, _ in module.named_children())
+        raise SpecError(f"parallelism.pp_plan: {plan.target} failed to cut stage {stage_index} of {num_stages} from "
+                        f"{model_name} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); allowed: a plan "
+                        f"that names the model's own parts (its children: {parts})") from None
     if not isinstance(stage, nn.Module):
         raise SpecError(f"parallelism.pp_plan: {plan.target if plan else model_name} returned "
                         f"{type(stage).__name__}, not the stage's nn.Module")

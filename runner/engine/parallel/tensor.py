@@ -54,6 +54,45 @@ def check(module: nn.Module, spec: ParallelismSpec, tp: int) -> None:
                             f"divisor of {heads} ({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)})")
 
 
+def check_user_plan(module: nn.Module, spec: ParallelismSpec, tp: int, model_name: str) -> None:
+    """Before anything starts, on the model built on the meta device (which it changes): the user's plan
+    (parallelism.tp_plan) applied on a process group that only pretends (torch's fake backend: this one process
+    stands for the tp ranks, and no collective runs). torch's parallelize_module skips a plan key that names no
+    submodule with a warning, and the run then fails inside the workers or trains that layer unsplit: such a
+    key is refused here in one line, as is a plan that raises. Not where a process group exists already (the
+    engine's own build: the plan runs there on the real mesh)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if tp <= 1 or spec.tp_plan is None or dist.is_initialized():
+        return
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 -- registers the "fake" backend
+    from torch._C._distributed_c10d import FakeStore
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from runner.specs.components import load_target
+
+    plan = load_target("parallelism.tp_plan", spec.tp_plan.target)
+    parts = ", ".join(name for name, _ in module.named_children())
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                plan(module, DeviceMesh("cpu", list(range(tp))), **spec.tp_plan.params)
+            except Exception as e:  # the user's plan failing its own way: what it said, on one line
+                raise SpecError(f"parallelism.tp_plan: {spec.tp_plan.target} failed on {model_name} ({type(e).__name__}: "
+                                f"{(str(e).splitlines() or [''])[0][:160]}); allowed: a plan that names the model's own "
+                                f"parts (its children: {parts})") from None
+    finally:
+        dist.destroy_process_group()
+    unresolved = [str(w.message).split(" in module")[0] for w in seen if "could not be resolved" in str(w.message)]
+    if unresolved:
+        raise SpecError(f"parallelism.tp_plan: {spec.tp_plan.target} names a part {model_name} does not hold "
+                        f"({unresolved[0]}); allowed: the model's own parts (its children: {parts})")
+
+
 def declared_heads(module: nn.Module) -> list[tuple[str, int]]:
     """(where, count) of every attention-head count the model, its submodules or their HF configs declare."""
     found: dict[str, int] = {}

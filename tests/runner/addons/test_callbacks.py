@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.cli import launch
 from runner.engine import checkpoint
+from runner.engine.components import build_callbacks
 from runner.specs import components
 from runner.specs.run import SpecError
 from tests.conftest import REPO, compose_spec, run_cli
@@ -74,7 +75,7 @@ def test_a_callback_refusing_its_value_is_one_line_naming_the_key(tmp_path: Path
     spec = compose_spec([f"trainer.callbacks=[{{_target_: tests.user_pkg.callbacks.StepCounter, scale: 0}}]"],
                         tmp_path / "run")
     with pytest.raises(SpecError, match=r"^trainer\.callbacks\[0\]\.scale: 0 is not allowed; give a whole number >= 1$"):
-        components.build_callbacks(components.resolved_spec(spec))
+        build_callbacks(components.resolved_spec(spec))
 
 
 FAST = ["trainer.max_steps=4", "trainer.eval_every_n_steps=2", "trainer.eval_every_epoch=false", "dataset.batch_size=32",

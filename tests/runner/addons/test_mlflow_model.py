@@ -12,6 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from runner.engine.components import build_model
 from runner.specs import components
 from runner.engine.run_data import build_data
 
@@ -168,7 +169,7 @@ def test_a_huggingface_model_of_named_inputs_is_logged_pickled_and_loads_back(tm
                         tmp_path / "run", store)
     spec = components.resolved_spec(spec)
     data = build_data(spec)
-    model = components.build_model(spec, data).eval()
+    model = build_model(spec, data).eval()
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("hf", artifact_location=str(tmp_path / "art"))).info.run_id
     info, serialization = mlflow_model.log_model(spec, data, model.state_dict(), run_id, "last@step 0", 0)

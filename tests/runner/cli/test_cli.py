@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from runner.engine.components import build_model
 from runner.specs import components
 
 from runner.specs import registry
@@ -259,7 +260,7 @@ def test_a_nested_target_in_a_models_arguments_is_built_and_its_keys_checked(tmp
 
     spec = resolved(ACT_NET, tmp_path)
     assert spec.model.params["activation"] == {"_target_": "torch.nn.LeakyReLU", "negative_slope": 0.2, "inplace": False}
-    model = components.build_model(spec, SimpleNamespace(input_shape=(4,), num_classes=3))
+    model = build_model(spec, SimpleNamespace(input_shape=(4,), num_classes=3))
     assert isinstance(model.act, torch.nn.LeakyReLU) and model.act.negative_slope == 0.2
     assert model(torch.ones(2, 4)).shape == (2, 3)
     with pytest.raises(SpecError, match=r"^model.activation.negative_slop: unknown key for torch.nn.LeakyReLU; did you "

@@ -92,7 +92,7 @@ def test_the_loss_compiles_beside_the_model_only_on_a_gpu_and_computes_the_tasks
     """Language modelling's cross-entropy over bf16 logits compiled (one fused kernel on a GPU: the engine's
     GPT-2 124M step went from 33.4% to 37.4% MFU on an H200). Where it would not pay or not work (a CPU,
     trainer.compile=false, sharded logits under tp/cp/pp) the task's own eager loss stays."""
-    from runner.specs import components
+    from runner.engine import components
     monkeypatch.setattr(compiling, "BACKEND", "eager")  # the same tracing, no code generation
     spec = compose_spec(["task=language_modeling", "dataset=synthetic_tokens", "model=gpt", "trainer.compile=true"], tmp_path)
     task = components.build_task(spec.task, None)

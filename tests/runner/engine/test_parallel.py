@@ -205,7 +205,7 @@ def test_an_unreachable_rendezvous_fails_with_a_timeout_that_says_what_it_waited
 def test_fsdp_refuses_a_model_without_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runner.cli import launch
 
-    monkeypatch.setattr("runner.specs.components.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
+    monkeypatch.setattr("runner.engine.components.build_model", lambda *a, **k: torch.nn.Linear(64, 10))
     with pytest.raises(SpecError, match="parallelism: fsdp found no blocks to shard"):
         launch.check_parallel(compose_spec(["parallelism=fsdp"], tmp_path / "run"))
 

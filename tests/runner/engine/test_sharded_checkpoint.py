@@ -12,7 +12,7 @@ import torch
 
 from runner.engine import checkpoint, run_weights
 from runner.results.export import export_checkpoint
-from runner.specs import components
+from runner.engine import components
 from runner.engine.run_data import build_data
 from runner.specs.run import RunSpec, SpecError
 from tests.runner.engine.test_pipeline_parallel import assert_same, run_one, run_two, weights

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.engine import checkpoint
 
+from runner.engine.components import build_model
 from runner.specs import components
 from runner.engine.run_data import build_data
 from runner.cli.launch import run
@@ -90,7 +91,7 @@ def test_predict_on_the_test_split_is_the_argmax_of_the_models_forward(trained: 
     rows = list(csv.DictReader((tmp_path / "pred" / "predictions.csv").open()))
     # by hand: the model built from the spec, the checkpoint's weights, one forward over the whole split
     data = build_data(spec)
-    model = components.build_model(components.resolved_spec(spec), data)
+    model = build_model(components.resolved_spec(spec), data)
     model.load_state_dict(checkpoint.load(checkpoint.verify(src))["model"])
     model.eval()
     x, y = zip(*[data.test[i] for i in range(len(data.test))])
@@ -120,7 +121,7 @@ def test_predict_for_a_language_model_at_temperature_0_is_the_greedy_continuatio
     assert [r["id"] for r in rows] == [0, 2]  # line numbers; the blank line is no prompt
     source = compose_spec(GPT, tmp_path / "gpt")
     data = build_data(source)
-    model = components.build_model(components.resolved_spec(source), data)
+    model = build_model(components.resolved_spec(source), data)
     model.load_state_dict(checkpoint.load(checkpoint.verify(tmp_path / "gpt"))["model"])
     model.eval()
     for row, prompt in zip(rows, ([1, 2, 3], [40, 5])):
@@ -227,7 +228,7 @@ def at_step(uri: str, run_id: str, step: int, prefix: str) -> dict[str, float]:
 
 def model_with(spec, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     data = build_data(spec)
-    model = components.build_model(components.resolved_spec(spec), data)
+    model = build_model(components.resolved_spec(spec), data)
     model.load_state_dict(weights)
     return model.eval()
 

@@ -134,7 +134,7 @@ def test_batchnorm_under_cp_is_refused_by_the_table(tmp_path: Path) -> None:
     import torch
 
     from runner.engine.run_data import build_data
-    from runner.specs import components
+    from runner.engine import components
     from tests.conftest import compose_spec
 
     spec = compose_spec([*CNN, "parallelism.cp=2"], tmp_path / "run")

@@ -1,0 +1,100 @@
+"""What the model decides about a sharded or cut run, refused by the CLI before anything exists
+(runner/cli/preflight_model.py): each command is run as a user types it, in an empty working directory, and
+must end with one `error:` line naming the key, the value and what is allowed, exit code 2, no traceback, no
+worker started, and nothing created there (no outputs/, no dated run folder). Then the pipeline's check that
+stages compute the model's forward (runner/engine/parallel/pipeline_checks.py): a residual added outside the
+block is refused, one added inside trains like one process."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_spec, run_cli
+
+LM = ["task=language_modeling", "model=gpt", "dataset=synthetic_tokens", "model.n_layer=2", "model.n_embd=16",
+      "model.n_head=2", "dataset.batch_size=8"]
+CNN = ["model=cnn", "dataset=synthetic", "dataset.shape=[1,8,8]", "dataset.batch_size=8"]
+MLP_STAGES = "parallelism.pp_plan={_target_:tests.user_pkg.stages.mlp_stage}"
+
+# (the command, what its one line must say: the key, the value, what is allowed)
+REFUSED = {
+    "pp on the default mlp": (["parallelism.pp=2"], [
+        "error: parallelism.pp: runner.models.mlp.MLP has no pipeline plan (no pipeline_stage method)",
+        "set parallelism.pp_plan=", "or use parallelism.pp=1"]),
+    "pp above the model's blocks": ([*LM, "parallelism.pp=4"], [
+        "error: parallelism.pp: stage 0 of 4 cannot be cut from runner.models.gpt.GPT", "allowed: 1 to 2"]),
+    "a pp plan naming a missing part": ([*LM, "parallelism.pp=2", "parallelism.pp_plan={_target_:tests.user_pkg.stages.blocks_stage}"], [
+        "error: parallelism.pp_plan: tests.user_pkg.stages.blocks_stage failed to cut stage 0 of 2",
+        "GPT has no attribute `layers`", "allowed: a plan that names the model's own parts", "blocks"]),
+    "1f1b with fewer micro-batches than stages": ([*LM, "parallelism.pp=2", "parallelism.pp_schedule=1f1b",
+                                                   "parallelism.pp_microbatches=1"], [
+        "error: parallelism.pp_microbatches: 1 with pp_schedule=1f1b", "allowed: 2 or more"]),
+    "BatchNorm under tp": ([*CNN, "parallelism.tp=2"], [
+        "error: model: runner.models.cnn.CNN's BatchNorm layer '1' with parallelism.tp=2", "use ddp or fsdp"]),
+    "BatchNorm under pp with micro-batches": ([*CNN, "parallelism.pp=2", "parallelism.pp_microbatches=2", MLP_STAGES], [
+        "error: model: runner.models.cnn.CNN's BatchNorm layer '1' with parallelism.pp_microbatches=2",
+        "use parallelism.pp_microbatches=1"]),
+    "fsdp of a model without blocks": (["model._target_=tests.user_pkg.blocks.Flat", "parallelism=fsdp",
+                                        "parallelism.nproc_per_node=2"], [
+        "error: parallelism: fsdp found no blocks to shard in Flat", "use parallelism=ddp"]),
+    "a tp plan naming a missing part": (["parallelism.tp=2",
+                                         'parallelism.tp_plan={_target_:tests.user_pkg.plans.column_then_row,column:"7"}'], [
+        "error: parallelism.tp_plan: tests.user_pkg.plans.column_then_row names a part runner.models.mlp.MLP does not "
+        "hold (Parallelize plan key '7' could not be resolved", "allowed: the model's own parts"]),
+    "a residual outside the block": (["model._target_=tests.user_pkg.residual.OuterResidual", "parallelism.pp=2"], [
+        "error: parallelism.pp: tests.user_pkg.residual.OuterResidual cut into 2 stages does not compute its own forward",
+        "its block 'blocks.0'", "allowed: a forward that passes only each block's output on", "parallelism.pp=1"]),
+}
+
+
+def resolved(overrides: list[str], run_dir: Path):
+    """The spec as preflight checks it: its components' arguments resolved against their callables."""
+    from runner.specs import components
+    from runner.specs.resume import typed_keys
+
+    spec = compose_spec(overrides, run_dir)
+    return components.resolved_spec(spec, typed_keys(spec.overrides))
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_bad_composition_is_one_line_exit_2_before_any_worker_or_run_directory(tmp_path: Path, case: str) -> None:
+    args, said = REFUSED[case]
+    proc = run_cli(args, cwd=tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert proc.returncode == 2, out[-3000:]
+    assert len(lines) == 1, out[-3000:]  # no launcher line ("starting 2 workers"), no torch agent line, no warning
+    assert "Traceback" not in out
+    for part in said:
+        assert part in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == [], f"the refused command made {sorted(p.name for p in tmp_path.rglob('*'))}"
+
+
+def test_a_forward_that_cannot_be_traced_is_said_in_one_warning_line(tmp_path: Path) -> None:
+    """A forward reading its input's values cannot run on the meta device: the check says what it cannot know."""
+    from runner.cli import preflight_model
+
+    said: list[str] = []
+    spec = resolved(["model._target_=tests.user_pkg.residual.ReadsValues", "parallelism.pp=2"], tmp_path / "run")
+    preflight_model.check_model_composition(spec, say=said.append)
+    assert len(said) == 1 and "\n" not in said[0]
+    assert said[0].startswith("parallelism.pp: tests.user_pkg.residual.ReadsValues's forward cannot be traced on the "
+                              "meta device"), said[0]
+    assert "a residual added outside a block would be counted twice" in said[0]
+
+
+def test_a_residual_inside_the_block_passes_the_check_and_trains_like_one_process(tmp_path: Path, two_ranks) -> None:
+    from runner.cli import preflight_model
+    from tests.runner.engine.test_pipeline_parallel import assert_like_one_process
+
+    common = ["dataset=synthetic", "dataset.shape=[1,4,4]", "dataset.size=60", "dataset.num_classes=3",
+              "dataset.batch_size=8", "model._target_=tests.user_pkg.residual.InnerResidual",
+              "optimizer=sgd", "trainer.max_epochs=1", "trainer.progress_bar=off", "trainer.eval_every_n_steps=3",
+              "trainer.log_every_n_steps=1"]
+    pp = ["parallelism.pp_schedule=gpipe", "parallelism.pp_microbatches=2"]
+    said: list[str] = []
+    spec = resolved([*common, "parallelism.pp=2", *pp], tmp_path / "check")
+    preflight_model.check_model_composition(spec, say=said.append)  # neither refused nor said
+    assert said == []
+    assert_like_one_process(tmp_path, common, pp, two_ranks=two_ranks)
