@@ -34,6 +34,7 @@ class Precision:
         self.device = device
         _check_supported(spec.name, device)
         self.autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.name)
+        self.autocasts = self.autocast_dtype is not None or spec.name == "fp8"  # whether autocast() enters torch's
         # Under FSDP2 the MixedPrecisionPolicy casts the sharded fp32 parameters for compute
         # (and reduces gradients in fp32); autocast still covers the ops between layers.
         self.param_dtype = self.autocast_dtype if sharded else None
@@ -94,10 +95,9 @@ class Precision:
         return Batch(inputs, labels, batch.empty)
 
     def autocast(self) -> ContextManager:
-        dtype = self.autocast_dtype or (torch.bfloat16 if self.name == "fp8" else None)
-        if dtype is None:
+        if not self.autocasts:
             return _NO_AUTOCAST
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16)  # fp8: bf16 between its GEMMs
 
     def backward(self, loss: torch.Tensor, scale: float | torch.Tensor = 1.0) -> None:
         """The gradients of loss x scale. Without a loss scaler, `scale` goes to autograd as the loss's own

@@ -44,13 +44,14 @@ class Schedule:
                  monitor: str | None = None, constant_from: int | None = None) -> None:
         self.make, self.optimizer = make, optimizer
         self.scheduler = make()
+        self.steps_each_step = not isinstance(self.scheduler, ReduceLROnPlateau)  # (a rebuild makes the same class)
         self.total_steps = total_steps
         self.steps = 0
         self.monitor = monitor  # set for schedules driven by evaluations: the metric on_eval reacts to
         self.constant_from = constant_from  # a LambdaLR whose factor is 1 from this step on (`constant`'s warmup done)
 
     def step(self) -> None:
-        if not isinstance(self.scheduler, ReduceLROnPlateau) and self.steps < self.total_steps:
+        if self.steps_each_step and self.steps < self.total_steps:
             if self._holds():
                 # the step would set every group's lr to the value it holds: only torch's counters move (its
                 # step costs ~10 us, a fifth of the engine's whole budget on a tiny step)

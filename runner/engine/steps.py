@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 import torch
 
 from runner import tasks
+from runner.addons.profiling import OFF, Phases
 from runner.engine import compiling, memory_estimate, parallel
 from runner.engine.parallel import context, tensor as tensor_parallel
 from runner.tasks import batches
@@ -77,40 +78,69 @@ class PlainSteps:
 
     def train_step(self, step_batches: list, counts: list) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         e = self.engine
-        losses, phase, step_flops = [], e.profiler.phase, 0.0  # phase: no-op contexts unless this step is profiled
-        total = sum(counts)
+        phase = e.profiler.phase  # the profiler's timed contexts on a profiled step; OFF (no-ops) on every other
+        total = units = sum(counts)  # this rank's
         if self.distributed:
             with phase.rank_sync:  # an all-reduce: where a rank waits for the slower ones
-                total = parallel.global_count(total, e.device)  # a device tensor: no host sync here
-        scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else max(total, 1))
+                total = parallel.global_count(units, e.device)  # a device tensor: no host sync here
+        # (`or`, not max(): a builtin's call costs a tiny step ~1.3k instructions)
+        scale = self.dp_degree / (total.clamp_min(1) if isinstance(total, torch.Tensor) else total or 1)
+        if phase is OFF and len(step_batches) == 1 and not self.wraps_micro_steps:
+            # the usual step: one micro-batch, nothing around its forward and backward (no accumulation's sync, cp,
+            # tp loss or profiled phase), so no context is entered: each costs a tiny step ~1.5k instructions
+            loss_sum, step_flops = self._micro_step(step_batches[0], counts[0], scale)
+            grad_norm = self._optimizer_step()
+        else:
+            loss_sum, step_flops = self._micro_steps(step_batches, counts, scale, phase)
+            with phase.optimizer:
+                grad_norm = self._optimizer_step()
+        self.last_step_flops = step_flops
+        return loss_sum, units, grad_norm
+
+    def _micro_step(self, batch: tasks.Batch, count: int, scale: float | torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Forward, loss and backward of a micro-batch that nothing wraps: its loss sum (detached) and FLOPs."""
+        e = self.engine
+        if self.prepares:
+            batch = e._prepare(batch, train=True)
+        flops = 0.0 if batch.empty else self._micro_step_flops(batch)  # a stand-in for an empty share trains nothing
+        loss = self._loss_sum(batch, count)
+        e.precision.backward(loss, scale)
+        return loss.detach(), flops
+
+    def _micro_steps(self, step_batches: list, counts: list, scale: float | torch.Tensor, phase: Phases
+                     ) -> tuple[torch.Tensor, float]:
+        """`_micro_step` of each micro-batch, inside the contexts that apply: the parallel layout's, and the
+        profiler's phases on a profiled step. The step's loss sum (detached) and FLOPs."""
+        e = self.engine
+        losses, step_flops = [], 0.0
         last = len(step_batches) - 1
-        precision = e.precision
         for i, (batch, count) in enumerate(zip(step_batches, counts)):
             with phase.to_device:
                 if self.prepares:
                     batch = e._prepare(batch, train=True)
-            if not batch.empty:  # a stand-in for an empty share trains nothing: 0 FLOPs
+            if not batch.empty:
                 step_flops += self._micro_step_flops(batch)
             with self._layout(batch, sync=i == last, accumulates=last > 0) as share:
                 share = share or batch
                 with phase.forward:
                     loss = self._loss_sum(share, count)
                 with phase.backward:
-                    precision.backward(loss, scale)
+                    e.precision.backward(loss, scale)
             losses.append(loss.detach())
         loss_sum = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if self.cp_mesh is not None:
             context.sum_gradients(e.module, self.cp_mesh)  # each cp rank's gradient is of its share: summed
             loss_sum = context.whole_sequence(loss_sum, self.cp_mesh)
-        optimizer = e.optimizer
-        with phase.optimizer:
-            # the norm is computed where it clips, or is logged
-            grad_norm = self._clip_gradients() if self.clips or e.monitor.is_log_step(e.progress.step + 1) else None
-            if precision.step(optimizer):
-                e.schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-        self.last_step_flops = step_flops
-        return loss_sum, sum(counts), grad_norm
+        return loss_sum, step_flops
+
+    def _optimizer_step(self) -> torch.Tensor | None:
+        """Clipping, the optimizer's and the schedule's step; the grad norm where it clips or is logged, else None."""
+        e = self.engine
+        grad_norm = self._clip_gradients() if self.clips or e.monitor.is_log_step(e.progress.step + 1) else None
+        if e.precision.step(e.optimizer):
+            e.schedule.step()
+        e.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _layout(self, batch: tasks.Batch, sync: bool, accumulates: bool) -> ContextManager:
         """What the parallel layout wraps a micro-step's forward and backward in, entered as the batch this rank
@@ -154,7 +184,10 @@ class PlainSteps:
         forward (a zero loss built from the parameters) would leave FSDP's collectives one rank short."""
         e = self.engine
         model = self._model_for(batch) if e.compiled else e.model  # the test first: a call less per step
-        with e.precision.autocast():
+        if e.precision.autocasts:
+            with e.precision.autocast():
+                output = batches.call_model(model, batch, e.pass_labels)
+        else:  # no context entered where there is no autocast (fp32, tf32, bf16_true)
             output = batches.call_model(model, batch, e.pass_labels)
         # the compiled loss goes with the compiled model: a ragged batch's would recompile it
         task = e.compiled_task if e.compiled_task is not None and model is e.model else e.task
