@@ -541,7 +541,10 @@ def _check_loss_options(module: torch.nn.Module, task: tasks.Task, stand_in: tas
         return
     from torch.utils._pytree import tree_map
 
-    meta = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, stand_in)
+    def to_meta(tree):
+        return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, tree)
+
+    meta = tasks.Batch(to_meta(stand_in.inputs), to_meta(stand_in.labels), stand_in.empty)  # one leaf to tree_map
     try:
         batches.check_loss_options(module, task, meta, pass_labels, model)
     except SpecError:

@@ -124,6 +124,23 @@ def test_label_smoothing_is_refused_for_a_model_that_computes_its_own_loss(tmp_p
                               "or return logits from the model")
 
 
+def test_label_smoothing_is_refused_for_such_a_model_built_on_the_meta_device_too() -> None:
+    """A sharded run builds its model on the meta device and checks on a meta copy of the stand-in batch: before,
+    the copy kept the batch's CPU tensors (a Batch was one leaf to tree_map), the meta model could not run them
+    and the check was skipped, so the refusal came at the first step, after every rank had started."""
+    from runner.engine.engine import _check_loss_options
+    from runner.specs.run import SpecError
+    from runner.tasks import Batch
+    from runner.tasks.classification import Classification
+    from tests.user_pkg.shares import OwnLossNet
+
+    with torch.device("meta"):
+        model = OwnLossNet((4,), 3)
+    stand_in = Batch({"features": torch.randn(2, 4)}, torch.tensor([0, 2]))
+    with pytest.raises(SpecError, match=r"^task.label_smoothing: 0.1 cannot apply: OwnLossNet returns its own loss"):
+        _check_loss_options(model, Classification(label_smoothing=0.1), stand_in, True, "OwnLossNet", on_meta=True)
+
+
 def test_a_metric_the_task_does_not_declare_is_refused_and_directions_are_the_declared_ones() -> None:
     from runner.tasks import Task, direction, metric_values
     from tests.user_pkg.regression import R2Regression
