@@ -255,12 +255,36 @@ class TiedGradient:
     Here the head's backward makes its share in the weight's own layout (grad^T @ x: the same products) and hands
     it on to the embedding's backward, which adds the rows the batch used into it in place (summed as torch's
     dense backward sums them, in token order from zero): one whole tensor, and the same gradient bit for bit
-    (tests/models/test_gpt.py). One per forward pass, from the embedding to the head."""
+    (tests/models/test_gpt.py). Where the step's tokens are fewer than the weight's width, the head's share is kept
+    until then as its two factors (the logits' gradient, tokens x vocabulary, and the head's input), which hold less
+    than the share: under fsdp the blocks' backward then runs without a whole 50257 x 768 tensor beside the gathered
+    weight. One per forward pass, from the embedding to the head."""
 
-    __slots__ = ("head",)
+    __slots__ = ("head", "factors")
 
     def __init__(self) -> None:
         self.head: Optional[torch.Tensor] = None  # the head's share, from its backward until the embedding's
+        self.factors: Optional[tuple[torch.Tensor, torch.Tensor, torch.dtype]] = None  # or what it is made of
+
+    def keep(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, whole: int) -> None:
+        """The head's share grad^T @ x (grad: tokens x vocabulary, x: tokens x width), made now, or kept as its
+        factors where they hold fewer elements than the share (`whole`)."""
+        if self.head is None and self.factors is None and grad.numel() + x.numel() <= whole:
+            self.factors = (grad, x, dtype)
+        else:
+            self._add(grad.t().mm(x).to(dtype))
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The head's share, made now where it was kept as factors (the same product); None where the head's
+        backward did not run."""
+        if self.factors is not None:
+            (grad, x, dtype), self.factors = self.factors, None
+            self._add(grad.t().mm(x).to(dtype))
+        head, self.head = self.head, None
+        return head
+
+    def _add(self, share: torch.Tensor) -> None:
+        self.head = share if self.head is None else self.head.add_(share)
 
     @staticmethod
     def applies(weight: torch.Tensor) -> bool:
@@ -287,8 +311,7 @@ class _HeadGradient(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dtype = grad.dtype
         grad_x = grad.matmul(weight.to(dtype)).to(x.dtype)
-        head = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(dtype)).to(weight.dtype)
-        ctx.link.head = head if ctx.link.head is None else ctx.link.head.add_(head)
+        ctx.link.keep(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(dtype), weight.dtype, weight.numel())
         return grad_x, None, None
 
 
@@ -309,7 +332,7 @@ class _EmbeddingGradient(torch.autograd.Function):
         width = grad.shape[-1]
         rows, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
         sums = grad.new_zeros(len(rows), width).index_add_(0, inverse, grad.reshape(-1, width))
-        whole, ctx.link.head = ctx.link.head, None
+        whole = ctx.link.take()
         if whole is None:
             whole = grad.new_zeros(ctx.weight_shape, dtype=ctx.weight_dtype)
         return None, whole.index_add_(0, rows, sums.to(whole.dtype)), None
