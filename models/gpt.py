@@ -187,18 +187,23 @@ class GPT(nn.Module):
         after it, and the pads' own outputs are dropped by their -100 labels. positions (T,): the
         sequence positions of the tokens given; context parallelism passes each rank's (sharded) share.
         """
+        # the tied weight's gradient made in one whole tensor (TiedGradient): where the weight is both the embedding
+        # and the head in this forward pass, as a plain parameter trained eagerly
+        link = TiedGradient() if self.wte is not None and self.lm_head is not None and \
+            self.lm_head.weight is self.wte.weight and TiedGradient.applies(self.wte.weight) else None
         if self.wte is None:  # a later pipeline stage (pipeline_stage): the input is the hidden state
             x = input_ids
         else:
-            x = self._embed(input_ids, positions)
+            x = self._embed(input_ids, positions, link)
         for block in self.blocks:
             x = block(x)
         if self.lm_head is None:  # an earlier pipeline stage: the hidden state goes on to the next
             return x
         # a later pipeline stage holds the head without the embedding: its weight is used once there
-        return self.lm_head(self.ln_f(x), embedded=self.wte is not None)
+        return self.lm_head(self.ln_f(x), embedded=self.wte is not None, tied_gradient=link)
 
-    def _embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
+               link: Optional["TiedGradient"] = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} is not (batch, length)")
         length = input_ids.shape[1]
@@ -207,7 +212,8 @@ class GPT(nn.Module):
                              f"allowed: at most {self.max_length} tokens (raise model max_length)")
         if positions is None:
             positions = torch.arange(length, device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+        tokens = self.wte(input_ids) if link is None else _EmbeddingGradient.apply(input_ids, self.wte.weight, link)
+        return self.drop(tokens + self.wpe(positions))
 
     def pipeline_stage(self, stage_index: int, num_stages: int) -> nn.Module:
         """Stage `stage_index` of `num_stages` for pipeline parallelism: consecutive blocks (earlier stages
@@ -226,17 +232,110 @@ class GPT(nn.Module):
 
 
 class TiedLinear(nn.Linear):
-    """The lm head, whose weight is also the token embedding's. Autograd sums the weight's two gradients (the
-    head's, then the embedding's) before the weight's own accumulation, in place only when the first is a tensor
-    of its own; the head's is a view (a transpose of the product's), so the sum is a third whole tensor: for
-    GPT-2 one more 50257 x 768 copy (147 MiB) at the backward pass's peak. The head's gradient is made a tensor
-    of its own here (its values copied: the sum, and so every result, stays the same bit for bit).
-    embedded: whether this forward pass used the weight as the embedding too (not in a pipeline's last stage)."""
+    """The lm head, whose weight is also the token embedding's.
+    embedded: whether this forward pass used the weight as the embedding too (not in a pipeline's last stage).
+    tied_gradient: where given, the weight's gradient is made with the embedding's (TiedGradient); otherwise, where
+    the weight is the embedding's too (a tensor-parallel DTensor), the head's share is copied out of its view into a
+    tensor of its own (_OwnGradient), to which autograd adds the embedding's in place rather than into a third."""
 
-    def forward(self, x: torch.Tensor, embedded: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, embedded: bool = True,
+                tied_gradient: Optional["TiedGradient"] = None) -> torch.Tensor:
         if not embedded:
             return super().forward(x)
+        if tied_gradient is not None and self.bias is None:
+            return _HeadGradient.apply(x, self.weight, tied_gradient)
         return F.linear(x, _OwnGradient.apply(self.weight), self.bias)
+
+
+class TiedGradient:
+    """The tied weight's gradient in one whole tensor. Autograd sums a weight's gradients from its uses before the
+    weight's accumulation, in place only in some cases: nn.Linear's weight gradient is a view (the transpose of a
+    product laid out the other way) and the embedding's is a whole tensor of zeros around the batch's rows, so the
+    sum of the two is a third (for GPT-2 three 50257 x 768 tensors, 147 MiB each, at the backward pass's peak).
+    Here the head's backward makes its share in the weight's own layout (grad^T @ x: the same products) and hands
+    it on to the embedding's backward, which adds the rows the batch used into it in place (summed as torch's
+    dense backward sums them, in token order from zero): one whole tensor, and the same gradient bit for bit
+    (tests/models/test_gpt.py). Where the step's tokens are fewer than the weight's width, the head's share is kept
+    until then as its two factors (the logits' gradient, tokens x vocabulary, and the head's input), which hold less
+    than the share: under fsdp the blocks' backward then runs without a whole 50257 x 768 tensor beside the gathered
+    weight. One per forward pass, from the embedding to the head."""
+
+    __slots__ = ("head", "factors")
+
+    def __init__(self) -> None:
+        self.head: Optional[torch.Tensor] = None  # the head's share, from its backward until the embedding's
+        self.factors: Optional[tuple[torch.Tensor, torch.Tensor, torch.dtype]] = None  # or what it is made of
+
+    def keep(self, grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, whole: int) -> None:
+        """The head's share grad^T @ x (grad: tokens x vocabulary, x: tokens x width), made now, or kept as its
+        factors where they hold fewer elements than the share (`whole`)."""
+        if self.head is None and self.factors is None and grad.numel() + x.numel() <= whole:
+            self.factors = (grad, x, dtype)
+        else:
+            self._add(grad.t().mm(x).to(dtype))
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The head's share, made now where it was kept as factors (the same product); None where the head's
+        backward did not run."""
+        if self.factors is not None:
+            (grad, x, dtype), self.factors = self.factors, None
+            self._add(grad.t().mm(x).to(dtype))
+        head, self.head = self.head, None
+        return head
+
+    def _add(self, share: torch.Tensor) -> None:
+        self.head = share if self.head is None else self.head.add_(share)
+
+    @staticmethod
+    def applies(weight: torch.Tensor) -> bool:
+        """Whether the functions below compute the weight's gradient: a plain parameter (one process, ddp, fsdp's
+        gathered weight; not a tensor-parallel DTensor) trained eagerly (not traced by torch.compile)."""
+        return (type(weight) is nn.Parameter and weight.requires_grad and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
+
+
+class _HeadGradient(torch.autograd.Function):
+    """F.linear(x, weight) without a bias, whose backward leaves the weight's gradient to the embedding's backward
+    (TiedGradient). Under autocast the products run in the forward's compute dtype and the gradients take their
+    inputs' dtypes, as autocast's casts give them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, link: TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.link = link
+        return F.linear(x, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        dtype = grad.dtype
+        grad_x = grad.matmul(weight.to(dtype)).to(x.dtype)
+        ctx.link.keep(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(dtype), weight.dtype, weight.numel())
+        return grad_x, None, None
+
+
+class _EmbeddingGradient(torch.autograd.Function):
+    """The token embedding, whose backward gives the tied weight's whole gradient: the head's share (TiedGradient)
+    with the batch's rows added in place (zeros where the head's backward did not run)."""
+
+    @staticmethod
+    def forward(ctx, input_ids: torch.Tensor, weight: torch.Tensor, link: TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(input_ids)
+        ctx.link, ctx.weight_shape, ctx.weight_dtype = link, weight.shape, weight.dtype
+        return F.embedding(input_ids, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        (input_ids,) = ctx.saved_tensors
+        width = grad.shape[-1]
+        rows, inverse = torch.unique(input_ids.reshape(-1), return_inverse=True)
+        sums = grad.new_zeros(len(rows), width).index_add_(0, inverse, grad.reshape(-1, width))
+        whole = ctx.link.take()
+        if whole is None:
+            whole = grad.new_zeros(ctx.weight_shape, dtype=ctx.weight_dtype)
+        return None, whole.index_add_(0, rows, sums.to(whole.dtype)), None
 
 
 class _OwnGradient(torch.autograd.Function):

@@ -47,7 +47,7 @@ from torch import nn
 from runner.models.gpt import GPT
 
 class PlainHead(nn.Linear):  # the head as nn.Linear is, on the same weight
-    def forward(self, x, embedded=True):
+    def forward(self, x, embedded=True, tied_gradient=None):
         return super().forward(x)
 
 def status(key):
@@ -76,14 +76,15 @@ print(json.dumps(peaks))
 class _PlainHead(nn.Linear):
     """The lm head as nn.Linear is, on the same weight."""
 
-    def forward(self, x: torch.Tensor, embedded: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, embedded: bool = True, tied_gradient: object = None) -> torch.Tensor:
         return super().forward(x)
 
 
-def test_the_tied_weights_two_gradients_are_summed_without_a_third_whole_copy_bit_for_bit() -> None:
-    """Autograd sums the head's and the embedding's gradients of the tied weight out of place (a third
-    whole-size tensor at the backward pass's peak) when the first is a view, as a linear layer's weight gradient
-    is: the head hands on a copy of its own instead, and the sum is the same bit for bit."""
+def test_the_tied_weights_gradient_is_made_in_one_whole_tensor_bit_for_bit() -> None:
+    """Autograd would sum the head's gradient of the tied weight (a view) and the embedding's (a whole tensor of
+    zeros around the batch's rows) into a third whole tensor: three at the backward pass's peak. The head hands
+    its share, laid out as the weight, on to the embedding's backward, which adds its rows in place: one whole
+    tensor, and the same gradient bit for bit."""
     import json
     import os
     import subprocess
@@ -93,7 +94,7 @@ def test_the_tied_weights_two_gradients_are_summed_without_a_third_whole_copy_bi
     done = subprocess.run([sys.executable, "-c", _TIED_PEAKS], env=env, capture_output=True, text=True, check=True)
     peaks = json.loads(done.stdout.splitlines()[-1])
     weight = 16384 * 256 * 4
-    assert peaks["True"] <= peaks["False"] - 0.75 * weight, peaks
+    assert peaks["True"] <= 1.5 * weight < 2.5 * weight <= peaks["False"], peaks
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     grads = {}

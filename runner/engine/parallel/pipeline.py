@@ -402,7 +402,13 @@ class Pipeline:
             # tp rank: the local parts are summed. A rank holding no copy adds zeros of the part's shape.
             held = next((named[n] for n in names if n in named), None)
             like = local_tensor_of(held.detach()) if held is not None else None
-            grad = torch.zeros(self._tied_local_shape(names, like), device=self.stages[0].device)
+            shape = self._tied_local_shape(names, like)
+            own = [p for p in params if p.grad is not None]
+            if len(params) == 1 and len(own) == 1 and _summed_in_place(own[0], shape):
+                # the one copy's gradient summed where it is: no second whole tensor (GPT-2's tied weight: 147 MiB)
+                dist.all_reduce(local_tensor_of(own[0].grad), group=self.group)
+                continue
+            grad = torch.zeros(shape, device=self.stages[0].device)
             for p in params:
                 if p.grad is not None:
                     grad += local_tensor_of(_placed_as_parameter(p.grad, p))
@@ -469,6 +475,16 @@ class Pipeline:
 
         own = {k: gathered(v.detach()).cpu() for k, v in self.module.state_dict().items()}
         return self._merged_model(gather_objects(own))
+
+
+def _summed_in_place(param: torch.Tensor, shape: list[int]) -> bool:
+    """Whether `param`'s gradient can be all-reduced where it lies: laid out as the parameter (a DTensor's placed
+    alike), its local part a contiguous tensor of the agreed shape and of the dtype the sum is made in otherwise."""
+    grad = param.grad
+    if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+        return False
+    local = local_tensor_of(grad)
+    return local.is_contiguous() and list(local.shape) == list(shape) and local.dtype == torch.get_default_dtype()
 
 
 def _placed_as_parameter(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
+from runner.engine.parallel.ring import use_rings
 from runner.engine.parallel.mesh import DATA_PARALLEL, DistEnv
 from runner.specs.parallelism import ParallelismSpec
 from runner.specs.run import SpecError
@@ -61,6 +62,7 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
         if not any(block is norm for norm in norms):
             fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
+    use_rings([*norms, *blocks, module], how.device)  # gloo's collectives copy through whole-size temporaries
     return module
 
 
