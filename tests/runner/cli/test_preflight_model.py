@@ -6,11 +6,12 @@ stages compute the model's forward (runner/engine/parallel/pipeline_checks.py): 
 block is refused, one added inside trains like one process."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_spec, run_cli
+from tests.conftest import REPO, compose_spec, run_cli
 
 LM = ["task=language_modeling", "model=gpt", "dataset=synthetic_tokens", "model.n_layer=2", "model.n_embd=16",
       "model.n_head=2", "dataset.batch_size=8"]
@@ -46,6 +47,13 @@ REFUSED = {
         "error: parallelism.pp: tests.user_pkg.residual.OuterResidual cut into 2 stages does not compute its own forward",
         "its block 'blocks.0'", "allowed: a forward that passes only each block's output on", "parallelism.pp=1"]),
 }
+
+
+@pytest.fixture(autouse=True)
+def _user_package_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user models and plans (tests.user_pkg) importable in `python -m runner`, as a user's own project is
+    (PYTHONPATH or an install): the CLI's runs start in an empty temporary directory."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
 def resolved(overrides: list[str], run_dir: Path):
