@@ -539,14 +539,8 @@ def _check_loss_options(module: torch.nn.Module, task: tasks.Task, stand_in: tas
     if not on_meta:
         batches.check_loss_options(module, task, stand_in, pass_labels, model)
         return
-    from torch.utils._pytree import tree_map
-
-    def to_meta(tree):
-        return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, tree)
-
-    meta = tasks.Batch(to_meta(stand_in.inputs), to_meta(stand_in.labels), stand_in.empty)  # one leaf to tree_map
     try:
-        batches.check_loss_options(module, task, meta, pass_labels, model)
+        batches.check_loss_options(module, task, batches.on_meta(stand_in), pass_labels, model)
     except SpecError:
         raise
     except Exception:  # noqa: BLE001 (see the docstring)

@@ -31,6 +31,19 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return dataclasses.replace(batch, inputs=inputs, labels=move(batch.labels))
 
 
+def on_meta(tree: Any) -> Any:
+    """A copy of a batch, or of its inputs (tensors in dicts, lists, tuples), with every tensor an empty one of its
+    shape and dtype on the meta device: what a model built on meta runs."""
+    from torch.utils._pytree import tree_map
+
+    def meta(t: Any) -> Any:
+        return torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t
+
+    if isinstance(tree, Batch):  # a dataclass: one leaf to tree_map
+        return Batch(tree_map(meta, tree.inputs), tree_map(meta, tree.labels), tree.empty)
+    return tree_map(meta, tree)
+
+
 def call_model(model: torch.nn.Module, batch: Batch, pass_labels: bool) -> Any:
     inputs = batch.inputs
     if isinstance(inputs, dict):

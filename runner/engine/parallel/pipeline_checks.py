@@ -31,9 +31,9 @@ def check_stages_compose(model: nn.Module, stages: list[nn.Module], inputs: Any,
     than the model's forward; the line to say instead (None when checked) where the forward cannot be traced.
     inputs: a batch's model inputs (a tensor, or a dict given as keyword arguments, as the first stage gets them)."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._pytree import tree_map
+    from runner.tasks.batches import on_meta
 
-    meta = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, inputs)
+    meta = on_meta(inputs)
     keys = list(meta) if isinstance(meta, dict) else None
     flat = list(meta.values()) if keys is not None else [meta]
 
