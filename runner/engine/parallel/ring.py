@@ -74,7 +74,7 @@ class RingAllGather:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         if not (_ring_applies(output_tensor, group) and input_tensor.is_contiguous()):
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
         ring_all_gather(output_tensor, input_tensor, group)
         return None  # done: FSDP2 waits only on a Work it is given
 
@@ -89,8 +89,8 @@ class RingReduceScatter:
                  op: object, async_op: bool = False) -> dist.Work | None:
         kind = next((k for k in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) if op == k), None)
         if kind is None or not (_ring_applies(input_tensor, group) and output_tensor.is_contiguous()):
-            return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                              async_op=async_op)
+            # torch's collectives by the names every supported torch has (the *_single ones are recent)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         ring_reduce_scatter(output_tensor, input_tensor, group, average=kind == dist.ReduceOp.AVG)
         return None
 
