@@ -7,6 +7,11 @@ Hydra's own business, go through hydra.main.
 """
 from __future__ import annotations
 
+from runner import startup_gc
+
+if __name__ == "__main__":  # `python -m runner`: from here, not from a test's import of this module
+    startup_gc.pause()  # runner/startup_gc.py: the collector walks none of the start-up's objects
+
 import logging
 import sys
 
@@ -28,6 +33,8 @@ def main(cfg: DictConfig) -> float:
         spec = spec_from_hydra(cfg)
     except SpecError as e:
         fail(str(e))
+    if not trains_one_engine_here(spec):  # an engine built and dropped (a finder's, a fold's) must not be frozen
+        startup_gc.resume()
     # torch, MLflow and the engine: only now that the spec is known to be good
     from runner.engine.checkpoint import CheckpointWriteError, NonFiniteCheckpoint
     from runner.cli.launch import WorkersFailed, run
@@ -56,6 +63,15 @@ def main(cfg: DictConfig) -> float:
         _to_job_log(f"error: {line}")
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def trains_one_engine_here(spec: RunSpec) -> bool:
+    """Whether this process builds one engine and trains it (the engine's build then freezes the start-up's objects:
+    runner/startup_gc.py): not a finder's run or k-fold's, the modes that train nothing, or a launcher of workers."""
+    from runner.specs.parallelism import nominal_world
+
+    return (spec.mode == "train" and not spec.tune.name and not spec.trainer.cross_validation.folds
+            and spec.parallelism.name == "single" and nominal_world(spec.parallelism) == 1)
 
 
 def _to_job_log(line: str) -> None:
@@ -117,9 +133,18 @@ SUBCOMMANDS = {"reproduce": "runner.results.reproduce", "compare": "runner.resul
 
 
 def cli() -> None:
+    startup_gc.pause()  # (the `runner` script's entry: the module was imported, not run)
+    try:
+        _cli()
+    finally:
+        startup_gc.end()
+
+
+def _cli() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         import importlib
 
+        startup_gc.resume()
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     if under_torchrun():  # a rank under the user's own torchrun: it ends with torchrun's agent (runner/cli/lifetime.py)
         from runner.cli import lifetime
@@ -132,7 +157,8 @@ def cli() -> None:
     try:
         if checked.config is not None and not under_torchrun():
             run_composed(checked)
-        else:
+        else:  # a multirun's jobs, torchrun's ranks, Hydra's own modes: the collector as usual
+            startup_gc.resume()
             main()
         if under_torchrun():  # a rank that finished: ended before the interpreter's teardown, as a worker is
             from runner.cli.worker import exit_before_teardown

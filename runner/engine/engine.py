@@ -28,7 +28,7 @@ from runner.addons import averaging, profiling
 from runner.engine.components import build_callbacks, build_task
 from runner.specs import components, metric_names
 
-from runner import tasks
+from runner import startup_gc, tasks
 from runner.engine import compiling, debugging, flops
 from runner.addons import mlflow_model
 from runner.addons.base import AddOn, AddOns, EngineView, Progress, Stop, first_stop, pause_due
@@ -170,6 +170,9 @@ class Engine:
         self.checkpointer: checkpoint.Checkpointer | None = None  # made at the first save (trainer.async_checkpoint)
         if resume_state is not None:
             self._load_state(resume_state)
+        # `python -m runner` paused Python's collector for its start-up (runner/startup_gc.py): what exists now lives
+        # as long as the run, and is kept out of the collections training makes
+        startup_gc.resume(freeze=True)
 
     def _addons(self, spec: RunSpec, data) -> list[AddOn]:
         """The run's add-ons (runner/addons/base.py), in the order their hooks run; a new one is one line here.

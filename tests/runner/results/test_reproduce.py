@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -119,6 +120,31 @@ def test_a_changed_data_file_or_folder_is_a_difference(tmp_path: Path) -> None:
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in found] == [
         f"data root:{folder}", f"data train_file:{table}"]
     assert '"bytes": 15, "files": 2' in found[0] and '"bytes": 10, "files": 1' in found[0]
+
+
+def test_the_record_names_a_modules_source_by_where_its_links_lead(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module whose file, or whose folder, is a link into an installation (site-packages) is installed code: not in
+    the record's sources; one in a plain folder is, under the name it was imported by, with its checksum."""
+    installed = tmp_path / "env" / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "linked_file_13.py").write_text("X = 1\n")
+    (installed / "linked_folder_13.py").write_text("X = 2\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "plain_13.py").write_text("X = 3\n")
+    (mine / "linked_file_13.py").symlink_to(installed / "linked_file_13.py")
+    (tmp_path / "via").symlink_to(installed, target_is_directory=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "via"))
+    monkeypatch.syspath_prepend(str(mine))
+    for name in ("plain_13", "linked_file_13", "linked_folder_13"):
+        __import__(name)
+    sources = run_record.imported_sources()
+    assert sources["plain_13"] == {"file": str(mine / "plain_13.py"),
+                                   "sha256": hashlib.sha256(b"X = 3\n").hexdigest()}
+    assert "linked_file_13" not in sources and "linked_folder_13" not in sources
+    for name in ("plain_13", "linked_file_13", "linked_folder_13"):
+        del sys.modules[name]
 
 
 UNTRACKED_NET = """import math
