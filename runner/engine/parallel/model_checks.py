@@ -4,11 +4,11 @@ table), blocks for fsdp to shard, cp's attention, a tensor plan and tp dividing 
 as each rank will cut its own, the stages composing to the model (no residual added outside a block:
 pipeline_checks.py), and a user's tensor plan naming only parts the model holds.
 
-One sequence, called before any run directory or worker exists (runner/cli/preflight_model.py: preflight, and the
-launcher for a sweep's later jobs) and by every rank's engine as it builds the model (parallelize.build_model), so a
-run under the user's own torchrun, which preflight cannot check (its processes are torchrun's), is refused in the
-same line rather than trained wrong. A run checked once is not checked again in the processes it starts: the
-checked runs travel in the environment (RUNNER_MODEL_CHECKED) to the launcher's workers.
+One sequence, called before any run directory or worker exists (runner/cli/preflight_model.py: preflight, under
+the user's own torchrun on every rank, and the launcher for a sweep's later jobs) and by every rank's engine before
+it builds the model (runner/engine/engine.py), so an engine built without that preflight (a process group of one's
+own) refuses the same line rather than training wrong numbers. A run checked once is not checked again in the
+processes it starts: the checked runs travel in the environment (RUNNER_MODEL_CHECKED) to the launcher's workers.
 """
 from __future__ import annotations
 

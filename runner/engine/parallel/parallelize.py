@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from runner.engine import activation_checkpointing, compiling, finetune, fit_checks, rng
-from runner.engine.parallel import model_checks, pipeline as pipelining, seed, tensor as tensor_parallel
+from runner.engine.parallel import pipeline as pipelining, seed, tensor as tensor_parallel
 from runner.engine.parallel.wrap import parameter_device, wrap
 from runner.engine.parallel.mesh import DistEnv
 from runner.specs.run import RunSpec, SpecError
@@ -59,8 +59,6 @@ def build_model(spec: RunSpec, data: Any, env: DistEnv, device: torch.device, re
     """The run's model on this rank: on the meta device with its seed checkpoint written where meta_init says so
     (the RNG left as one process's build leaves it), else whole on `device`."""
     say = log.info if env.is_main else (lambda *_: None)
-    # preflight's checks of what the model makes of the degrees, on every rank: the user's own torchrun has no preflight of them
-    model_checks.check_model_composition(spec, env.dims, data, say=log.warning if env.is_main else None)
     if meta_init(spec, env):
         before = rng.rng_state()
         module, why = build_on_meta(spec, data)
