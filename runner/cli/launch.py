@@ -235,7 +235,9 @@ def launch_workers(spec: RunSpec) -> RunResult:
     log.info("starting %d workers on this node (%d node%s), parallelism=%s: %s", nproc, par.nnodes,
              "s" if multi_node else "", par.name, mesh)
     try:
-        with _refusals_left_to_the_launcher(spec.run_dir):
+        # torch's agent raises SignalException from its SIGTERM/SIGHUP handler: one a finalizer drops would leave
+        # the launcher waiting on workers that never heard of the signal
+        with _refusals_left_to_the_launcher(spec.run_dir), preemption.raised_again_when_dropped(agent_signal):
             elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
     except ChildFailedError as e:
         end_left_running(spec, "FAILED")
@@ -281,6 +283,13 @@ def launch_workers(spec: RunSpec) -> RunResult:
     if not result_file.exists():  # global rank 0 ran on another node
         return RunResult(math.nan, {}, {}, {}, 0, 0.0)
     return RunResult(**yaml.safe_load(result_file.read_text()))
+
+
+def agent_signal(e: BaseException) -> int:
+    """The signal whose handler in torch's elastic agent raised `e` (0: not the agent's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return int(e.sigval) if isinstance(e, SignalException) else 0
 
 
 @contextlib.contextmanager

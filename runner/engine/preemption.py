@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def handled(requeue: bool = False) -> Iterator[None]:
     _state["signal"], _state["finished"], _state["unheard"] = 0, False, 0
     requeued = False
     try:
-        with _raised_again_when_dropped():
+        with raised_again_when_dropped(_dropped_stop):
             yield
     except Stopped as e:
         if requeue:
@@ -118,19 +118,19 @@ def send_unheard() -> None:
 
 
 @contextlib.contextmanager
-def _raised_again_when_dropped() -> Iterator[None]:
-    """A signal's Stopped is raised wherever the main thread is, a finalizer included (SQLAlchemy's connection pool
-    and MLflow's run one on many store calls), where Python prints "Exception ignored in ..." with a traceback and
-    drops it: the run would go on. While inside, such a Stopped is printed by no one and the signal is sent again,
-    from another thread, so that the main thread's handler runs again once this hook has returned (os.kill or
-    _thread.interrupt_main here would run it inside the hook, where Python drops and prints the exception too)."""
+def raised_again_when_dropped(signal_of: Callable[[BaseException], int]) -> Iterator[None]:
+    """A signal handler's exception is raised wherever the main thread is, a finalizer included (SQLAlchemy's
+    connection pool and MLflow's run one on many store calls), where Python prints "Exception ignored in ..." with a
+    traceback and drops it: the process would go on as if no signal came. While inside, an exception for which
+    `signal_of` gives a signal number is printed by no one and that signal is sent again, from another thread, so
+    that the main thread's handler runs again once this hook has returned (os.kill or _thread.interrupt_main here
+    would run it inside the hook, where Python drops and prints the exception too)."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        e = unraisable.exc_value
-        if isinstance(e, Stopped) and e.step is None and _state["signal"] == e.signum:
-            _state["signal"] = 0  # not "already stopping": the signal sent again raises again
-            _thread.start_new_thread(os.kill, (os.getpid(), e.signum))
+        signum = signal_of(unraisable.exc_value)
+        if signum:
+            _thread.start_new_thread(os.kill, (os.getpid(), signum))
         else:
             previous(unraisable)
 
@@ -139,6 +139,15 @@ def _raised_again_when_dropped() -> Iterator[None]:
         yield
     finally:
         sys.unraisablehook = previous
+
+
+def _dropped_stop(e: BaseException) -> int:
+    """The signal of a run's Stopped raised by its handler (not the step loop's), made not "already stopping" so
+    that the signal sent again raises again."""
+    if isinstance(e, Stopped) and e.step is None and _state["signal"] == e.signum:
+        _state["signal"] = 0
+        return e.signum
+    return 0
 
 
 def requeue_slurm_job() -> str:
