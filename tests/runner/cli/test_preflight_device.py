@@ -64,7 +64,7 @@ def test_more_workers_than_gpus_is_one_line_exit_2_before_any_run_directory_or_s
 
 
 def test_under_torchrun_more_processes_than_single_runs_is_refused_before_any_run_directory(tmp_path: Path) -> None:
-    """`torchrun --nproc-per-node 2 -m runner` with parallelism=single: every rank says it, nothing is created
+    """`torchrun --nproc-per-node 2 -m runner` with parallelism=single: each rank that gets to it says it, nothing is created
     (the ranks used to refuse it after rank 0 had made the run directory)."""
     work = tmp_path / "work"
     work.mkdir()
@@ -75,7 +75,8 @@ def test_under_torchrun_more_processes_than_single_runs_is_refused_before_any_ru
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0, out[-3000:]
-    assert errors == ["error: parallelism: torchrun started 2 processes but parallelism=single runs 1 (tp x pp x cp); "
-                      "add parallelism=ddp or parallelism=fsdp"] * 2, out[-3000:]  # one line per rank
+    # one line per rank that says it: torchrun ends the other rank once one has exited, which may be before its line
+    assert errors and errors == ["error: parallelism: torchrun started 2 processes but parallelism=single runs 1 "
+                                 "(tp x pp x cp); add parallelism=ddp or parallelism=fsdp"] * len(errors), out[-3000:]
     assert f'File "{REPO / "runner"}' not in out  # torchrun's own report of its failed ranks is torchrun's
     assert list(work.iterdir()) == [], sorted(str(p.relative_to(work)) for p in work.rglob("*"))

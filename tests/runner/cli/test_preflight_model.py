@@ -138,7 +138,8 @@ def test_under_the_users_torchrun_a_bad_composition_is_refused_on_every_rank_bef
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0, out[-3000:]
-    assert len(errors) == 2 and len(set(errors)) == 1, out[-3000:]  # one line per rank, the same
+    # one line per rank that says it (torchrun ends the other rank once one has exited, maybe before its line)
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, out[-3000:]
     for part in said:
         assert part in errors[0], errors[0]
     assert f'File "{REPO / "runner"}' not in out  # torchrun's own report of its failed ranks is torchrun's
