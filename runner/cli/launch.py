@@ -21,6 +21,7 @@ from runner.specs import components, resume
 from runner.engine import checkpoint, preemption, resume_source
 
 from runner.cli import lifetime, preflight_model, process_state, run_lock
+from runner.cli.preflight_device import check_devices, check_processes
 from runner.engine.engine import Engine, RunResult, pick_device
 from runner.engine.monitor import Diverged
 from runner.cli.run_dir import latest_run
@@ -150,9 +151,7 @@ def _run_owned(spec: RunSpec, run_dir: Path, start_state: dict) -> RunResult:
     if (par.name != "single" or nominal_world(par) > 1) and not in_torchrun():
         return launch_workers(spec)
     env = init_process_group(pick_device(spec.trainer.device).type) if in_torchrun() else DistEnv()
-    if par.name == "single" and env.world != nominal_world(par):
-        raise SpecError(f"parallelism: torchrun started {env.world} processes but parallelism=single runs "
-                        f"{nominal_world(par)} (tp x pp x cp); add parallelism=ddp or parallelism=fsdp")
+    check_processes(spec)  # preflight's check of torchrun's processes, for a sweep's later jobs
     if env.is_main:
         (run_dir / "spec.yaml").write_text(spec.to_yaml())
         # the process state the job started from: equal for every job, and recorded to reproduce it
@@ -236,7 +235,9 @@ def launch_workers(spec: RunSpec) -> RunResult:
     log.info("starting %d workers on this node (%d node%s), parallelism=%s: %s", nproc, par.nnodes,
              "s" if multi_node else "", par.name, mesh)
     try:
-        with _refusals_left_to_the_launcher(spec.run_dir):
+        # torch's agent raises SignalException from its SIGTERM/SIGHUP handler: one a finalizer drops would leave
+        # the launcher waiting on workers that never heard of the signal
+        with _refusals_left_to_the_launcher(spec.run_dir), preemption.raised_again_when_dropped(agent_signal):
             elastic_launch(config, entrypoint=sys.executable)("-m", "runner.cli.worker", str(spec_path))
     except ChildFailedError as e:
         end_left_running(spec, "FAILED")
@@ -284,6 +285,13 @@ def launch_workers(spec: RunSpec) -> RunResult:
     return RunResult(**yaml.safe_load(result_file.read_text()))
 
 
+def agent_signal(e: BaseException) -> int:
+    """The signal whose handler in torch's elastic agent raised `e` (0: not the agent's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return int(e.sigval) if isinstance(e, SignalException) else 0
+
+
 @contextlib.contextmanager
 def _refusals_left_to_the_launcher(run_dir: str) -> Iterator[None]:
     """torch's agent logs how a failed worker group ends ("failed (exitcode: 2) local_rank: 0 (pid ...)", "Sending
@@ -308,14 +316,8 @@ def check_parallel(spec: RunSpec) -> None:
     par = spec.parallelism
     if spec.trainer.resume and run_lock.decides(par):
         resume_source.check_source(spec.trainer.resume)  # a missing or corrupt checkpoint: one error here, not one per worker
-    device = pick_device(spec.trainer.device)
-    nproc = nominal_world(par) // par.nnodes
-    if device.type == "cuda" and nproc > torch.cuda.device_count():
-        # single: tp x pp x cp processes
-        key = "nproc_per_node" if par.name != "single" else next(k for k in ("tp", "pp", "cp") if getattr(par, k) > 1)
-        raise SpecError(f"parallelism.{key}: {nproc} workers but only {torch.cuda.device_count()} "
-                        f"GPU(s) visible; use at most {torch.cuda.device_count()}, or trainer.device=cpu")
-    check_context_parallel(spec, device)
+    check_devices(spec)  # preflight's check, done already for the command's own spec
+    check_context_parallel(spec, pick_device(spec.trainer.device))
     # what the model decides, on the meta device: preflight's check, done already for the command's own spec
     preflight_model.check_model_composition(spec, say=log.warning)
 

@@ -128,6 +128,13 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         from runner.tracking.mlflow_store import check_tracking  # neither torch nor MLflow: a few seconds at most
 
         check_tracking(spec.tracking, for_the_run=dir_key == "hydra.run.dir")
+    # the processes and GPUs the run asks for (torch, only where there are GPUs to count): before the early
+    # tracking process makes the store
+    from runner.cli.preflight_device import check_devices, check_processes
+
+    check_processes(spec)
+    check_devices(spec)
+    if spec.tracking.name == "mlflow":
         start_tracking_early(spec, multirun=dir_key == "hydra.sweep.dir")
     # last, as it imports the model's and dataset's modules (torch): their keys against their signatures
     from runner.specs import components
@@ -139,11 +146,11 @@ def _check_surroundings(spec: RunSpec, dir_key: str, run_dir: str) -> None:
         from runner.engine.parallel.context import check_context_parallel
 
         check_context_parallel(spec, pick_device(spec.trainer.device))
-    if not under_torchrun():  # what the model makes of a sharded or cut run (runner/cli/preflight_model.py); under
-        # the user's torchrun every rank's engine checks it as it builds
-        from runner.cli.preflight_model import check_model_composition
+    # what the model makes of a sharded or cut run (runner/cli/preflight_model.py): under the user's torchrun on
+    # every rank, at torchrun's degrees (every rank's engine runs the same checks as it builds)
+    from runner.cli.preflight_model import check_model_composition
 
-        check_model_composition(spec)
+    check_model_composition(spec)
     # ranks under torchrun share one directory that rank 0 names; a probe there would race
     if not under_torchrun():
         check_writable(dir_key, run_dir)

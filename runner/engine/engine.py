@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from runner.engine import checkpoint, finetune, fit_checks, parallel, preemption, steps
-from runner.engine.parallel import parallelize
+from runner.engine.parallel import model_checks, parallelize
 
 from runner.addons import averaging, profiling
 
@@ -116,6 +116,8 @@ class Engine:
         self.steps_per_epoch = math.ceil(self.train_loader.batch_sampler.batches_per_epoch() / self.accum)
         self.total_steps = spec.trainer.max_steps or spec.trainer.max_epochs * self.steps_per_epoch
 
+        # preflight's checks of what the model makes of the degrees, on every rank (the user's torchrun has none)
+        model_checks.check_model_composition(spec, self.env.dims, data, say=log.warning if self.env.is_main else None)
         # on the meta device where the run shards the model (parallel/parallelize.py): no rank holds it whole
         built = parallelize.build_model(spec, data, self.env, self.device, resuming=resume_state is not None)
         module = built.module = self.precision.prepare_model(built.module)

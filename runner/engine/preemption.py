@@ -17,24 +17,28 @@ after a preemption's or a time limit's SIGTERM (143) without requeueing it, so t
 itself, once its step's checkpoint is written and its MLflow run ended KILLED. The requeued job reruns
 its command into the same run directory and continues from that step (runner/cli/run_lock.requeued).
 
-A signal after the run ended FINISHED (trained, tested, its final checkpoint written) stops nothing and
-requeues nothing: the run stays FINISHED and the process exits 0.
+A signal after the run ended FINISHED (trained, tested, its final checkpoint written) stops nothing of the run and
+requeues nothing: the run stays FINISHED and the process exits 0. A sweep that ran it in its own process (one
+slot) is stopped by it once it has recorded that trial, before its next one (the signal used to be forgotten, and
+the sweep ran every trial it had left); a run around it (k-fold's, PBT's) stops as if it came then.
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-_state = {"signal": 0, "deferred": False, "finished": False}
+_state = {"signal": 0, "deferred": False, "finished": False, "unheard": 0}
 
 
 class Stopped(KeyboardInterrupt):
@@ -80,10 +84,11 @@ def handled(requeue: bool = False) -> Iterator[None]:
         yield
         return
     previous = {s: signal.signal(s, _on_signal) for s in SIGNALS}
-    _state["signal"], _state["finished"] = 0, False
+    _state["signal"], _state["finished"], _state["unheard"] = 0, False, 0
     requeued = False
     try:
-        yield
+        with raised_again_when_dropped(_dropped_stop):
+            yield
     except Stopped as e:
         if requeue:
             e.requeued_job = requeued = requeue_slurm_job()
@@ -92,7 +97,57 @@ def handled(requeue: bool = False) -> Iterator[None]:
         for s, handler in previous.items():
             # a requeued job's process is leaving: SLURM's own SIGTERM for the requeue must not cut its exit short
             signal.signal(s, signal.SIG_IGN if requeued else handler)
+        after_finish = _state["signal"] if _state["finished"] else 0
         _state["signal"], _state["deferred"], _state["finished"] = 0, False, False
+        # The run stays FINISHED, but the signal was meant for the process too. A run around this one (k-fold's,
+        # PBT's) stops as if it came now; a sweep's handler gets it once the sweep has recorded this trial
+        # (send_unheard). Without either (a single run: Python's default handler) the process exits 0.
+        if after_finish and previous.get(after_finish) is _on_signal:
+            _on_signal(after_finish, None)
+        elif after_finish and callable(previous.get(after_finish)):
+            _state["unheard"] = after_finish
+
+
+def send_unheard() -> None:
+    """The stop signal that came after a run in this process had finished, sent again to this process, now that
+    the handler around the run is back: a sweep's hook calls this once the sweep has recorded the trial (a
+    finished trial keeps its value), and the sweep stops before its next trial."""
+    signum, _state["unheard"] = _state["unheard"], 0
+    if signum:
+        os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def raised_again_when_dropped(signal_of: Callable[[BaseException], int]) -> Iterator[None]:
+    """A signal handler's exception is raised wherever the main thread is, a finalizer included (SQLAlchemy's
+    connection pool and MLflow's run one on many store calls), where Python prints "Exception ignored in ..." with a
+    traceback and drops it: the process would go on as if no signal came. While inside, an exception for which
+    `signal_of` gives a signal number is printed by no one and that signal is sent again, from another thread, so
+    that the main thread's handler runs again once this hook has returned (os.kill or _thread.interrupt_main here
+    would run it inside the hook, where Python drops and prints the exception too)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        signum = signal_of(unraisable.exc_value)
+        if signum:
+            _thread.start_new_thread(os.kill, (os.getpid(), signum))
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _dropped_stop(e: BaseException) -> int:
+    """The signal of a run's Stopped raised by its handler (not the step loop's), made not "already stopping" so
+    that the signal sent again raises again."""
+    if isinstance(e, Stopped) and e.step is None and _state["signal"] == e.signum:
+        _state["signal"] = 0
+        return e.signum
+    return 0
 
 
 def requeue_slurm_job() -> str:

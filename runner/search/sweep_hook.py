@@ -300,14 +300,20 @@ class RunnerSweepHook(SweepHook):
             self.parent.start(name=d["study_name"], tags=tags, params=params, reuse=run_id)
 
     def trial_done(self, study: Any, trial: Any, killed: bool) -> None:
-        if self.parent is None or self.parent.run_id is None:
-            return
         try:
+            if self.parent is None or self.parent.run_id is None:
+                return
             with self.lock:
                 self._tag_child(trial, killed)
                 self._log_on_parent(study, trial)
         except Exception as e:  # noqa: BLE001 - MLflow trouble must not end the sweep
             log.warning(f"MLflow: could not record trial {trial.number} ({type(e).__name__}: {e})")
+        finally:
+            # SIGTERM/SIGHUP that came as this trial's run had finished in this process: the trial is recorded with
+            # its value, and the sweep now gets the signal (its handler stops it before the next trial)
+            from runner.engine import preemption
+
+            preemption.send_unheard()
 
     def sweep_finished(self, study: Any, status: str, results: Optional[Path]) -> None:
         jobs = [_job(t) for t in study.get_trials(deepcopy=False) if t.state.is_finished()]

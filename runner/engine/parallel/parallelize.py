@@ -123,7 +123,7 @@ def parallelize(built: BuiltModel, spec: RunSpec, env: DistEnv, device: torch.de
         pipelining.check_composition(spec, env.dims)
         pipe = pipelining.Pipeline(module, par, env, device, spec.dataset.batch_size, spec.model.target, pipeline_loss)
         module = pipe.module
-    tensor_parallel.apply(module, par, env)  # tp: after the cut, before checkpointing and the data-parallel wrap
+    tensor_parallel.apply(module, par, env, spec.model.target)  # tp: after the cut, before checkpointing and the data-parallel wrap
     if pipe is not None:  # pp x tp: the stages compute with the split parameters, whole between stages
         pipe.after_tensor_plan(par, env)
     # after the FLOP count (MFU counts the model's FLOPs, not the recomputation), before any wrap

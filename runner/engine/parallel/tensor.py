@@ -15,7 +15,8 @@ forward and the backward (`loss_context`); evaluation gathers them whole (runner
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+import warnings
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -57,12 +58,9 @@ def check(module: nn.Module, spec: ParallelismSpec, tp: int) -> None:
 def check_user_plan(module: nn.Module, spec: ParallelismSpec, tp: int, model_name: str) -> None:
     """Before anything starts, on the model built on the meta device (which it changes): the user's plan
     (parallelism.tp_plan) applied on a process group that only pretends (torch's fake backend: this one process
-    stands for the tp ranks, and no collective runs). torch's parallelize_module skips a plan key that names no
-    submodule with a warning, and the run then fails inside the workers or trains that layer unsplit: such a
-    key is refused here in one line, as is a plan that raises. Not where a process group exists already (the
-    engine's own build: the plan runs there on the real mesh)."""
-    import warnings
-
+    stands for the tp ranks, and no collective runs), its part names checked (_names_checked) and a plan that
+    raises refused in one line. Not where a process group exists already (the engine's own build: the plan runs
+    there on the real mesh, its names checked by `apply`)."""
     import torch.distributed as dist
 
     if tp <= 1 or spec.tp_plan is None or dist.is_initialized():
@@ -74,23 +72,38 @@ def check_user_plan(module: nn.Module, spec: ParallelismSpec, tp: int, model_nam
     from runner.specs.components import load_target
 
     plan = load_target("parallelism.tp_plan", spec.tp_plan.target)
-    parts = ", ".join(name for name, _ in module.named_children())
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
     try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
+        with _names_checked(module, spec, model_name):
             try:
                 plan(module, DeviceMesh("cpu", list(range(tp))), **spec.tp_plan.params)
             except Exception as e:  # the user's plan failing its own way: what it said, on one line
                 raise SpecError(f"parallelism.tp_plan: {spec.tp_plan.target} failed on {model_name} ({type(e).__name__}: "
                                 f"{(str(e).splitlines() or [''])[0][:160]}); allowed: a plan that names the model's own "
-                                f"parts (its children: {parts})") from None
+                                f"parts (its children: {_children(module)})") from None
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _names_checked(module: nn.Module, spec: ParallelismSpec, model_name: str) -> Iterator[None]:
+    """Around the user's plan applied: torch's parallelize_module skips a plan key that names no submodule with a
+    warning, and the run then fails later or trains that layer unsplit; such a key is refused in one line. The
+    plan's other warnings are shown as they would have been."""
+    parts = _children(module)  # before the plan: it may replace them
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield
     unresolved = [str(w.message).split(" in module")[0] for w in seen if "could not be resolved" in str(w.message)]
     if unresolved:
         raise SpecError(f"parallelism.tp_plan: {spec.tp_plan.target} names a part {model_name} does not hold "
                         f"({unresolved[0]}); allowed: the model's own parts (its children: {parts})")
+    for w in seen:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
+def _children(module: nn.Module) -> str:
+    return ", ".join(name for name, _ in module.named_children())
 
 
 def declared_heads(module: nn.Module) -> list[tuple[str, int]]:
@@ -105,8 +118,10 @@ def declared_heads(module: nn.Module) -> list[tuple[str, int]]:
     return sorted(found.items())
 
 
-def apply(module: nn.Module, spec: ParallelismSpec, env: Any) -> None:
-    """Splits `module` in place across env.mesh["tp"]; nothing when tp is 1 (env: a placed DistEnv)."""
+def apply(module: nn.Module, spec: ParallelismSpec, env: Any, model_name: str = "the model") -> None:
+    """Splits `module` in place across env.mesh["tp"]; nothing when tp is 1 (env: a placed DistEnv). A user's plan
+    naming a part the model does not hold is refused as check_user_plan refuses it (under the user's own torchrun
+    nothing checked it before)."""
     if env.dims.tp <= 1 or env.mesh is None:
         return
     check(module, spec, env.dims.tp)
@@ -115,7 +130,8 @@ def apply(module: nn.Module, spec: ParallelismSpec, env: Any) -> None:
     if source == "user":
         from runner.specs.components import load_target
 
-        load_target("parallelism.tp_plan", spec.tp_plan.target)(module, tp_mesh, **spec.tp_plan.params)
+        with _names_checked(module, spec, model_name):
+            load_target("parallelism.tp_plan", spec.tp_plan.target)(module, tp_mesh, **spec.tp_plan.params)
     elif source == "model":
         module.parallelize_tensor(tp_mesh, sequence_parallel=spec.sequence_parallel, loss_parallel=spec.loss_parallel)
     else:

@@ -7,6 +7,8 @@ block is refused, one added inside trains like one process."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,66 @@ def test_a_residual_inside_the_block_passes_the_check_and_trains_like_one_proces
     preflight_model.check_model_composition(spec, say=said.append)  # neither refused nor said
     assert said == []
     assert_like_one_process(tmp_path, common, pp, two_ranks=two_ranks)
+
+
+# --- under the user's own torchrun: the same checks on every rank, in preflight and in the engine's build ----------
+
+UNDER_TORCHRUN = {k: REFUSED[k] for k in ("a residual outside the block", "a tp plan naming a missing part")}
+
+
+@pytest.mark.parametrize("case", list(UNDER_TORCHRUN))
+def test_under_the_users_torchrun_a_bad_composition_is_refused_on_every_rank_before_anything(
+        tmp_path: Path, migrated_mlflow_store: Path, case: str) -> None:
+    """`torchrun --nproc-per-node 2 -m runner ...`: preflight's model check used to be skipped there and the engine
+    never ran it, so the residual trained x + x without a word and the plan's missing part failed mid-step in a
+    traceback. Each rank says the one line; no rank trains, nothing is created, no MLflow run is left."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    args, said = UNDER_TORCHRUN[case]
+    work, db = tmp_path / "work", tmp_path / "mlflow.db"
+    work.mkdir()
+    shutil.copy(migrated_mlflow_store, db)
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "runner", *args, "trainer.device=cpu", "trainer.max_steps=2",
+                           "trainer.progress_bar=off", f"tracking.uri=sqlite:///{db}",
+                           f"tracking.artifact_root={tmp_path / 'artifacts'}"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0, out[-3000:]
+    # one line per rank that says it (torchrun ends the other rank once one has exited, maybe before its line)
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1, out[-3000:]
+    for part in said:
+        assert part in errors[0], errors[0]
+    assert f'File "{REPO / "runner"}' not in out  # torchrun's own report of its failed ranks is torchrun's
+    assert "trained" not in out
+    assert list(work.iterdir()) == [], sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+    client = MlflowClient(f"sqlite:///{db}")
+    assert [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])] == []
+
+
+def _engine_build_on_rank(rank: int, world: int, overrides: list[str], run_dir: str) -> str | None:
+    from runner.engine.engine import Engine
+    from runner.engine.parallel import DistEnv
+    from runner.specs.run import SpecError
+
+    try:
+        Engine(compose_spec(overrides, Path(run_dir)), env=DistEnv(rank, world, rank))
+    except SpecError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", list(UNDER_TORCHRUN))
+def test_every_ranks_engine_build_refuses_what_preflight_refuses(tmp_path: Path, case: str, two_ranks) -> None:
+    """The engine runs preflight's checks as it builds, on every rank, with the degrees of its process group: a run
+    started without this command line's preflight (the engine built by hand, a runner of one's own) is refused in
+    the same line. The engine used to build the residual's stages and the plan's half-split model."""
+    args, said = UNDER_TORCHRUN[case]
+    refusals = two_ranks.run(_engine_build_on_rank, [*args, "trainer.device=cpu"], str(tmp_path / "run"))
+    assert refusals[0] is not None and refusals == [refusals[0]] * 2, refusals
+    for part in said:
+        assert part in f"error: {refusals[0]}", refusals[0]

@@ -315,6 +315,36 @@ def test_only_the_main_rank_writes_run_files(tmp_path: Path) -> None:
         assert (tmp_path / "run" / "curves.png").exists() == is_main
 
 
+class _SignalledInAFinalizer:
+    """An object whose finalizer gets SIGTERM: the handler's exception is raised inside the finalizer."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_the_agents_sigterm_that_a_finalizer_drops_still_reaches_the_launcher(capfd: pytest.CaptureFixture) -> None:
+    """torch's elastic agent, in the launcher, raises SignalException from its SIGTERM handler wherever the main
+    thread is. In a finalizer Python dropped it ("Exception ignored in ..."): the launcher went on waiting for
+    workers the agent never told, which a held run (the test below) never ends. Real signals, torch's own handler."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+
+    from runner.cli import launch
+    from runner.engine import preemption
+
+    previous = signal.signal(signal.SIGTERM, _terminate_process_handler)  # as the agent installs it
+    try:
+        with pytest.raises(SignalException):
+            with preemption.raised_again_when_dropped(launch.agent_signal):
+                _SignalledInAFinalizer()  # dropped at once: its finalizer runs here
+                deadline = time.time() + 60  # a bound for "never", not a measure of speed
+                while time.time() < deadline:
+                    time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_ddp_launcher_stops_every_rank_at_one_step_with_its_checkpoint_and_the_resume_ends_as_if_never_stopped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

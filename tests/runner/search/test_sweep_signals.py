@@ -120,3 +120,52 @@ def test_a_sweep_under_joblib_sigtermed_as_its_workers_start_stops_them_too(tmp_
     assert code == 143, err[-3000:]
     assert err.strip().splitlines()[-1] == "runner: stopped by SIGTERM; the run was marked KILLED", err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+
+
+# --- a trial's run in the sweep's own process (one slot): the signal lands wherever its main thread is -------------
+
+def test_a_signal_as_a_trials_run_finishes_stops_the_sweep_once_the_trial_is_recorded() -> None:
+    """The run's handler notes a signal that comes after the run finished (the run stays FINISHED). It used to
+    forget it as the job returned, and the sweep ran every trial it had left (seen: SIGTERM to a sweep of 40 short
+    trials, exit 0 half a minute later with all 40 FINISHED). Now the sweep's own handler gets it once the sweep has
+    recorded the trial with its value: as runner's sweep hook hears the trial is done. Real signals, the sweeper's
+    real handler, in this process."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.runner_optuna_sweeper._stopping import StopSignals, SweepStopped
+    from runner.engine import preemption
+    from runner.search.sweep_hook import RunnerSweepHook
+
+    stop = StopSignals(raise_now=True, send_on=False)  # the sweep's handler while its trials run in this process
+    with stop.installed():
+        with preemption.handled():  # the trial's run
+            preemption.run_finished()
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's handler takes it here: the run stays FINISHED
+        assert stop.signum == 0  # the job returned normally: the sweeper records the trial's value
+        with pytest.raises(SweepStopped):
+            RunnerSweepHook(OmegaConf.create({})).trial_done(None, None, killed=False)
+    assert stop.signum == signal.SIGTERM
+
+
+class _SignalledInAFinalizer:
+    """An object whose finalizer gets the signal: its handler's exception is raised inside the finalizer, as when
+    SQLAlchemy's pool or MLflow runs one (seen: "Exception ignored in: <function _collection_gced ...>")."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_whose_stop_a_finalizer_drops_still_stops_the_run_without_a_traceback(
+        capfd: pytest.CaptureFixture) -> None:
+    """Python drops an exception raised in a finalizer, printing "Exception ignored in ..." and its traceback: the
+    signal's Stopped was lost, and a run outside its step loop (building, evaluating) went on."""
+    from runner.engine import preemption
+
+    with pytest.raises(preemption.Stopped, match="stopped by SIGTERM"):
+        with preemption.handled():
+            _SignalledInAFinalizer()  # dropped at once: its finalizer runs here
+            deadline = time.time() + 60  # a bound for "never", not a measure of speed
+            while time.time() < deadline:
+                time.sleep(0.01)
+    err = capfd.readouterr().err
+    assert "Exception ignored" not in err and "Traceback" not in err, err
