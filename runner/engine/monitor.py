@@ -71,6 +71,7 @@ class Monitor:
         self.samples_seen = 0  # all ranks, in this process: the throughput summary
         self.compile_clock = CompileClock()
         self.step_started = 0.0  # the window's training seconds when the current step started
+        self.logs = False  # whether the step now running logs (step_starts); a finder's steps do not
         self.flop_rate = FlopRate(None)  # the engine sets the run's (runner/engine/flops.py)
         self.timed = [0.0, 0.0]  # FLOPs and seconds of every closed window's timed steps, this process
         show = spec.trainer.progress_bar == "on" or (spec.trainer.progress_bar == "auto" and sys.stderr.isatty())
@@ -79,10 +80,14 @@ class Monitor:
     def is_log_step(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
 
-    def step_starts(self) -> None:
-        """Called before each optimizer step: a step that compiles (or is profiled) is timed apart."""
+    def step_starts(self, step: int) -> bool:
+        """Called before each optimizer step (`step`, counted from 1): a step that compiles (or is profiled) is
+        timed apart. Returns whether the step logs, kept in `logs` while it runs: only then are its rates and grad
+        norm read (asked once a step)."""
         self.step_started = self.window.elapsed()
         self.compile_clock.step_starts()
+        self.logs = self.is_log_step(step)
+        return self.logs
 
     def on_step(self, step: int, loss_sum: torch.Tensor, samples: int, grad_norm: torch.Tensor | None,
                 lrs: dict[str, float] | None, skipped_steps: int, flops: float = 0.0, timed: bool = True) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import operator
 import warnings
 from typing import Any, Callable
 
@@ -31,8 +30,6 @@ from runner.specs.components import load_target
 from runner.specs.run import SpecError
 from runner.specs.scheduler import SchedulerSpec
 
-_FLOATS = {float}  # a constant schedule holds only rates that are plain floats
-_LR = operator.itemgetter("lr")  # a group's lr, read in C (a list comprehension is a Python call each step)
 
 
 class Schedule:
@@ -48,27 +45,37 @@ class Schedule:
         self.total_steps = total_steps
         self.steps = 0
         self.monitor = monitor  # set for schedules driven by evaluations: the metric on_eval reacts to
-        self.constant_from = constant_from  # a LambdaLR whose factor is 1 from this step on (`constant`'s warmup done)
+        # a LambdaLR whose factor is 1 from this step on (`constant`'s warmup done); None: every step is torch's
+        self.constant_from = constant_from if type(self.scheduler) is LambdaLR else None
 
     def step(self) -> None:
         if self.steps_each_step and self.steps < self.total_steps:
-            if self._holds():
+            s = self.scheduler
+            if self.constant_from is not None and self._holds(s):
                 # the step would set every group's lr to the value it holds: only torch's counters move (its
                 # step costs ~10 us, a fifth of the engine's whole budget on a tiny step)
-                self.scheduler.last_epoch += 1
-                self.scheduler._step_count += 1
+                s.last_epoch += 1
+                s._step_count += 1
             else:
-                self.scheduler.step()
+                s.step()
         self.steps += 1
 
-    def _holds(self) -> bool:
+    def _holds(self, s: LambdaLR) -> bool:
         """Whether the next step of a constant schedule leaves every lr, and what it records of them, as they are."""
-        s = self.scheduler
-        if self.constant_from is None or type(s) is not LambdaLR or s.last_epoch + 1 < self.constant_from or s._step_count < 2:
+        if s.last_epoch + 1 < self.constant_from or s._step_count < 2:
             return False
-        lrs = list(map(_LR, self.optimizer.param_groups))
-        # floats only (a tensor's comparison would read it, a device sync), tested without a generator
-        return set(map(type, lrs)) == _FLOATS and lrs == s.base_lrs == s._last_lr
+        bases, last, i = s.base_lrs, s._last_lr, 0
+        # floats only (a tensor's comparison would read it, a device sync); a plain loop: a list built by map, a set
+        # of its types and their comparison cost a tiny step ~4k instructions more, a zip() ~2k
+        try:
+            for group in self.optimizer.param_groups:
+                lr = group["lr"]
+                if type(lr) is not float or lr != bases[i] or lr != last[i]:
+                    return False
+                i += 1
+        except IndexError:  # a group added since the schedule was built: torch's step records its lr
+            return False
+        return True
 
     def on_eval(self, metrics: dict[str, float]) -> None:
         if self.monitor is None:

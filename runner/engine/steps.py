@@ -13,6 +13,7 @@ The interface:
     train_step(step_batches, counts) -> (loss_sum, units, grad_norm)
         one optimizer step over the accumulation micro-batches (split, with their unit counts): the loss
         scaled by dp degree / the step's units on all replicas, clipping, the optimizer and scheduler step;
+        the grad norm where the run clips or the step logs (monitor.logs), else None;
         this rank's FLOPs of it are left in `last_step_flops`
     eval_sums(batch, count) -> {name: sum}   the task's metric sums of one prepared batch
     finish_eval(totals) -> totals            the whole split's sums as every rank of a replica holds them
@@ -134,9 +135,9 @@ class PlainSteps:
         return loss_sum, step_flops
 
     def _optimizer_step(self) -> torch.Tensor | None:
-        """Clipping, the optimizer's and the schedule's step; the grad norm where it clips or is logged, else None."""
+        """Clipping, the optimizer's and the schedule's step; the grad norm where it clips or the step logs, else None."""
         e = self.engine
-        grad_norm = self._clip_gradients() if self.clips or e.monitor.is_log_step(e.progress.step + 1) else None
+        grad_norm = self._clip_gradients() if self.clips or e.monitor.logs else None
         if e.precision.step(e.optimizer):
             e.schedule.step()
         e.optimizer.zero_grad(set_to_none=True)
@@ -286,7 +287,7 @@ class PipelineSteps:
         pipeline.sync_tied_gradients()
         pipeline.average_over_replicas()
         trainer, grad_norm = e.spec.trainer, None
-        if self.clips or e.monitor.is_log_step(e.progress.step + 1):  # the norm where it clips, or is logged
+        if self.clips or e.monitor.logs:  # the norm where it clips, or is logged
             grad_norm = pipeline.clip_gradients(trainer.clip_grad_norm, trainer.clip_grad_value)
         if e.precision.step(e.optimizer):
             e.schedule.step()

@@ -338,3 +338,30 @@ def test_a_constant_schedule_that_skips_torchs_step_keeps_its_lrs_and_state_as_t
         assert base_lr(fast) == base_lr(slow), step
         assert fast.state_dict() == slow.state_dict(), step
     assert base_lr(fast) == 0.05
+
+
+def test_a_held_constant_schedule_checks_every_group_as_torchs_step_would() -> None:
+    """The held constant schedule checks every group: a second group's lr set by hand is put back to its peak as by
+    torch's step, lrs and state equal torch's own; a group added mid-run fails the step as torch's does."""
+    spec = spec_of("constant")
+
+    def two_groups() -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)]},
+                                {"params": [torch.zeros(1, requires_grad=True)], "lr": 0.25}], lr=0.5)
+
+    fast_opt, slow_opt = two_groups(), two_groups()
+    fast, slow = build_scheduler(spec, fast_opt, 20), build_scheduler(spec, slow_opt, 20)
+    slow.constant_from = None  # torch's step every time
+    for step in range(12):
+        for optimizer, schedule in ((fast_opt, fast), (slow_opt, slow)):
+            if step == 8:
+                optimizer.param_groups[1]["lr"] = 0.125
+            optimizer.step()
+            schedule.step()
+        assert [g["lr"] for g in fast_opt.param_groups] == [g["lr"] for g in slow_opt.param_groups], step
+        assert fast.state_dict() == slow.state_dict(), step
+    assert [g["lr"] for g in fast_opt.param_groups] == [0.5, 0.25]
+    for optimizer, schedule in ((fast_opt, fast), (slow_opt, slow)):
+        optimizer.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": 0.1})
+        with pytest.raises(ValueError, match="zip"):
+            schedule.step()
