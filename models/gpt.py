@@ -215,6 +215,15 @@ class GPT(nn.Module):
         tokens = self.wte(input_ids) if link is None else _EmbeddingGradient.apply(input_ids, self.wte.weight, link)
         return self.drop(tokens + self.wpe(positions))
 
+    def fsdp_root_read_until(self) -> Optional[nn.Module]:
+        """Sharded data parallelism (runner/engine/parallel/wrap.py): the module whose backward is the last to read a
+        weight of the root's unit (the tied embedding and head, the position embedding, the final norm): the final
+        norm, whose backward follows the head's; the embeddings' backward reads no weight (only the token ids and
+        the gradient). The unit then frees its gathered weights there rather than at the backward's end, where the
+        whole tied weight (GPT-2: 50257 x 768, 147 MiB) sat beside its whole gradient. None in a pipeline stage
+        without the head."""
+        return self.ln_f if self.lm_head is not None else None
+
     def pipeline_stage(self, stage_index: int, num_stages: int) -> nn.Module:
         """Stage `stage_index` of `num_stages` for pipeline parallelism: consecutive blocks (earlier stages
         take one more where they do not divide), the embeddings in the first stage, the final norm and

@@ -145,7 +145,7 @@ class Engine:
         self.params = self.flop_count.params = list(self.module.parameters())
         self.compiled_task = compiling.compile_loss(self.task, spec, self.device)  # None: the loss stays eager
         self.optimizer = build_optimizer(spec.optimizer, self.module, parallel.parameter_device(spec.parallelism, self.env, self.device))
-        tensor_parallel.fit_optimizer(self.optimizer)
+        parallelize.fit_optimizer(self.optimizer, parts)
         self.progress = Progress()
         schedule = build_scheduler(spec.scheduler, self.optimizer, self.total_steps,
                                    tuple(components.typed_keys_under(spec.overrides, "scheduler")))

@@ -160,3 +160,12 @@ def materialise(modules: list[nn.Module], param_device: torch.device, buffer_dev
                 for name, buffer in sub._buffers.items():
                     if buffer is not None:
                         sub._buffers[name] = buffer.to(buffer_device)
+
+
+def fit_optimizer(optimizer: torch.optim.Optimizer, parts: Parallelized) -> None:
+    """What the parallel layout asks of the optimizer once built: a group mixing tensor-parallel DTensors with plain
+    tensors steps per tensor (tensor.fit_optimizer); under pp a parameter every stage holds has its state split by
+    rows between the stages (pipeline.split_tied_state)."""
+    tensor_parallel.fit_optimizer(optimizer)
+    if parts.pipeline is not None:
+        parts.pipeline.split_tied_state(optimizer)

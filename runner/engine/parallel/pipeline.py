@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runner.engine.parallel import tied_rows
 from runner.engine.parallel.mesh import DistEnv
 from runner.engine.parallel.state import local_tensor_of
 from runner.specs import composition
@@ -120,7 +121,8 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         check_pipeline(par, per_rank_batch)
-        self.group = env.mesh["pp"].get_group()
+        self.mesh = env.mesh["pp"]
+        self.group = self.mesh.get_group()
         self.dp = env.dims.dp_replicate
         self.dp_group = env.mesh["dp_replicate"].get_group() if self.dp > 1 else None
         self.pp, self.pp_rank = par.pp, dist.get_rank(self.group)
@@ -157,6 +159,8 @@ class Pipeline:
         dist.all_gather_object(every, [any(h) for h in held], group=self.group)
         self.tied_owner = [min(r for r in range(self.pp) if every[r][g]) if any(e[g] for e in every) else -1
                            for g in range(len(self.tied))]
+        self.tied_everywhere = [all(e[g] for e in every) for g in range(len(self.tied))]
+        self.tied_rows: tied_rows.TiedRows | None = None  # split_tied_state
         self.is_last = any(s.is_last for s in self.stages)
         # the bubble (step_bubble): this rank's seconds computing its stages' chunks (forward, backward,
         # weight gradients) against its seconds inside the training schedule's steps
@@ -423,6 +427,14 @@ class Pipeline:
         every = [None] * self.pp
         dist.all_gather_object(every, list(like.shape) if like is not None else None, group=self.group)
         return next(s for s in every if s is not None)
+
+    def split_tied_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer state of a parameter every stage holds a copy of (gpt's tied embedding under pp=2) split by
+        rows between the pp ranks, each updating its rows and gathering the others' after the step (tied_rows.py)."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        shared = [(named[own[0]], own) for names, everywhere in zip(self.tied, self.tied_everywhere)
+                  if everywhere and (own := [n for n in names if n in named])]
+        self.tied_rows = tied_rows.split(optimizer, shared, self.mesh) if shared else None
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters whose gradient counts in the global norm: a tied parameter's on its first

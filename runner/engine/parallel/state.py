@@ -186,14 +186,24 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     options = StateDictOptions(full_state_dict=False)
+    rows = _tied_rows(module) if optimizer is not None else None
     if optimizer is None:
         model_state, optim_state = get_model_state_dict(module, options=options), {}
-    else:  # torch fills a fresh optimizer's state first (a step at lr 0), so a resume has tensors to load into
+    elif rows is None:  # torch fills a fresh optimizer's state first (a step at lr 0), so a resume has tensors to load into
         model_state, optim_state = get_state_dict(module, optimizer, options=options)
+    else:  # a pipeline's tied parameter whose state this rank holds by its rows (tied_rows.py): keyed by its name
+        with rows.whole_in(optimizer):
+            model_state, optim_state = get_state_dict(module, optimizer, options=options)
     flat = {MODEL + k: v for k, v in model_state.items()}
     for name, entry in optim_state.get("state", {}).items():
-        flat.update({f"{OPTIM}{name}/{field}": v for field, v in entry.items()})
+        flat.update({f"{OPTIM}{name}/{field}": rows.as_saved(name, v) if rows else v for field, v in entry.items()})
     return flat, list(optim_state.get("param_groups", []))
+
+
+def _tied_rows(module: nn.Module) -> Any:
+    """The pipeline's row shares of its tied parameters' optimizer state (parallel/tied_rows.py), or None."""
+    pipeline = getattr(module, "_runner_pipeline", None)
+    return getattr(pipeline, "tied_rows", None)
 
 
 def saved_names(flat: dict[str, Any], module: nn.Module) -> dict[str, Any]:

@@ -63,7 +63,33 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
             fully_shard(block, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
     use_rings([*norms, *blocks, module], how.device)  # gloo's collectives copy through whole-size temporaries
+    free_root_early(module, blocks[0])
     return module
+
+
+def free_root_early(module: nn.Module, first_block: nn.Module) -> None:
+    """FSDP2 keeps the root unit's parameters gathered for the whole backward (the root's forward inputs, token ids,
+    need no gradient, so nothing marks its backward's end before the backward's). A model naming the module whose
+    backward is the last to read them (`fsdp_root_read_until()`: gpt's final norm) has them freed right after that
+    backward: gpt's tied weight then no longer sits gathered beside its whole gradient at the backward's end, where
+    each rank peaked. Their gradients still land on the unsharded parameters (kept, their memory freed) and are
+    reduced at the backward's end as before. The first block's backward no longer prefetches the root (FSDP2 gathers
+    the unit that ran before a block ahead of that block's backward): nothing gathers it again in this backward."""
+    read_until = getattr(module, "fsdp_root_read_until", None)
+    last = read_until() if callable(read_until) else None
+    if last is None:
+        return
+
+    def free(grad: torch.Tensor) -> None:
+        module.reshard()
+
+    def arm(_: nn.Module, args: tuple, output: object) -> None:
+        # a hook on the gradient of its input: called once that module's backward has run
+        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(free)
+
+    last.register_forward_hook(arm)
+    first_block.set_modules_to_backward_prefetch([])
 
 
 def replicate_split(module: nn.Module, how: Wrapping) -> nn.Module:

@@ -334,3 +334,42 @@ def test_a_stage_keeps_the_whole_models_names_and_shares_its_parameters() -> Non
     assert all(p is whole[n] for s in (first, last) for n, p in s.named_parameters(remove_duplicate=False))
     x = torch.randint(0, 16, (2, 5))
     torch.testing.assert_close(last(first(x)), model(x), rtol=0, atol=0)  # the model itself is untouched
+
+
+def _fit_reporting_tied_state(rank: int, world: int, overrides: list[str], run_dir: str, db: str | None) -> dict:
+    """This rank's tied weight (its numel) and the numels of the optimizer state kept for it: the state of whichever
+    optimizer parameter views the weight's memory (the weight itself, or a share of its rows)."""
+    from runner.tracking.tracker import build_tracker
+
+    spec = compose_spec(overrides, Path(run_dir), tracking_uri=f"sqlite:///{db}" if db else None)
+    engine = Engine(spec, build_tracker(spec) if rank == 0 and db else None, DistEnv(rank, world, rank))
+    engine.fit()
+    named = dict(engine.module.named_parameters(remove_duplicate=False))
+    tied = next(named[n] for n in ("wte.weight", "lm_head.weight") if n in named)
+    memory = tied.untyped_storage().data_ptr()
+    held = [p for group in engine.optimizer.param_groups for p in group["params"]
+            if p.untyped_storage().data_ptr() == memory]
+    return {"weight": tied.numel(), "state": {field: t.numel() for p in held
+                                              for field, t in engine.optimizer.state[p].items() if t.dim() > 0}}
+
+
+def test_pp2_splits_the_tied_weights_optimizer_state_by_rows_and_trains_like_one_process(tmp_path: Path,
+                                                                                         two_ranks) -> None:
+    """gpt's tied embedding and lm head, held by both stages: each stage's optimizer keeps the weight's state for its
+    half of the rows only (parallel/tied_rows.py: AdamW's two moments, SGD's momentum), and the run still ends as one
+    process's: weights, the logged train/loss, val/loss, test metrics and lr, and the checkpoint's whole optimizer
+    state (each stage wrote its rows). Compared under SGD with momentum and weight decay (the module docstring: Adam
+    blows rounding noise up); AdamW's state sizes are read from a run of its own."""
+    common = [*GPT, "dataset.batch_size=8", "trainer.max_steps=4"]
+    assert_like_one_process(tmp_path, common, ["parallelism.pp_schedule=1f1b", "parallelism.pp_microbatches=2"],
+                            two_ranks=two_ranks)
+    one, two = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt")["optimizer"]["state"] for d in ("one", "two"))
+    assert set(one) == set(two)
+    for name in one:
+        for field in one[name]:
+            torch.testing.assert_close(two[name][field], one[name][field], rtol=1e-5, atol=1e-7, msg=f"{name} {field}")
+    for optimizer, fields in (("sgd", ("momentum_buffer",)), ("adamw", ("exp_avg", "exp_avg_sq"))):
+        reports = two_ranks.run(_fit_reporting_tied_state, [*common, *PP2, f"optimizer={optimizer}"],
+                                str(tmp_path / optimizer), None)
+        for report in reports:
+            assert report["state"] == {field: report["weight"] // 2 for field in fields}, optimizer
