@@ -79,3 +79,12 @@ class ReadsValues(InnerResidual):
         if x.abs().sum() > 0:
             return super().forward(x)
         return super().forward(x)
+
+
+class OuterResidualReadsOnBuild(OuterResidual):
+    """OuterResidual whose constructor reads a value (its head's initial norm), which the meta device cannot give:
+    it is built whole, and its composition must still be checked before anything starts."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, width: int = 16, depth: int = 2):
+        super().__init__(input_shape, num_classes, width, depth)
+        self.initial_head_norm = float(self.head.weight.detach().norm())

@@ -22,8 +22,8 @@ CHECKED_ENV = "RUNNER_MODEL_CHECKED"  # the digests of the runs checked in this 
 def check_model_composition(spec: Any, dims: Any, data: Any = None, say: Callable[[str], None] | None = None) -> None:
     """Refuse (SpecError, one line) what the model makes of the run's degrees `dims` (ParallelDims, -1 resolved);
     `say` gets a line for what cannot be checked (a forward the pipeline check cannot trace). `data`: the run's
-    (built here when not given). A model that cannot be built on the meta device is not checked here (the
-    engine's build still cuts, plans and shards it with the same functions, which refuse it there)."""
+    (built here when not given). A model whose constructor cannot run on the meta device is built once on the CPU
+    and moved there (_model_to_check): every rank will build it whole anyway."""
     if not (spec.parallelism.dp_shard != 1 or dims.dp_shard > 1 or dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
         return
     digest = _digest(spec, dims)
@@ -31,14 +31,13 @@ def check_model_composition(spec: Any, dims: Any, data: Any = None, say: Callabl
         return
     from runner.engine.parallel import pipeline, shard_blocks, tensor as tensor_parallel
     from runner.engine.parallel.context import check_model as check_context_model
-    from runner.engine.parallel.parallelize import build_on_meta
     from runner.engine.parallel.pipeline_checks import check_stages_compose
     from runner.engine.run_data import build_data
     from runner.specs import composition
 
     par = spec.parallelism
     data = build_data(spec) if data is None else data
-    model, _ = build_on_meta(spec, data)
+    model = _model_to_check(spec, data)
     if model is not None:
         composition.check_model(spec, model)  # its BatchNorm layers, in a dimension that does not build them
         if par.dp_shard != 1:
@@ -56,6 +55,37 @@ def check_model_composition(spec: Any, dims: Any, data: Any = None, say: Callabl
         # last: it splits the meta model's parameters as a rank's plan will
         tensor_parallel.check_user_plan(model, par, dims.tp, spec.model.target)
     os.environ[CHECKED_ENV] = ",".join(sorted(_checked() | {digest}))
+
+
+def _model_to_check(spec: Any, data: Any) -> Any:
+    """The model on the meta device, where every check runs without memory: built there, or, where its constructor
+    cannot run there (it reads a value, an op lacks a meta kernel), built on the CPU and moved there. The run's
+    random draws are kept as they were (the engine checks before it builds the run's own model from the same
+    seed). None where the CPU build fails too: that failure is the engine build's to report, with the run's context."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from runner.engine import components
+    from runner.engine.parallel.parallelize import build_on_meta
+    from runner.specs.run import SpecError
+
+    model, why = build_on_meta(spec, data)
+    if model is not None or not why:
+        return model
+    states = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = components.build_model(spec, data)
+    except SpecError:
+        raise
+    except Exception:  # noqa: BLE001 - the engine's build fails the same way, and says so there
+        return None
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+    return model.to(torch.device("meta")) if isinstance(model, torch.nn.Module) else None
 
 
 def _sample_inputs(data: Any) -> Any:

@@ -48,6 +48,11 @@ REFUSED = {
     "a residual outside the block": (["model._target_=tests.user_pkg.residual.OuterResidual", "parallelism.pp=2"], [
         "error: parallelism.pp: tests.user_pkg.residual.OuterResidual cut into 2 stages does not compute its own forward",
         "its block 'blocks.0'", "allowed: a forward that passes only each block's output on", "parallelism.pp=1"]),
+    # its constructor reads a value: checked on a CPU build moved to the meta device
+    "a residual outside the block, in a model the meta device cannot build": (
+        ["model._target_=tests.user_pkg.residual.OuterResidualReadsOnBuild", "parallelism.pp=2"], [
+            "error: parallelism.pp: tests.user_pkg.residual.OuterResidualReadsOnBuild cut into 2 stages does not compute "
+            "its own forward", "its block 'blocks.0'", "parallelism.pp=1"]),
 }
 
 
