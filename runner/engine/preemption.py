@@ -24,15 +24,16 @@ the sweep ran every trial it had left); a run around it (k-fold's, PBT's) stops 
 """
 from __future__ import annotations
 
-import _thread
 import contextlib
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Iterator
+
+# shared with the sweep's own stop: runner's run stop and launcher take a dropped stop again the same way
+from hydra_plugins.runner_optuna_sweeper.dropped import raised_again_when_dropped
 
 
 log = logging.getLogger(__name__)
@@ -115,30 +116,6 @@ def send_unheard() -> None:
     signum, _state["unheard"] = _state["unheard"], 0
     if signum:
         os.kill(os.getpid(), signum)
-
-
-@contextlib.contextmanager
-def raised_again_when_dropped(signal_of: Callable[[BaseException], int]) -> Iterator[None]:
-    """A signal handler's exception is raised wherever the main thread is, a finalizer included (SQLAlchemy's
-    connection pool and MLflow's run one on many store calls), where Python prints "Exception ignored in ..." with a
-    traceback and drops it: the process would go on as if no signal came. While inside, an exception for which
-    `signal_of` gives a signal number is printed by no one and that signal is sent again, from another thread, so
-    that the main thread's handler runs again once this hook has returned (os.kill or _thread.interrupt_main here
-    would run it inside the hook, where Python drops and prints the exception too)."""
-    previous = sys.unraisablehook
-
-    def hook(unraisable: Any) -> None:
-        signum = signal_of(unraisable.exc_value)
-        if signum:
-            _thread.start_new_thread(os.kill, (os.getpid(), signum))
-        else:
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
 
 
 def _dropped_stop(e: BaseException) -> int:

@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
+
+from hydra_plugins.runner_optuna_sweeper.dropped import raised_again_when_dropped
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -121,20 +122,11 @@ def slot_interrupt(signum: int, frame: Any) -> None:
     raise SweepGone(signum)
 
 
-@contextlib.contextmanager
-def resent_when_dropped() -> Iterator[None]:
+def resent_when_dropped() -> contextlib.AbstractContextManager[None]:
     """While inside, an interrupt of ours that a finalizer dropped ("Exception ignored in ...") is sent again
-    and printed by no one: the next bytecode outside the finalizer takes it."""
-    previous = sys.unraisablehook
+    and printed by no one: the main thread takes it once the finalizer has returned (dropped.py)."""
+    return raised_again_when_dropped(_our_interrupt)
 
-    def hook(unraisable: Any) -> None:
-        if isinstance(unraisable.exc_value, (SweepStopped, SweepGone)):
-            os.kill(os.getpid(), unraisable.exc_value.signum)
-        else:
-            previous(unraisable)
 
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
+def _our_interrupt(e: BaseException) -> int:
+    return e.signum if isinstance(e, (SweepStopped, SweepGone)) else 0
