@@ -133,16 +133,18 @@ def requeue_slurm_job() -> str:
     job = os.environ.get("SLURM_JOB_ID", "")
     if not job or os.environ.get("RANK", "0") != "0" or os.environ.get("SLURM_PROCID", "0") != "0":
         return ""
+    # said before the call: the requeue ends this job's processes at once, and a line after it lost that race when
+    # the machine was busy (the job requeued and went on, its log without a word of why)
+    log.warning("SLURM job %s requeues itself: it continues this run from its checkpoint when it runs again "
+                "(trainer.slurm_requeue=false turns this off)", job)
     try:
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
         reason = out.stderr.strip().splitlines()[-1] if out.returncode and out.stderr.strip() else f"exit {out.returncode}"
     except (OSError, subprocess.TimeoutExpired) as e:
         out, reason = None, str(e)
     if out is not None and (out.returncode == 0 or "pending" in reason.lower()):  # pending: SLURM requeued it already
-        log.warning("SLURM job %s requeued: it continues this run from its checkpoint when it runs again "
-                    "(trainer.slurm_requeue=false turns this off)", job)
         return job
-    log.warning("SLURM job %s could not requeue itself (scontrol requeue: %s); submit it again with the same "
+    log.warning("SLURM job %s could not requeue itself after all (scontrol requeue: %s); submit it again with the same "
                 "hydra.run.dir, or continue with trainer.resume=<run dir>", job, reason)
     return ""
 

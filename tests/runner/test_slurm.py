@@ -106,7 +106,7 @@ def test_a_preempted_job_requeues_itself_and_finishes_bitwise_as_an_uninterrupte
     # once, and what srun had not yet forwarded from the stopped process never reaches the job's log
     log = job_log.read_text() + "\n" + (run_dir / "runner.log").read_text()
     assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", log
-    assert "SIGTERM: stopped at step " in log and f"SLURM job {job} requeued: it continues this run" in log, log
+    assert "SIGTERM: stopped at step " in log and f"SLURM job {job} requeues itself: it continues this run" in log, log
     stopped_at = int(log.split("SIGTERM: stopped at step ")[1].split()[0])
     assert f"resuming at step {stopped_at} " in log, log
     assert 25 <= stopped_at < 1000, log
@@ -251,7 +251,7 @@ def test_a_signalled_two_node_job_requeues_itself_and_finishes_bitwise_as_an_uni
     final = slurm_cluster.wait(job, timeout=600)
     log = job_log.read_text() + "\n" + (run_dir / "runner.log").read_text()
     assert final["JobState"] == "COMPLETED" and final["Restarts"] == "1", log
-    assert f"SLURM job {job} requeued: it continues this run" in log, log
+    assert f"SLURM job {job} requeues itself: it continues this run" in log, log
     stopped_at = int(log.split("SIGTERM: stopped at step ")[1].split()[0])
     assert 25 <= stopped_at < 400 and f"resuming at step {stopped_at} " in log, log
     _assert_as_reference(run_dir, tmp_path / "signalled.db", two_node_reference)
