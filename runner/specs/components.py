@@ -43,6 +43,26 @@ def load_target(group: str, target: str) -> Callable:
     return found
 
 
+_noted: set[tuple[str, str, str]] = set()
+
+
+def _note_unused(group: str, target: str, keys: str) -> None:
+    """Said once: a run's spec is resolved more than once (checked before logging is set up, then launched, then
+    built), and only a note a handler took counts as said."""
+    if (group, target, keys) in _noted:
+        return
+    if log.hasHandlers():
+        _noted.add((group, target, keys))
+    log.info("%s._target_=%s: the option's own keys (%s) are not used", group, target, keys)
+
+
+def _same(default: Any, value: Any) -> bool:
+    try:
+        return bool(default == value)
+    except Exception:  # a default whose == is not a plain truth value (a tensor)
+        return False
+
+
 def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = frozenset()) -> dict[str, Any]:
     """`params` checked against the target's signature and completed with its defaults.
 
@@ -51,15 +71,20 @@ def resolve(group: str, target: str, params: dict[str, Any], typed: set[str] = f
     from the YAML and that the target does not take are dropped with a note. A typed key the target does
     not take is an error. A mapping with its own `_target_` among the arguments is a component too
     (Hydra's instantiate convention): its keys are checked the same way, and it is built before the call."""
-    if f"{group}._target_" in typed:
-        dropped = sorted(k for k in params if f"{group}.{k}" not in typed and not k.startswith("_"))
-        if dropped:
-            log.info("%s._target_=%s: the option's own keys (%s) are not used", group, target, ", ".join(dropped))
-        params = {k: v for k, v in params.items() if k not in dropped}
     fn = load_target(group, target)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
+        signature = None
+    if f"{group}._target_" in typed:
+        # a key at the target's own default is not the option's (a spec resolved once already holds the defaults)
+        own = {} if signature is None else {n: p.default for n, p in signature.parameters.items()}
+        dropped = sorted(k for k, v in params.items() if f"{group}.{k}" not in typed and not k.startswith("_")
+                         and not (k in own and _same(own[k], v)))
+        if dropped:
+            _note_unused(group, target, ", ".join(dropped))
+        params = {k: v for k, v in params.items() if k not in dropped}
+    if signature is None:
         return dict(params)
     annotations = hints(fn)
     decided = decided_by_runner(group, fn)  # e.g. a model's sizes come from the data, a dataset's are its own

@@ -253,6 +253,19 @@ def test_a_target_typed_on_the_command_line_starts_from_its_own_signature(tmp_pa
     preflight_ok(["model._target_=tests.user_pkg.blocks.Tower", "tracking=none", f"hydra.run.dir={tmp_path / 'cli'}"])
 
 
+def test_a_typed_target_says_once_which_of_the_options_keys_it_does_not_use(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spec is resolved three times (preflight, launch, engine); the note came twice, once per resolution after
+    logging was set up. Said once, and still said."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = run_cli(["model._target_=tests.user_pkg.blocks.Tower", "trainer.max_steps=1",
+                    "tracking=none", "trainer.memory_estimate=false", "trainer.progress_bar=off"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if "the option's own keys" in line]
+    assert said == ["model._target_=tests.user_pkg.blocks.Tower: the option's own keys (dropout, hidden, norm) are "
+                    "not used"], said
+
+
 def test_a_nested_target_in_a_models_arguments_is_built_and_its_keys_checked(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
