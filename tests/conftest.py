@@ -39,6 +39,13 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compose_cache_of_the_session(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The runs that tests start (in-process and `python -m runner`) keep their composed configs in the session's own
+    cache (runner/cli/compose_cache.py), not in the user's ~/.cache/runner/composed."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+
+
 @pytest.fixture
 def sqlite_uri(store: str) -> str:
     """A fresh store already migrated (a copy): tests of a first open of a new file name their own."""
