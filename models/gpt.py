@@ -191,6 +191,7 @@ class GPT(nn.Module):
         # and the head in this forward pass, as a plain parameter trained eagerly
         link = TiedGradient() if self.wte is not None and self.lm_head is not None and \
             self.lm_head.weight is self.wte.weight and TiedGradient.applies(self.wte.weight) else None
+        self.tied_gradient_whole = link is not None
         if self.wte is None:  # a later pipeline stage (pipeline_stage): the input is the hidden state
             x = input_ids
         else:
@@ -214,6 +215,17 @@ class GPT(nn.Module):
             positions = torch.arange(length, device=input_ids.device)
         tokens = self.wte(input_ids) if link is None else _EmbeddingGradient.apply(input_ids, self.wte.weight, link)
         return self.drop(tokens + self.wpe(positions))
+
+    # whether the last forward pass's backward makes the tied weight's gradient whole in one accumulation (TiedGradient)
+    tied_gradient_whole = False
+
+    def fsdp_gradient_made_whole(self) -> Optional[nn.Parameter]:
+        """Sharded data parallelism (runner/engine/parallel/wrap.py): the parameter whose gradient this model's backward
+        makes whole, in one accumulation, where `tied_gradient_whole` says the last forward pass did (the tied weight,
+        as registered now); None where there is none (a pipeline stage holding one end)."""
+        if self.wte is None or self.lm_head is None or self.lm_head.weight is not self.wte.weight:
+            return None
+        return self.wte.weight
 
     def fsdp_root_read_until(self) -> Optional[nn.Module]:
         """Sharded data parallelism (runner/engine/parallel/wrap.py): the module whose backward is the last to read a

@@ -14,7 +14,7 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from runner.engine.parallel.ring import use_rings
+from runner.engine.parallel.ring import ring_reduce_scatter, use_rings
 from runner.engine.parallel.mesh import DATA_PARALLEL, DistEnv
 from runner.specs.parallelism import ParallelismSpec
 from runner.specs.run import SpecError
@@ -64,7 +64,56 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     fully_shard(module, mp_policy=policy)
     use_rings([*norms, *blocks, module], how.device)  # gloo's collectives copy through whole-size temporaries
     free_root_early(module, blocks[0])
+    reduce_whole_gradient_in_place(module, mesh, how)
     return module
+
+
+def reduce_whole_gradient_in_place(module: nn.Module, mesh, how: Wrapping) -> None:
+    """The root unit's one parameter whose whole gradient the model makes in one accumulation (gpt's tied weight,
+    `fsdp_gradient_made_whole()`), reduce-scattered in its own memory as soon as it is made (a ring, on a CPU): FSDP2
+    would copy it into a reduce-scatter input of its own first, and at the backward's end each rank held both (GPT-2:
+    2 x 147 MiB, each rank's peak under fsdp). The sum is the one FSDP2 makes (the same ring over the same layout,
+    averaged), set as the sharded parameter's gradient (added to one there under accumulation), and the unsharded
+    gradient is dropped before FSDP2's reduce, which then leaves the parameter alone. Only where FSDP2's input would
+    be that gradient's own layout: one data-parallel dimension, fp32, not offloaded, rows that divide among the ranks;
+    and only in a backward where FSDP2 reduces (the last micro-step) and the model made the gradient whole (not a
+    compiled forward pass: `tied_gradient_whole`)."""
+    made_whole = getattr(module, "fsdp_gradient_made_whole", None)
+    weight = made_whole() if callable(made_whole) else None
+    if (weight is None or how.device.type != "cpu" or how.param_dtype is not None or how.spec.cpu_offload
+            or mesh.ndim != 1 or weight.shape[0] % mesh.size()):
+        return
+    # FSDP2 keeps its parameter groups private; without the one expected, FSDP2 reduces the gradient as before
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    fsdp_param = next((p for p in getattr(group, "fsdp_params", ()) if p.sharded_param is weight), None)
+    if fsdp_param is None or not hasattr(group, "reduce_grads"):
+        return
+    process_group = mesh.get_group()
+
+    def reduce(unsharded: torch.Tensor) -> None:
+        grad = unsharded.grad
+        if not (group.reduce_grads and getattr(module, "tied_gradient_whole", False)) or grad is None \
+                or not grad.is_contiguous():
+            return
+        unsharded.grad = None
+        shard = torch.empty(fsdp_param.sharded_size, dtype=grad.dtype, device=grad.device)
+        ring_reduce_scatter(shard, grad, process_group, average=True)  # its partial sums overwrite the gradient
+        del grad
+        sharded = fsdp_param.sharded_param
+        if sharded.grad is None:
+            sharded.grad = fsdp_param.to_sharded_dtensor(shard)
+        else:
+            sharded.grad._local_tensor.add_(shard)
+
+    def arm(_: nn.Module, args: tuple) -> None:
+        # FSDP2 makes the unsharded parameter at its first gather (its own pre-forward hook runs before this one) and
+        # keeps that object: the hook is registered once
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None and not getattr(unsharded, "_runner_reduced_in_place", False):
+            unsharded.register_post_accumulate_grad_hook(reduce)
+            unsharded._runner_reduced_in_place = True
+
+    module.register_forward_pre_hook(arm)
 
 
 def free_root_early(module: nn.Module, first_block: nn.Module) -> None:

@@ -495,3 +495,58 @@ def test_fsdp_frees_gpts_gathered_tied_weight_before_the_embeddings_backward(tmp
                  "trainer.progress_bar=off", "dataset.batch_size=4", "parallelism=fsdp", "parallelism.nproc_per_node=2"]
     for seen in two_ranks.run(_tied_weight_at_the_embeddings_backward, overrides, str(tmp_path / "run")):
         assert seen and set(seen) == {"DTensor"}, seen
+
+
+def _tied_gradient_both_ways(rank: int, world: int, overrides: list[str], run_dir: str) -> dict:
+    """Two micro-steps (the first without the gradient's sync) of gpt under fsdp, twice: as the engine wraps it (the
+    tied weight's gradient reduce-scattered in its own memory), then with the model's flag that the gradient was
+    made whole turned off after each forward pass, so that FSDP2 reduces it in its own input. Returned: each way's
+    sharded gradients, and the reduce-scatter inputs each way's root unit gave the ring (its numel)."""
+    import torch.nn.functional as F
+
+    from runner.engine.parallel import ring
+
+    spec = compose_spec(overrides, Path(run_dir))
+    engine = Engine(spec, None, DistEnv(rank, world, rank))
+    model = engine.module
+    inputs: list[int] = []
+    call = ring.RingReduceScatter.__call__
+
+    def watched(self, output_tensor, input_tensor, group, op, async_op=False):
+        inputs.append(input_tensor.numel())
+        return call(self, output_tensor, input_tensor, group, op, async_op)
+
+    ring.RingReduceScatter.__call__ = watched
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, model.vocab_size, (2, 9), generator=generator) for _ in range(2)]
+    found = {}
+    for way in ("in place", "by FSDP2"):
+        inputs.clear()
+        model.zero_grad(set_to_none=True)
+        for i, tokens in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            logits = model(tokens[:, :-1])
+            if way == "by FSDP2":
+                model.tied_gradient_whole = False
+            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        found[way] = {"grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()},
+                      "inputs": list(inputs)}
+    ring.RingReduceScatter.__call__ = call
+    return {"whole": model.wte.weight.numel(), **found}
+
+
+def test_fsdp_reduces_gpts_tied_gradient_in_its_own_memory_as_fsdp2_would(tmp_path: Path, two_ranks) -> None:
+    """Under fsdp on a CPU gpt's tied weight's whole gradient (made in one tensor) is reduce-scattered where it was
+    made: FSDP2 copied it into a reduce-scatter input of its own first, and each rank held both at the backward's
+    end (for GPT-2 147 MiB each, the peak). The sharded gradients are FSDP2's own, bit for bit, with a micro-step
+    under no_sync before the synced one; FSDP2's own reduce of the root unit then holds no tied weight's rows."""
+    overrides = ["dataset=synthetic_tokens", "dataset.vocab_size=64", "dataset.block_size=8", "dataset.size=40",
+                 "model=gpt", "model.n_embd=32", "model.n_head=2", "task=language_modeling", "trainer.max_steps=1",
+                 "trainer.progress_bar=off", "dataset.batch_size=2", "parallelism=fsdp", "parallelism.nproc_per_node=2"]
+    for found in two_ranks.run(_tied_gradient_both_ways, overrides, str(tmp_path / "run")):
+        in_place, by_fsdp2 = found["in place"], found["by FSDP2"]
+        assert in_place["grads"].keys() == by_fsdp2["grads"].keys()
+        for name, grad in in_place["grads"].items():
+            assert torch.equal(grad, by_fsdp2["grads"][name]), name
+        # the root unit reduces last: the position embedding and the final norm, and the tied weight too in FSDP2's
+        assert by_fsdp2["inputs"][-1] >= found["whole"] > in_place["inputs"][-1], (in_place["inputs"], found["whole"])
