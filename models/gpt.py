@@ -227,6 +227,13 @@ class GPT(nn.Module):
             return None
         return self.wte.weight
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """Sharded data parallelism (runner/engine/parallel/wrap.py): the modules besides the blocks that are units of
+        their own (the position embedding, the final norm), so that the root unit holds the tied weight alone and
+        can gather it straight into the weight's own memory. Empty where the weight is not tied here (a pipeline
+        stage holding one end)."""
+        return [self.wpe, self.ln_f] if self.fsdp_gradient_made_whole() is not None else []
+
     def fsdp_root_read_until(self) -> Optional[nn.Module]:
         """Sharded data parallelism (runner/engine/parallel/wrap.py): the module whose backward is the last to read a
         weight of the root's unit (the tied embedding and head, the position embedding, the final norm): the final

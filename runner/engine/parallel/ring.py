@@ -66,16 +66,48 @@ def _allocate(size: Sequence[int], *, dtype: torch.dtype, device: torch.device) 
 
 
 class RingAllGather:
-    """FSDP2's AllGather comm (torch.distributed.fsdp's protocol: allocate, then call) on a ring."""
+    """FSDP2's AllGather comm (torch.distributed.fsdp's protocol: allocate, then call) on a ring. `into`: the one
+    parameter (FSDP2's FSDPParam) of a unit that holds no other, gathered straight into its own unsharded memory.
+
+    FSDP2 gathers a unit into a buffer of its own, then copies each parameter out of it into the parameter's memory:
+    for a moment both hold the whole unit (GPT-2's root, the tied 50257 x 768 weight alone: 2 x 147 MiB). A unit of
+    one parameter sharded by rows has the buffer's layout in the parameter's own memory (its rows padded to a
+    multiple of the ranks), so that memory is the buffer, and FSDP2's copy-out copies each element onto itself.
+    Before FSDP2 has made that memory (the first gather), and where its layout is not the buffer's, a buffer of its
+    own as before."""
+
+    def __init__(self, into: object | None = None):
+        self.into = into
+        self._own: tuple[torch.Tensor, int] | None = None  # the parameter's memory handed out, and its version then
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        outputs = getattr(self.into, "all_gather_outputs", None) if self.into is not None else None
+        if outputs and len(outputs) == 1 and len(size) == 1:
+            own = outputs[0]
+            if own.shape == torch.Size(size) and own.dtype == dtype and own.device == device:
+                self.into.alloc_all_gather_outputs()  # FSDP2 frees the memory when it reshards; back to its size
+                self._own = (own, own._version)
+                return own
         return _allocate(size, dtype=dtype, device=device)
+
+    def _keep_version(self, output: torch.Tensor) -> None:
+        """The parameter's memory gathered again holds the same values its saved uses read (FSDP2 gathers anew only
+        what no step has changed since): its version is set back, as FSDP2's own copy-out into it does
+        (torch.autograd._unsafe_preserve_version_counter), or autograd would take it for modified in place."""
+        own, self._own = self._own, None
+        if own is not None and own[0] is output:
+            torch._C._autograd._unsafe_set_version_counter((output,), (own[1],))
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         if not (_ring_applies(output_tensor, group) and input_tensor.is_contiguous()):
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            if self._own is None:
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)  # done before its version is set
+            self._keep_version(output_tensor)
+            return None
         ring_all_gather(output_tensor, input_tensor, group)
+        self._keep_version(output_tensor)
         return None  # done: FSDP2 waits only on a Work it is given
 
 
@@ -95,10 +127,11 @@ class RingReduceScatter:
         return None
 
 
-def use_rings(modules: list[nn.Module], device: torch.device) -> None:
-    """The rings as the all-gather and reduce-scatter of every fully_shard-ed module in `modules`, on a CPU."""
+def use_rings(modules: list[nn.Module], device: torch.device, gather_into: dict[int, object] | None = None) -> None:
+    """The rings as the all-gather and reduce-scatter of every fully_shard-ed module in `modules`, on a CPU;
+    `gather_into`, by id(module): a unit's one parameter, gathered into its own memory (RingAllGather)."""
     if device.type != "cpu":
         return
     for module in modules:
-        module.set_custom_all_gather(RingAllGather())
+        module.set_custom_all_gather(RingAllGather((gather_into or {}).get(id(module))))
         module.set_custom_reduce_scatter(RingReduceScatter())

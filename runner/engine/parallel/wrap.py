@@ -61,11 +61,27 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     for block in blocks:
         if not any(block is norm for norm in norms):
             fully_shard(block, mp_policy=policy)
+    # the model's other units (gpt: its position embedding and final norm, so the root holds the tied weight alone)
+    one_dimension = mesh.ndim == 1 and how.env.dims.tp == 1
+    units = [m for m in getattr(module, "fsdp_units", list)() if not any(m is n for n in norms)] if one_dimension else []
+    for unit in units:
+        fully_shard(unit, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
-    use_rings([*norms, *blocks, module], how.device)  # gloo's collectives copy through whole-size temporaries
+    # gloo's collectives copy through whole-size temporaries
+    use_rings([*norms, *blocks, *units, module], how.device, {id(module): lone_parameter(module)} if units else None)
     free_root_early(module, blocks[0])
     reduce_whole_gradient_in_place(module, mesh, how)
     return module
+
+
+def lone_parameter(unit: nn.Module) -> object | None:
+    """FSDP2's FSDPParam of a unit holding one parameter sharded by rows (FSDP2 keeps its parameter groups private:
+    None where they are not as expected, and the unit is gathered as before)."""
+    group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+    params = getattr(group, "fsdp_params", ())
+    if len(params) != 1 or getattr(getattr(params[0], "fsdp_placement", None), "dim", None) != 0:
+        return None
+    return params[0]
 
 
 def reduce_whole_gradient_in_place(module: nn.Module, mesh, how: Wrapping) -> None:
