@@ -78,7 +78,8 @@ class RingAllGather:
 
     def __init__(self, into: object | None = None):
         self.into = into
-        self._own: tuple[torch.Tensor, int] | None = None  # the parameter's memory handed out, and its version then
+        # the parameter's memory handed out, its version as it was then
+        self._own: tuple[torch.Tensor, torch.autograd._unsafe_preserve_version_counter] | None = None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         outputs = getattr(self.into, "all_gather_outputs", None) if self.into is not None else None
@@ -86,17 +87,17 @@ class RingAllGather:
             own = outputs[0]
             if own.shape == torch.Size(size) and own.dtype == dtype and own.device == device:
                 self.into.alloc_all_gather_outputs()  # FSDP2 frees the memory when it reshards; back to its size
-                self._own = (own, own._version)
+                self._own = (own, torch.autograd._unsafe_preserve_version_counter(own))
                 return own
         return _allocate(size, dtype=dtype, device=device)
 
     def _keep_version(self, output: torch.Tensor) -> None:
         """The parameter's memory gathered again holds the same values its saved uses read (FSDP2 gathers anew only
-        what no step has changed since): its version is set back, as FSDP2's own copy-out into it does
-        (torch.autograd._unsafe_preserve_version_counter), or autograd would take it for modified in place."""
+        what no step has changed since): its version is set back, as FSDP2's own copy-out into it does, or autograd
+        would take it for modified in place."""
         own, self._own = self._own, None
         if own is not None and own[0] is output:
-            torch._C._autograd._unsafe_set_version_counter((output,), (own[1],))
+            own[1].__exit__(None, None, None)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:

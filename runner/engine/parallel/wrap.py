@@ -74,11 +74,16 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     return module
 
 
-def lone_parameter(unit: nn.Module) -> object | None:
-    """FSDP2's FSDPParam of a unit holding one parameter sharded by rows (FSDP2 keeps its parameter groups private:
-    None where they are not as expected, and the unit is gathered as before)."""
+def param_group(unit: nn.Module) -> object | None:
+    """FSDP2's parameter group of a fully_shard-ed unit (its FSDPParams, `reduce_grads`). FSDP2 keeps it private: None
+    where it is not as expected, and what uses it leaves the unit to FSDP2 as before."""
     group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
-    params = getattr(group, "fsdp_params", ())
+    return group if hasattr(group, "fsdp_params") and hasattr(group, "reduce_grads") else None
+
+
+def lone_parameter(unit: nn.Module) -> object | None:
+    """FSDP2's FSDPParam of a unit holding one parameter sharded by rows; None otherwise."""
+    params = getattr(param_group(unit), "fsdp_params", ())
     if len(params) != 1 or getattr(getattr(params[0], "fsdp_placement", None), "dim", None) != 0:
         return None
     return params[0]
@@ -99,10 +104,9 @@ def reduce_whole_gradient_in_place(module: nn.Module, mesh, how: Wrapping) -> No
     if (weight is None or how.device.type != "cpu" or how.param_dtype is not None or how.spec.cpu_offload
             or mesh.ndim != 1 or weight.shape[0] % mesh.size()):
         return
-    # FSDP2 keeps its parameter groups private; without the one expected, FSDP2 reduces the gradient as before
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    group = param_group(module)
     fsdp_param = next((p for p in getattr(group, "fsdp_params", ()) if p.sharded_param is weight), None)
-    if fsdp_param is None or not hasattr(group, "reduce_grads"):
+    if fsdp_param is None:
         return
     process_group = mesh.get_group()
 
