@@ -61,9 +61,10 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     for block in blocks:
         if not any(block is norm for norm in norms):
             fully_shard(block, mp_policy=policy)
-    # the model's other units (gpt: its position embedding and final norm, so the root holds the tied weight alone)
-    one_dimension = mesh.ndim == 1 and how.env.dims.tp == 1
-    units = [m for m in getattr(module, "fsdp_units", list)() if not any(m is n for n in norms)] if one_dimension else []
+    # the model's other units (gpt: its position embedding and final norm), so that the root holds the tied weight
+    # alone and the rings gather it into its own memory: on a CPU's rings, one data-parallel dimension
+    rings_alone = how.device.type == "cpu" and mesh.ndim == 1 and how.env.dims.tp == 1
+    units = [m for m in getattr(module, "fsdp_units", list)() if not any(m is n for n in norms)] if rings_alone else []
     for unit in units:
         fully_shard(unit, mp_policy=policy)
     fully_shard(module, mp_policy=policy)
