@@ -71,7 +71,8 @@ def shard(module: nn.Module, how: Wrapping) -> nn.Module:
     # gloo's collectives copy through whole-size temporaries
     use_rings([*norms, *blocks, *units, module], how.device, {id(module): lone_parameter(module)} if units else None)
     free_root_early(module, blocks[0])
-    reduce_whole_gradient_in_place(module, mesh, how)
+    if rings_alone:
+        reduce_whole_gradient_in_place(module, mesh, how)
     return module
 
 
@@ -96,14 +97,13 @@ def reduce_whole_gradient_in_place(module: nn.Module, mesh, how: Wrapping) -> No
     would copy it into a reduce-scatter input of its own first, and at the backward's end each rank held both (GPT-2:
     2 x 147 MiB, each rank's peak under fsdp). The sum is the one FSDP2 makes (the same ring over the same layout,
     averaged), set as the sharded parameter's gradient (added to one there under accumulation), and the unsharded
-    gradient is dropped before FSDP2's reduce, which then leaves the parameter alone. Only where FSDP2's input would
-    be that gradient's own layout: one data-parallel dimension, fp32, not offloaded, rows that divide among the ranks;
-    and only in a backward where FSDP2 reduces (the last micro-step) and the model made the gradient whole (not a
-    compiled forward pass: `tied_gradient_whole`)."""
+    gradient is dropped before FSDP2's reduce, which then leaves the parameter alone. Called where the rings shard
+    alone (a CPU, one data-parallel dimension); only where FSDP2's input would be that gradient's own layout (fp32,
+    not offloaded, rows that divide among the ranks), and only in a backward where FSDP2 reduces (the last
+    micro-step) and the model made the gradient whole (not a compiled forward pass: `tied_gradient_whole`)."""
     made_whole = getattr(module, "fsdp_gradient_made_whole", None)
     weight = made_whole() if callable(made_whole) else None
-    if (weight is None or how.device.type != "cpu" or how.param_dtype is not None or how.spec.cpu_offload
-            or mesh.ndim != 1 or weight.shape[0] % mesh.size()):
+    if weight is None or how.param_dtype is not None or how.spec.cpu_offload or weight.shape[0] % mesh.size():
         return
     group = param_group(module)
     fsdp_param = next((p for p in getattr(group, "fsdp_params", ()) if p.sharded_param is weight), None)
